@@ -1,0 +1,189 @@
+"""KV block allocation: reference counts, a free list, and automatic prefix caching.
+
+A full block is identified by a chained hash of its token ids and its parent block's hash,
+so equal hashes mean equal prefixes. Freed blocks keep their hash and stay findable until
+they are reused, least recently freed first: the free list is the LRU eviction order.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+
+from pdserve.engine.sequence import Sequence
+
+NO_HASH = -1
+
+
+def chain_hash(token_ids: list[int], parent: int) -> int:
+    """The hash of a block given its parent's (``NO_HASH`` for the first block)."""
+    seed = 0 if parent == NO_HASH else parent
+    return xxhash.xxh3_64_intdigest(np.asarray(token_ids, dtype=np.int64).tobytes(), seed=seed)
+
+
+def block_hashes(token_ids: list[int], block_size: int) -> list[int]:
+    """Chained hashes of every full block of ``token_ids``."""
+    hashes, parent = [], NO_HASH
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = chain_hash(token_ids[start : start + block_size], parent)
+        hashes.append(parent)
+    return hashes
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int = NO_HASH
+    token_ids: tuple[int, ...] = field(default=())
+
+
+@dataclass(slots=True)
+class BlockStats:
+    num_blocks: int
+    num_free: int
+    num_cached: int  # hashed blocks, in use or free
+    prefix_queries: int  # full prompt blocks looked up
+    prefix_hits: int
+    evictions: int  # cached blocks reused for other content
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be >= 1")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}  # hash -> block id
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.evictions = 0
+
+    # -- queries --------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free_ids)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def stats(self) -> BlockStats:
+        return BlockStats(
+            self.num_blocks, self.num_free, len(self.cached), self.prefix_queries, self.prefix_hits, self.evictions
+        )
+
+    def cached_prefix_blocks(self, token_ids: list[int]) -> list[int]:
+        """Block ids holding the longest cached prefix of ``token_ids`` (full blocks only)."""
+        if not self.enable_prefix_caching:
+            return []
+        found = []
+        for i, h in enumerate(block_hashes(token_ids, self.block_size)):
+            block_id = self.cached.get(h)
+            tokens = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
+            if block_id is None or self.blocks[block_id].token_ids != tokens:  # miss, or a hash collision
+                break
+            found.append(block_id)
+        return found
+
+    # -- allocation -----------------------------------------------------------------------
+    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        hits = self._usable_hits(seq, num_tokens)
+        reusable_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        return self.blocks_needed(num_tokens) - len(hits) <= self.num_free - reusable_free
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> None:
+        """Gives ``seq`` blocks for its first ``num_tokens`` tokens, reusing cached prefix blocks."""
+        assert not seq.block_table, "sequence already holds blocks"
+        if not self.can_allocate(seq, num_tokens):
+            raise MemoryError("not enough free KV blocks")
+        hits = self._usable_hits(seq, num_tokens)
+        self.prefix_queries += num_tokens // self.block_size
+        self.prefix_hits += len(hits)
+        for block_id in hits:
+            self._ref(block_id)
+        seq.block_table = list(hits)
+        seq.block_hashes = [self.blocks[b].hash for b in hits]
+        for _ in range(self.blocks_needed(num_tokens) - len(hits)):
+            seq.block_table.append(self._take_free())
+        seq.num_cached_tokens = len(hits) * self.block_size
+        seq.num_computed_tokens = seq.num_cached_tokens
+
+    def allocate_blocks(self, num_tokens: int) -> list[int]:
+        """Fresh blocks with no sequence attached (a decode worker's KV reservation)."""
+        needed = self.blocks_needed(num_tokens)
+        if needed > self.num_free:
+            raise MemoryError("not enough free KV blocks")
+        return [self._take_free() for _ in range(needed)]
+
+    def ensure_capacity(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grows ``seq``'s block table to hold ``num_tokens``; False if blocks ran out."""
+        needed = self.blocks_needed(num_tokens) - len(seq.block_table)
+        if needed > self.num_free:
+            return False
+        for _ in range(needed):
+            seq.block_table.append(self._take_free())
+        return True
+
+    def commit_full_blocks(self, seq: Sequence) -> None:
+        """Registers the hashes of ``seq``'s blocks that have become full and computed."""
+        if not self.enable_prefix_caching:
+            return
+        full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
+        while len(seq.block_hashes) < full:
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if seq.block_hashes else NO_HASH
+            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            h = chain_hash(list(tokens), parent)
+            seq.block_hashes.append(h)
+            block = self.blocks[seq.block_table[i]]
+            if block.hash == NO_HASH and h not in self.cached:  # same content twice: keep the first
+                block.hash, block.token_ids = h, tokens
+                self.cached[h] = block.block_id
+
+    def free_blocks(self, block_ids: list[int]) -> None:
+        # Reversed, so a sequence's tail (the least shareable part) is evicted first.
+        for block_id in reversed(block_ids):
+            block = self.blocks[block_id]
+            assert block.ref_count > 0, f"double free of block {block_id}"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free_ids[block_id] = None
+
+    def free(self, seq: Sequence) -> None:
+        self.free_blocks(seq.block_table)
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+
+    # -- internals ------------------------------------------------------------------------
+    def _usable_hits(self, seq: Sequence, num_tokens: int) -> list[int]:
+        hits = self.cached_prefix_blocks(seq.token_ids[:num_tokens])
+        # At least one token must run through the model to produce the next token's logits.
+        while hits and len(hits) * self.block_size >= seq.num_tokens:
+            hits.pop()
+        return hits
+
+    def _ref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._free_ids[block_id]
+        block.ref_count += 1
+
+    def _take_free(self) -> int:
+        block_id, _ = self._free_ids.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash != NO_HASH:
+            del self.cached[block.hash]
+            block.hash, block.token_ids = NO_HASH, ()
+            self.evictions += 1
+        block.ref_count = 1
+        return block_id

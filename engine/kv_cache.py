@@ -1,0 +1,102 @@
+"""The paged KV cache: one preallocated tensor for all layers, sized from a memory budget."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.model_config import ModelConfig
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """The shape of a cache; two workers may exchange K/V when their layouts agree on all but block_size."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @classmethod
+    def for_model(cls, config: ModelConfig, block_size: int, dtype: torch.dtype) -> "KVLayout":
+        return cls(config.num_layers, config.num_kv_heads, config.head_dim, block_size, dtype)
+
+    @property
+    def token_bytes(self) -> int:
+        """K and V of one token in one layer."""
+        return 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def block_bytes(self) -> int:
+        """One block in one layer."""
+        return self.block_size * self.token_bytes
+
+    def shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (self.num_layers, num_blocks, self.block_size, 2, self.num_kv_heads, self.head_dim)
+
+
+class KVCache:
+    def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device, tensor: torch.Tensor | None = None) -> None:
+        """``tensor`` lets the caller supply the storage (shared memory, for instance)."""
+        self.layout = layout
+        self.num_blocks = num_blocks
+        if tensor is None:
+            tensor = torch.zeros(layout.shape(num_blocks), dtype=layout.dtype, device=device)
+        if tuple(tensor.shape) != layout.shape(num_blocks) or tensor.dtype != layout.dtype:
+            raise ValueError("KV cache storage does not match the layout")
+        self.tensor = tensor
+        self.layers = list(tensor.unbind(0))
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+
+def parse_memory(value: str | int | float) -> tuple[int | None, float | None]:
+    """'2GiB' / '512MiB' / '1e9' / 123 -> (bytes, None); '0.3' (a fraction of free memory) -> (None, 0.3)."""
+    text = str(value).strip().lower().replace(" ", "")
+    match = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[0-9]+)?)([a-z]*)", text)
+    if not match or match.group(2) not in _UNITS:
+        raise ValueError(f"kv cache memory must look like '2GiB', '512MiB', a byte count, or a fraction in (0, 1]; got {value!r}")
+    number, unit = float(match.group(1)), match.group(2)
+    if not unit and 0 < number <= 1 and "." in match.group(1):
+        return None, number
+    size = int(number * _UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"kv cache memory must be positive, got {value!r}")
+    return size, None
+
+
+def free_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def num_blocks_for_budget(layout: KVLayout, budget: str | int | float, device: torch.device) -> int:
+    """Blocks that fit the budget ('auto': 90% of free GPU memory, or min(2 GiB, 25% of RAM) on CPU)."""
+    if budget == "auto":
+        free = free_memory(device)
+        nbytes = int(free * 0.9) if device.type == "cuda" else min(2 * 2**30, free // 4)
+    else:
+        nbytes, fraction = parse_memory(budget)
+        if fraction is not None:
+            nbytes = int(free_memory(device) * fraction)
+    num_blocks = nbytes // (layout.block_bytes * layout.num_layers)
+    if num_blocks < 1:
+        raise ValueError(f"kv cache memory budget {budget!r} holds no block of {layout.block_bytes * layout.num_layers} bytes")
+    return num_blocks

@@ -1,0 +1,76 @@
+"""Builds a ``CausalLM`` from a Hugging Face folder (safetensors, sharded or not)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from pdserve.engine.model import CausalLM
+from pdserve.engine.model_config import ModelConfig
+from pdserve.kernels import AttentionBackend
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def parse_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(set(DTYPES))}, got {name!r}")
+    dtype = DTYPES[name]
+    if dtype == torch.float16 and device.type == "cpu":
+        raise ValueError("float16 is for GPUs; on CPU use bfloat16 or float32")
+    return dtype
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but CUDA is not available")
+    return device
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / s for s in shards]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors weights in {folder}")
+    return files
+
+
+def load_state_dict(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    state = {}
+    for path in _weight_files(folder):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                if not name.endswith(_IGNORED_SUFFIXES):
+                    state[name] = f.get_tensor(name).to(dtype)
+    return state
+
+
+def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device, backend: AttentionBackend) -> CausalLM:
+    folder = Path(folder)
+    config = ModelConfig.from_folder(folder)
+    with torch.device("meta"):
+        model = CausalLM(config, backend)
+    state = load_state_dict(folder, dtype)
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    expected = {k for k in model.state_dict() if not (config.tie_word_embeddings and k == "lm_head.weight")}
+    missing, unexpected = expected - state.keys(), state.keys() - expected
+    if missing or unexpected:
+        raise ValueError(f"weights in {folder} do not fit {config.architecture}: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    # Buffers are not in the checkpoint: build them for real, off the meta device.
+    model.rope = type(model.rope)(config)
+    return model.to(device).eval()

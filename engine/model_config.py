@@ -1,0 +1,117 @@
+"""The architecture of a LLaMA-family model, read from a Hugging Face `config.json`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+}
+SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3"}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position: int
+    tie_word_embeddings: bool
+    qkv_bias: bool  # Qwen2, or Llama with attention_bias
+    o_proj_bias: bool  # Llama with attention_bias (Qwen2 has none on o_proj)
+    mlp_bias: bool
+    rope_scaling: dict[str, Any] | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    name: str = ""
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: {sorted(SUPPORTED_ROPE_TYPES)}")
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V for one token across all layers, in elements (multiply by dtype size)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any], *, name: str = "") -> "ModelConfig":
+        archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {arch!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        num_heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        # transformers 5 moves rope_theta/rope_scaling into rope_parameters.
+        rope_params = dict(cfg.get("rope_parameters") or {})
+        rope_scaling = cfg.get("rope_scaling") or None
+        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+            rope_scaling = rope_params
+        if rope_scaling is not None and "rope_type" not in rope_scaling and "type" in rope_scaling:
+            rope_scaling = {**rope_scaling, "rope_type": rope_scaling["type"]}
+        rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        attention_bias = bool(cfg.get("attention_bias", False))
+        max_position = cfg.get("max_position_embeddings", 4096)
+        window = cfg.get("sliding_window")
+        if window and cfg.get("use_sliding_window", True):
+            # Sliding-window attention is not implemented: keep every context inside one window,
+            # where it equals full attention.
+            max_position = min(max_position, window)
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            max_position=max_position,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=is_qwen2 or attention_bias,
+            o_proj_bias=attention_bias and not is_qwen2,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            rope_scaling=rope_scaling,
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+            name=name,
+            raw=cfg,
+        )
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> "ModelConfig":
+        folder = Path(folder)
+        cfg = json.loads((folder / "config.json").read_text())
+        gen_path = folder / "generation_config.json"
+        if gen_path.exists():
+            # generate() stops at the generation config's EOS ids; so do we.
+            gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
+            if gen_eos is not None:
+                merged = [cfg.get("eos_token_id")] if not isinstance(cfg.get("eos_token_id"), list) else cfg["eos_token_id"]
+                extra = gen_eos if isinstance(gen_eos, list) else [gen_eos]
+                cfg = {**cfg, "eos_token_id": [e for e in dict.fromkeys([*merged, *extra]) if e is not None]}
+        return cls.from_dict(cfg, name=folder.name)

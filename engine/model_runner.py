@@ -1,0 +1,85 @@
+"""Turns a scheduled step into tensors, runs the model, and samples."""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.engine.forward_batch import ForwardBatch, PrefillSegment
+from pdserve.engine.model import CausalLM, LayerHook
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.scheduler import ScheduledChunk, SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, kv_layers: list[torch.Tensor], block_size: int, device: torch.device) -> None:
+        self.model = model
+        self.kv_layers = kv_layers
+        self.block_size = block_size
+        self.device = device
+        self.sampler = Sampler(device)
+
+    def build_batch(self, out: SchedulerOutput) -> ForwardBatch:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_indices: list[int] = []
+
+        for chunk in out.decodes:
+            seq, pos = chunk.seq, chunk.start
+            input_ids.append(seq.token_ids[pos])
+            positions.append(pos)
+            slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+            logits_indices.append(len(input_ids) - 1)
+
+        decode_tables = decode_lens = None
+        if out.decodes:
+            width = max(len(c.seq.block_table) for c in out.decodes)
+            table = [c.seq.block_table + [0] * (width - len(c.seq.block_table)) for c in out.decodes]
+            decode_tables = torch.tensor(table, dtype=torch.int64, device=self.device)
+            decode_lens = torch.tensor([c.start + 1 for c in out.decodes], dtype=torch.int64, device=self.device)
+
+        segments = []
+        for chunk in out.prefills:
+            seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens
+            query_start = len(input_ids)
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            segments.append(
+                PrefillSegment(
+                    query_start=query_start,
+                    num_query=chunk.num_tokens,
+                    context_len=end,
+                    block_table=torch.tensor(table, dtype=torch.int64, device=self.device),
+                )
+            )
+            if chunk.completes:
+                logits_indices.append(len(input_ids) - 1)
+
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=self.device)  # noqa: E731
+        return ForwardBatch(
+            input_ids=as_tensor(input_ids),
+            positions=as_tensor(positions),
+            slot_mapping=as_tensor(slots),
+            num_decode=len(out.decodes),
+            decode_block_tables=decode_tables,
+            decode_context_lens=decode_lens,
+            prefills=segments,
+            logits_indices=as_tensor(logits_indices),
+        )
+
+    def run(self, out: SchedulerOutput, layer_hook: LayerHook | None = None) -> list[tuple[ScheduledChunk, int]]:
+        """One forward pass; returns the sampled token of every chunk that completes its sequence."""
+        batch = self.build_batch(out)
+        logits = self.model(batch, self.kv_layers, layer_hook)
+        sampled_chunks = [c for c in out.chunks if c.completes]
+        if not sampled_chunks:
+            return []
+        token_ids = self.sampler(
+            logits,
+            [c.seq.sampling for c in sampled_chunks],
+            [c.seq.num_output_tokens for c in sampled_chunks],
+        ).tolist()
+        return list(zip(sampled_chunks, token_ids))

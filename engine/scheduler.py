@@ -1,0 +1,165 @@
+"""Continuous batching: which tokens of which sequences run in the next forward pass.
+
+Prefill and decode share one forward (as in vLLM v1): every step first gives each running
+decode its one token, then spends the rest of the token budget on prompt chunks, oldest
+first. Mixing keeps decodes flowing while a long prompt is prefilled in chunks, and on a CPU
+one larger matmul costs less than two small ones. A sequence gets blocks for its whole
+prompt when admitted, so an admitted prefill always completes; decodes grow one block at a
+time and, when blocks run out, the least important running sequence (lowest priority, then
+latest admitted) is preempted: its blocks are freed and it is recomputed later.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # running sequences
+    max_num_batched_tokens: int = 1024  # tokens per forward pass
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """Tokens ``[start, start + num_tokens)`` of ``seq`` run this step."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def completes(self) -> bool:
+        """Whether this chunk reaches the sequence's last token (so a new token is sampled)."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    decodes: list[ScheduledChunk] = field(default_factory=list)
+    prefills: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def chunks(self) -> list[ScheduledChunk]:
+        return self.decodes + self.prefills
+
+    @property
+    def empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+def _importance(seq: Sequence) -> tuple[int, int]:
+    return (seq.priority, seq.admitted_at)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._step = 0
+
+    # -- queues -----------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: (s.priority, s.arrival_time))
+
+    def add_running(self, seq: Sequence) -> None:
+        """Admits a sequence whose blocks and K/V are already in place (a KV handoff)."""
+        seq.status = SequenceStatus.RUNNING
+        seq.admitted_at = self._step
+        self.running.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # -- the step ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        self._step += 1
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+
+        # Most important first, so preemption victims (taken from the end) are never ones
+        # already scheduled in this step.
+        self.running.sort(key=_importance)
+        for seq in list(self.running):
+            if seq.status is not SequenceStatus.RUNNING or seq.is_prefilling:
+                continue
+            if budget == 0:
+                break
+            if self._reserve_next_token(seq, out):
+                out.decodes.append(ScheduledChunk(seq, seq.num_computed_tokens, 1))
+                budget -= 1
+
+        for seq in self.running:
+            if budget == 0:
+                break
+            if seq.is_prefilling:
+                chunk = self._chunk_size(seq, budget, nothing_scheduled=out.empty)
+                if chunk:
+                    out.prefills.append(ScheduledChunk(seq, seq.num_computed_tokens, chunk))
+                    budget -= chunk
+
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.blocks.can_allocate(seq, seq.num_tokens):
+                break  # strict priority order: nothing overtakes the head of the queue
+            self.blocks.allocate(seq, seq.num_tokens)
+            chunk = self._chunk_size(seq, budget, nothing_scheduled=out.empty)
+            if not chunk:
+                self.blocks.free(seq)
+                break
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            seq.admitted_at = self._step
+            self.running.append(seq)
+            out.prefills.append(ScheduledChunk(seq, seq.num_computed_tokens, chunk))
+            budget -= chunk
+        return out
+
+    def _chunk_size(self, seq: Sequence, budget: int, nothing_scheduled: bool) -> int:
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        if remaining <= budget:
+            return remaining
+        if self.config.enable_chunked_prefill:
+            return budget
+        # Unchunked: a prompt over the budget runs alone rather than never.
+        return remaining if nothing_scheduled else 0
+
+    def _reserve_next_token(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Makes room for ``seq``'s next token, preempting others if needed; False if ``seq`` itself was preempted."""
+        while not self.blocks.ensure_capacity(seq, seq.num_tokens):
+            victim = self.running[-1]
+            self.preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: drop the K/V; the sequence re-prefills prompt + output later."""
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        self.num_preemptions += 1
+        self.add(seq)

@@ -1,0 +1,67 @@
+"""One request's tokens and its place in the KV cache."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pdserve.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS or a stop token id (stop strings are the router's)
+    LENGTH = "length"  # max_tokens, or the model's context is full
+    ABORT = "abort"
+    PREFILLED = "prefilled"  # a prefill-only request has its KV and first token
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    priority: int = 0  # lower value = more important (vLLM's convention)
+    arrival_time: float = field(default_factory=time.monotonic)
+    prefill_only: bool = False  # stop after the first token and keep the blocks for export
+    # Tokens the request had generated before it came here (migration, recompute): they count
+    # towards max_tokens and the sampler's seed index.
+    num_prior_output_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full, computed blocks
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # of those, how many came from the prefix cache
+    admitted_at: int = -1  # scheduler step counter at admission (preemption picks the latest)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens + self.num_prior_output_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.num_tokens - 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

@@ -13,6 +13,8 @@ Scores, softmax statistics and the output accumulate in fp32.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -160,29 +162,37 @@ def _attention_kernel(
     )
 
 
-def _tile_config(dtype: torch.dtype, head_dim: int, group: int, *, decode: bool, on_cpu: bool) -> dict:
+def _unit_stride_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself when its head_dim rows are contiguous (any other strides are fine), else a copy."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _tile_config(dtype: torch.dtype, head_dim: int, group: int, *, decode: bool, on_cpu: bool) -> dict[str, Any]:
     """Compile-time tile sizes and launch options for one (dtype, head_dim, GQA group, mode)."""
     group_pad = triton.next_power_of_2(group)
     # tl.dot needs every dimension >= 16; other head dims are padded to a power of two and masked.
     block_d = max(16, triton.next_power_of_2(head_dim))
     # Triton's interpreter (CPU tensors) multiplies bf16 dot operands as raw uint16 bits: upcast there.
     dot_fp32 = dtype == torch.float32 or (on_cpu and dtype == torch.bfloat16)
-    # Wide rows (fp32, or head_dim 256) get smaller tiles so K/V/P stay within registers and shared memory.
-    narrow = block_d * (4 if dot_fp32 else 2) <= 256
-    # Decode has one query token per sequence; prefill packs query tokens until the tile has 32/64 rows.
-    block_q = 1 if decode else max(1, (64 if narrow else 32) // group_pad)
+    # Wide rows (fp32, head_dim 256) get smaller tiles so K/V/P stay within registers and shared memory
+    # (about 100 KiB on consumer GPUs): 16 KiB of K per key tile, fewer query rows for fp32 (no spills).
+    row_bytes = block_d * (4 if dot_fp32 else 2)
+    tile_n = min(64, max(16, 16384 // row_bytes))
+    rows = min(64, max(16, (8192 if dot_fp32 else 16384) // row_bytes))
+    # Decode has one query token per sequence; prefill packs query tokens into the tile's rows.
+    block_q = 1 if decode else max(1, rows // group_pad)
     return dict(
         GROUP=group,
         GROUP_PAD=group_pad,
         BLOCK_Q=block_q,
         BLOCK_M=max(16, block_q * group_pad),
-        TILE_N=64 if narrow else 32,
+        TILE_N=tile_n,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         DOT_FP32=dot_fp32,
         # fp32 products at full precision (not TF32) so results match the reference.
         DOT_PRECISION="ieee" if dot_fp32 else "tf32",
-        num_warps=4 if block_d <= 64 else 8,
+        num_warps=4 if row_bytes <= 128 else 8,
         num_stages=2,
     )
 
@@ -205,8 +215,7 @@ def _launch(
     num_kv_heads = k.shape[1]
     if num_q_heads % num_kv_heads:
         raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
-    if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1:
-        raise ValueError("q, k and v need a contiguous head_dim")
+    q, k, v = _unit_stride_rows(q), _unit_stride_rows(k), _unit_stride_rows(v)
     out = torch.empty_like(q)
     if q.shape[0] == 0:
         return out
@@ -255,14 +264,12 @@ def write_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: t
     """Store ``k``/``v`` ([T, H, D]) at ``slot_mapping`` ([T]) of one layer's cache."""
     if not kv.is_contiguous():
         raise ValueError("the KV cache must be contiguous")
-    if k.stride(2) != 1 or v.stride(2) != 1:
-        raise ValueError("k and v need a contiguous head_dim")
     num_tokens, num_heads, head_dim = k.shape
     if num_tokens == 0:
         return
     # A dtype change (rare: the cache normally has the model's dtype) is done by torch, which rounds
     # to nearest even like the reference on every device; Triton's interpreter truncates fp32 -> bf16.
-    k, v = k.to(kv.dtype), v.to(kv.dtype)
+    k, v = _unit_stride_rows(k.to(kv.dtype)), _unit_stride_rows(v.to(kv.dtype))
     _write_kv_kernel[(num_tokens, num_heads)](
         kv,
         k,

@@ -77,7 +77,8 @@ def test_write_kv_matches_reference(block_size: int, heads: int, dim: int, dtype
     [
         (1, 2, 2, 64, torch.float32),
         (37, 3, 1, 64, torch.float32),
-        (70, 2, 2, 64, torch.float32),  # more than one query tile
+        (70, 2, 2, 64, torch.float32),  # several query tiles
+        (150, 1, 1, 64, torch.float32),  # several key tiles: online-softmax rescaling
         (21, 6, 2, 64, torch.bfloat16),
         (9, 2, 2, 128, torch.float16),
     ],
@@ -99,6 +100,7 @@ def test_causal_attention(num_tokens: int, q_heads: int, kv_heads: int, dim: int
         (13, 13, 8, 3, 1, 64, torch.float32),  # whole prompt, GQA 3
         (45, 7, 16, 2, 2, 64, torch.float32),  # chunk at the end of a longer context
         (40, 40, 16, 2, 2, 64, torch.float32),  # context a multiple of the block size
+        (160, 9, 16, 3, 1, 64, torch.float32),  # several key tiles before the chunk
         (30, 11, 8, 6, 2, 64, torch.bfloat16),
         (20, 5, 16, 2, 1, 128, torch.float32),
     ],
@@ -125,6 +127,7 @@ def test_paged_prefill_attention(
         ([1], 8, 2, 2, 64, torch.float32),
         ([5, 16, 33], 8, 3, 1, 64, torch.float32),
         ([1, 17, 64, 9, 40], 16, 6, 2, 64, torch.float32),
+        ([200, 3, 129], 8, 2, 2, 64, torch.float32),  # several key tiles
         ([7, 70, 1], 16, 6, 2, 64, torch.bfloat16),
         ([3, 24], 8, 2, 2, 128, torch.float32),
         ([12, 31], 16, 3, 1, 64, torch.float16),
@@ -153,6 +156,28 @@ def test_paged_decode_attention(
     out = tri.paged_decode_attention(q, kv, block_tables, lens, scale)
     expected = reference.paged_decode_attention(q.float(), kv.float(), block_tables.long(), lens.long(), scale)
     _assert_close(out, expected, dtype)
+
+
+def test_int64_indices_and_strided_inputs() -> None:
+    """int64 block tables / lengths / slots, and q whose head_dim is not the innermost stride."""
+    gen = _gen(7)
+    block_size, kv_heads, q_heads, dim, scale = 16, 2, 6, 64, 0.125
+    kv = _cache(gen, 10, block_size, kv_heads, dim, torch.float32)
+    lens = torch.tensor([33, 5], device=DEVICE)
+    block_tables = torch.randperm(10, generator=gen)[:6].view(2, 3).to(DEVICE)
+    q = _randn(gen, dim, 2, q_heads).permute(1, 2, 0)  # [B, Hq, D] with stride(-1) != 1
+    out = tri.paged_decode_attention(q, kv, block_tables, lens, scale)
+    _assert_close(out, reference.paged_decode_attention(q, kv, block_tables, lens, scale), torch.float32)
+
+    out = tri.paged_prefill_attention(q, kv, block_tables[0], 33, scale)
+    _assert_close(out, reference.paged_prefill_attention(q, kv, block_tables[0], 33, scale), torch.float32)
+
+    k, v = _randn(gen, dim, 4, kv_heads).permute(1, 2, 0), _randn(gen, 4, kv_heads, dim)
+    slots = torch.tensor([3, 40, 41, 150], device=DEVICE)
+    expected = kv.clone()
+    reference.write_kv(expected, k, v, slots)
+    tri.write_kv(kv, k, v, slots)
+    assert torch.equal(kv, expected)
 
 
 def test_write_then_read_round_trip() -> None:

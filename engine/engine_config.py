@@ -2,23 +2,27 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+def _opt(default, help: str, choices: tuple | None = None):
+    return field(default=default, metadata={"help": help, "choices": choices})
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    model: str | None = None  # None: the default model; else a Hugging Face folder or a .gguf file
-    dtype: str = "float32"
-    device: str = "auto"  # auto: CUDA when present, else CPU
-    block_size: int = 16
-    kv_cache_memory: str = "auto"  # '2GiB', a byte count, or a fraction of free memory
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    attention_backend: str = "auto"  # auto, torch, triton
-    cache_dir: str | None = None
-    num_threads: int | None = None  # torch intra-op threads (None: torch's default)
+    model: str | None = _opt(None, "model: a Hugging Face folder or a .gguf file (default: SmolLM2-135M-Instruct)")
+    dtype: str = _opt("float32", "weights and KV cache dtype", ("float32", "bfloat16", "float16"))
+    device: str = _opt("auto", "torch device; auto picks CUDA when present")
+    block_size: int = _opt(16, "KV cache block size in tokens")
+    kv_cache_memory: str = _opt("auto", "KV cache budget: '2GiB', bytes, or a fraction of free memory")
+    max_num_seqs: int = _opt(64, "most sequences in one running batch")
+    max_num_batched_tokens: int = _opt(1024, "token budget of one forward pass (chunked prefill)")
+    enable_chunked_prefill: bool = _opt(True, "split long prompts across steps")
+    enable_prefix_caching: bool = _opt(True, "reuse the KV of shared prompt prefixes")
+    attention_backend: str = _opt("auto", "attention kernels", ("auto", "torch", "triton"))
+    cache_dir: str | None = _opt(None, "where converted models are kept (default ~/.cache/pdserve)")
+    num_threads: int | None = _opt(None, "torch CPU threads for this process")
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:

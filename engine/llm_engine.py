@@ -1,6 +1,9 @@
 """The in-process engine both worker roles wrap: add requests, step, collect outputs, abort.
 
-It is single-threaded by design: the owner calls every method from one thread. Besides
+One thread owns it and calls every method, except ``reserve_blocks``, ``free_blocks`` and
+``stats``, which other threads may call: they and the bookkeeping parts of ``step`` take
+``self.lock`` (the forward pass itself runs without it, so a reservation never waits for a
+step to finish). Besides
 plain generation it offers the seam for disaggregation: a request can stop after its
 prefill and hand out its KV blocks (``prefill_only`` + ``take_prefilled``), and a request
 can start decoding from KV blocks that were filled from outside (``reserve_blocks`` +
@@ -10,6 +13,7 @@ can start decoding from KV blocks that were filled from outside (``reserve_block
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -38,6 +42,20 @@ class RequestOutput:
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    blocks_total: int
+    blocks_free: int
+    blocks_cached: int
+    running: int
+    waiting: int
+    prefilled_held: int
+    preemptions: int
+    prefix_queries: int
+    prefix_hits: int
+    evictions: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,11 +92,12 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache.layers, config.block_size, self.device)
         self.requests: dict[str, Sequence] = {}
         self.prefilled: dict[str, Sequence] = {}
+        self.lock = threading.RLock()
         # Set by a prefill worker: called with each step's schedule, returns a hook run after
         # every layer so that layer's K/V can leave while the next layer computes.
         self.on_forward: Callable[[SchedulerOutput], LayerHook | None] | None = None
         log.info(
-            "engine ready: %s %s on %s, %d KV blocks of %d tokens (%.0f MiB), attention=%s",
+            "engine loaded: %s %s on %s, %d KV blocks of %d tokens (%.0f MiB), attention=%s",
             self.model_config.architecture, config.dtype, self.device, num_blocks, config.block_size,
             self.kv_cache.nbytes / 2**20, backend.name,
         )
@@ -138,8 +157,9 @@ class LLMEngine:
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
-        self.scheduler.remove(seq)
-        self.blocks.free(seq)
+        with self.lock:
+            self.scheduler.remove(seq)
+            self.blocks.free(seq)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.ABORT
         return True
 
@@ -148,27 +168,39 @@ class LLMEngine:
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        schedule = self.scheduler.schedule()
+        with self.lock:
+            schedule = self.scheduler.schedule()
         if schedule.empty:
             return []
         hook = self.on_forward(schedule) if self.on_forward else None
         sampled = self.runner.run(schedule, hook)
 
-        for chunk in schedule.chunks:
-            chunk.seq.num_computed_tokens = chunk.start + chunk.num_tokens
-        outputs = []
-        for chunk, token_id in sampled:
-            seq = chunk.seq
-            seq.token_ids.append(token_id)
-            self.blocks.commit_full_blocks(seq)
-            reason = self._finish_reason(seq, token_id)
-            if reason is not None:
-                self._finish(seq, reason)
-            outputs.append(RequestOutput(seq.request_id, [token_id], reason, seq.num_prompt_tokens, seq.num_cached_tokens))
-        for chunk in schedule.prefills:
-            if not chunk.completes:
-                self.blocks.commit_full_blocks(chunk.seq)
+        with self.lock:
+            for chunk in schedule.chunks:
+                chunk.seq.num_computed_tokens = chunk.start + chunk.num_tokens
+            outputs = []
+            for chunk, token_id in sampled:
+                seq = chunk.seq
+                seq.token_ids.append(token_id)
+                self.blocks.commit_full_blocks(seq)
+                reason = self._finish_reason(seq, token_id)
+                if reason is not None:
+                    self._finish(seq, reason)
+                outputs.append(RequestOutput(seq.request_id, [token_id], reason, seq.num_prompt_tokens, seq.num_cached_tokens))
+            for chunk in schedule.prefills:
+                if not chunk.completes:
+                    self.blocks.commit_full_blocks(chunk.seq)
         return outputs
+
+    def stats(self) -> EngineStats:
+        with self.lock:
+            b = self.blocks.stats()
+            return EngineStats(
+                blocks_total=b.num_blocks, blocks_free=b.num_free, blocks_cached=b.num_cached,
+                running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+                prefilled_held=len(self.prefilled), preemptions=self.scheduler.num_preemptions,
+                prefix_queries=b.prefix_queries, prefix_hits=b.prefix_hits, evictions=b.evictions,
+            )
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         sp = seq.sampling
@@ -198,14 +230,17 @@ class LLMEngine:
         """Frees a finished prefill's blocks (they stay in the prefix cache until evicted)."""
         seq = self.prefilled.pop(request_id, None)
         if seq is not None:
-            self.blocks.free(seq)
+            with self.lock:
+                self.blocks.free(seq)
 
     def reserve_blocks(self, num_tokens: int) -> list[int]:
         """Blocks for K/V that will arrive from elsewhere; raises MemoryError if they do not fit."""
-        return self.blocks.allocate_blocks(num_tokens)
+        with self.lock:
+            return self.blocks.allocate_blocks(num_tokens)
 
     def free_blocks(self, block_ids: list[int]) -> None:
-        self.blocks.free_blocks(block_ids)
+        with self.lock:
+            self.blocks.free_blocks(block_ids)
 
     def add_prefilled(
         self,
@@ -220,23 +255,24 @@ class LLMEngine:
     ) -> RequestOutput | None:
         """Starts decoding a request whose first ``len(token_ids) - 1`` tokens have K/V in
         ``block_ids`` and whose last token was sampled elsewhere. The blocks now belong to the
-        engine. Returns a finished output if that last token already ends the request."""
+        engine (they are freed on every error). Returns a finished output if that last token
+        already ends the request."""
         if request_id in self.requests:
+            self.free_blocks(block_ids)
             raise ValueError(f"request_id: {request_id!r} is already in use")
         seq = Sequence(request_id, list(token_ids), num_prompt_tokens, sampling, priority=priority,
                        num_prior_output_tokens=num_prior_output_tokens)
         seq.block_table = list(block_ids)
         seq.num_computed_tokens = len(token_ids) - 1
-        self.requests[request_id] = seq
-        if not self.blocks.ensure_capacity(seq, seq.num_tokens):
-            self.requests.pop(request_id)
-            self.blocks.free(seq)
-            raise MemoryError("not enough free KV blocks")
-        self.blocks.commit_full_blocks(seq)
-        reason = self._finish_reason(seq, seq.last_token_id)
-        if reason is not None and reason is not FinishReason.PREFILLED:
-            self.requests.pop(request_id)
-            self.blocks.free(seq)
-            return RequestOutput(request_id, [], reason, num_prompt_tokens, 0)
-        self.scheduler.add_running(seq)
+        with self.lock:
+            if not self.blocks.ensure_capacity(seq, seq.num_tokens):
+                self.blocks.free(seq)
+                raise MemoryError("not enough free KV blocks")
+            reason = self._finish_reason(seq, seq.last_token_id)
+            if reason is not None and reason is not FinishReason.PREFILLED:
+                self.blocks.free(seq)
+                return RequestOutput(request_id, [], reason, num_prompt_tokens, 0)
+            self.blocks.commit_full_blocks(seq)
+            self.requests[request_id] = seq
+            self.scheduler.add_running(seq)
         return None

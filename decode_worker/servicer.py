@@ -1,0 +1,91 @@
+"""The decode worker's gRPC service: reserve blocks, await the KV, decode in the batch."""
+
+from __future__ import annotations
+
+import logging
+from typing import AsyncIterator
+
+import grpc
+
+from pdserve.engine.engine_loop import EngineError, EngineLoop
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sequence import FinishReason
+from pdserve.kvtransfer.protocol import AckStatus
+from pdserve.kvtransfer.receiver import KVReceiver, TransferFailed
+from pdserve.v1 import pdserve_pb2 as pb
+from pdserve.v1 import pdserve_pb2_grpc
+from pdserve.wire import sampling_from_proto, transfer_key, worker_stats
+
+log = logging.getLogger(__name__)
+
+
+def token_event(token_ids: list[int], finish: FinishReason | None, cached: int = 0) -> pb.DecodeEvent:
+    return pb.DecodeEvent(tokens=pb.TokenBatch(token_ids=token_ids, finish_reason=finish.value if finish else "", num_cached_tokens=cached))
+
+
+class DecodeService(pdserve_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, loop: EngineLoop, receiver: KVReceiver, kv_address: str, role: str, address: str) -> None:
+        self.loop = loop
+        self.engine: LLMEngine = loop.engine
+        self.receiver = receiver
+        self.kv_address = kv_address
+        self.role = role
+        self.address = address
+
+    async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DecodeEvent]:
+        rid = request.request_id
+        token_ids = [int(t) for t in request.token_ids]
+        try:
+            sampling = sampling_from_proto(request.sampling)
+            self.engine.validate(token_ids, sampling)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        prior = request.num_prior_output_tokens
+
+        if request.prefill_locally:
+            start = lambda e: e.add_request(  # noqa: E731
+                rid, token_ids, sampling, priority=request.priority, num_prior_output_tokens=prior)
+        else:
+            block_ids = await self._reserve(len(token_ids), context)
+            grant = self.receiver.grant(block_ids, len(token_ids))
+            try:
+                yield pb.DecodeEvent(reservation=pb.Reservation(target=pb.KvTarget(
+                    transfer_id=transfer_key(grant.transfer_id), kv_address=self.kv_address, block_ids=block_ids,
+                    block_size=self.engine.config.block_size, num_tokens=len(token_ids),
+                )))
+                result = await self.receiver.wait(grant)
+            except TransferFailed as e:
+                code = grpc.StatusCode.DATA_LOSS if e.status is AckStatus.CHECKSUM_MISMATCH else grpc.StatusCode.UNAVAILABLE
+                await context.abort(code, f"KV transfer failed: {e}")
+            finally:
+                self.receiver.fail(grant, "request ended before its KV cache arrived")  # no-op once complete
+            blocks = self.receiver.take(grant)
+            first = result.first_token_id
+            start = lambda e: e.add_prefilled(  # noqa: E731
+                rid, token_ids + [first], len(token_ids), sampling, blocks, priority=request.priority,
+                num_prior_output_tokens=prior)
+
+        try:
+            async for out in self.loop.generate(rid, start):
+                yield token_event(out.new_token_ids, out.finish_reason, out.num_cached_tokens)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except MemoryError:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "decode worker is out of KV blocks")
+        except EngineError as e:
+            await context.abort(grpc.StatusCode.INTERNAL, str(e))
+
+    async def _reserve(self, num_tokens: int, context: grpc.aio.ServicerContext) -> list[int]:
+        # Admission control lives here: the decode worker knows its own free blocks. The
+        # reservation includes room for the first generated token, so admitting the request
+        # into the batch once its KV has landed cannot fail for lack of blocks.
+        try:
+            return self.engine.reserve_blocks(num_tokens + 1)
+        except MemoryError:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"decode worker has no room for {num_tokens} tokens of KV cache; retry later",
+            )
+
+    async def GetStats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.WorkerStats:
+        return worker_stats(self.engine.stats(), self.role, self.address, self.receiver.num_active, self.receiver.counters)

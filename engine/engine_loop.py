@@ -1,0 +1,157 @@
+"""Runs an ``LLMEngine`` on its own thread and serves it to asyncio code.
+
+The engine thread loops: apply queued commands, run one step, hand each request's outputs
+to its asyncio queue. Commands (add, abort, anything touching the engine) run between steps,
+in order; gRPC handlers await their results. A request's stream ends at its finish reason;
+a consumer that goes away (client cancel, deadline) aborts the request, freeing its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from typing import AsyncIterator, Callable, TypeVar
+
+from pdserve.engine.llm_engine import LLMEngine, RequestOutput
+from pdserve.engine.sequence import FinishReason
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class EngineError(RuntimeError):
+    """The engine failed while running a request."""
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._stopped = threading.Event()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.steps = 0
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread.start()
+
+    async def stop(self) -> None:
+        self._stopped.set()
+        self._wakeup.set()
+        await asyncio.to_thread(self._thread.join, 10)
+
+    # -- commands -----------------------------------------------------------------------------
+    def call(self, fn: Callable[[LLMEngine], T]) -> asyncio.Future:
+        """Runs ``fn(engine)`` on the engine thread between steps; await the result."""
+        future = self._loop.create_future()
+        self._commands.put((fn, future))
+        self._wakeup.set()
+        return future
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put((lambda e: e.abort(request_id), None))
+        self._wakeup.set()
+
+    # -- streams ------------------------------------------------------------------------------
+    async def generate(self, request_id: str, start: Callable[[LLMEngine], object]) -> AsyncIterator[RequestOutput]:
+        """Runs ``start(engine)`` (which adds the request) and yields its outputs until it finishes.
+
+        ``start`` may raise ValueError (bad input) or MemoryError; they propagate here. If the
+        consumer stops early, the request is aborted.
+        """
+        if request_id in self._streams:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        finished = False
+        try:
+            early = await self.call(start)
+            if isinstance(early, RequestOutput):  # finished without a step (add_prefilled)
+                finished = True
+                yield early
+                return
+            while True:
+                item = await stream.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                finished = item.finish_reason is not None
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    # -- the engine thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            self._apply_commands()
+            if not self.engine.has_unfinished():
+                self._wakeup.wait(0.5)
+                self._wakeup.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # noqa: BLE001 - keep the worker alive, fail the batch
+                log.exception("engine step failed; failing every running request")
+                self._fail_all(EngineError(f"engine step failed: {e}"))
+                continue
+            self.steps += 1
+            if outputs:
+                self._loop.call_soon_threadsafe(self._deliver, outputs)
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                fn, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                result, error = fn(self.engine), None
+            except Exception as e:  # noqa: BLE001 - handed to the awaiting caller
+                result, error = None, e
+            if future is not None:
+                self._loop.call_soon_threadsafe(_settle, future, result, error)
+            elif error is not None:
+                log.warning("engine command failed: %s", error)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put_nowait(out)
+            elif out.finish_reason is FinishReason.PREFILLED:
+                # Nobody is waiting for this prefill any more: give its blocks back.
+                self.call(lambda e, rid=out.request_id: e.release(rid))
+            elif out.finish_reason is None:
+                self.abort(out.request_id)
+
+    def _fail_all(self, error: Exception) -> None:
+        ids = list(self.engine.requests)
+        for rid in ids:
+            self.engine.abort(rid)
+
+        def notify() -> None:
+            for rid in ids:
+                if rid in self._streams:
+                    self._streams[rid].put_nowait(error)
+
+        self._loop.call_soon_threadsafe(notify)
+
+
+def _settle(future: asyncio.Future, result: object, error: Exception | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+

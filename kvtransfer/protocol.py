@@ -1,0 +1,76 @@
+"""The KV-transfer wire format: fixed-size frame headers, then raw K/V bytes.
+
+Every frame starts with a 52-byte little-endian header. A DATA frame carries the K/V of
+tokens ``[start, end)`` of one layer of one transfer, token-major, exactly as both caches
+store them (so block sizes may differ between the two sides), with an xxh3-64 checksum of
+the payload.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+MAGIC = b"PDKV"
+VERSION = 1
+HEADER = struct.Struct("<4sBBHQIIIqQQ")
+HEADER_SIZE = HEADER.size
+# Handshake and control payloads are small; K/V payloads are bounded by the grant they target.
+MAX_CONTROL_PAYLOAD = 64 * 1024
+
+
+class FrameKind(enum.IntEnum):
+    HELLO = 1  # prefill -> decode: PeerInfo as JSON
+    HELLO_OK = 2  # decode -> prefill: PeerInfo as JSON
+    REJECT = 3  # decode -> prefill: reason (utf-8); the connection closes
+    DATA = 4  # prefill -> decode: K/V of tokens [start, end) of one layer
+    DONE = 5  # prefill -> decode: all layers sent; aux = first generated token
+    ACK = 6  # decode -> prefill: aux = AckStatus; payload = message
+    WRITTEN = 7  # prefill -> decode: one-sided write of [start, end) of a layer landed (shared memory)
+
+
+class AckStatus(enum.IntEnum):
+    OK = 0
+    CHECKSUM_MISMATCH = 1
+    INCOMPLETE = 2
+    UNKNOWN_TRANSFER = 3
+    PROTOCOL_ERROR = 4
+
+
+class ProtocolError(Exception):
+    """The peer broke the protocol; the connection cannot continue."""
+
+
+@dataclass(frozen=True, slots=True)
+class FrameHeader:
+    kind: FrameKind
+    transfer_id: int = 0
+    layer: int = 0
+    start: int = 0
+    end: int = 0
+    aux: int = 0
+    payload_len: int = 0
+    checksum: int = 0
+    flags: int = 0
+
+    def pack(self) -> bytes:
+        return HEADER.pack(
+            MAGIC, VERSION, int(self.kind), self.flags, self.transfer_id, self.layer,
+            self.start, self.end, self.aux, self.payload_len, self.checksum,
+        )
+
+    @classmethod
+    def unpack(cls, data: bytes | bytearray | memoryview) -> "FrameHeader":
+        magic, version, kind, flags, transfer_id, layer, start, end, aux, payload_len, checksum = HEADER.unpack(data)
+        if magic != MAGIC:
+            raise ProtocolError(f"bad magic {magic!r}")
+        if version != VERSION:
+            raise ProtocolError(f"unsupported protocol version {version}")
+        try:
+            kind = FrameKind(kind)
+        except ValueError:
+            raise ProtocolError(f"unknown frame kind {kind}") from None
+        if kind not in (FrameKind.DATA,) and payload_len > MAX_CONTROL_PAYLOAD:
+            raise ProtocolError(f"{kind.name} frame of {payload_len} bytes exceeds {MAX_CONTROL_PAYLOAD}")
+        return cls(FrameKind(kind), transfer_id, layer, start, end, aux, payload_len, checksum, flags)

@@ -1,0 +1,228 @@
+"""The decode side's ledger of expected transfers, shared by every transport.
+
+A *grant* is a set of reserved blocks a prefill worker may fill for one request. Transports
+(threads) look grants up by id, write into them under the grant's lock, and report what
+landed; the decode worker (asyncio) awaits completion. A grant that does not complete
+within its lease is cancelled and its blocks freed; the lock guarantees no transport thread
+is still writing into blocks once they are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import secrets
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from pdserve.kvtransfer.layout import CacheLayers
+from pdserve.kvtransfer.protocol import AckStatus
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LEASE_S = 30.0
+
+
+class TransferFailed(Exception):
+    def __init__(self, reason: str, status: AckStatus = AckStatus.PROTOCOL_ERROR) -> None:
+        super().__init__(reason)
+        self.status = status
+
+
+class GrantState(enum.Enum):
+    ACTIVE = "active"
+    COMPLETE = "complete"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, slots=True)
+class TransferResult:
+    first_token_id: int
+    transport: str
+    nbytes: int
+
+
+@dataclass(eq=False)
+class Grant:
+    transfer_id: int
+    block_ids: list[int]
+    num_tokens: int
+    num_layers: int
+    deadline: float
+    future: asyncio.Future
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    state: GrantState = GrantState.ACTIVE
+    corrupted: bool = False
+    nbytes: int = 0
+    owns_blocks: bool = True  # False once the engine has taken the blocks (or they were freed)
+    writers: int = 0  # transport threads writing into the blocks right now
+    free_when_idle: bool = False  # failed while a writer was active: the last writer frees
+    landed: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.landed = np.zeros((self.num_layers, self.num_tokens), dtype=bool)
+
+    @property
+    def transfer_key(self) -> str:
+        return f"{self.transfer_id:016x}"
+
+
+class KVReceiver:
+    def __init__(
+        self,
+        cache: CacheLayers,
+        loop: asyncio.AbstractEventLoop,
+        free_blocks: Callable[[list[int]], None],
+        lease_s: float = DEFAULT_LEASE_S,
+    ) -> None:
+        self.cache = cache
+        self.loop = loop
+        self.free_blocks = free_blocks
+        self.lease_s = lease_s
+        self.grants: dict[int, Grant] = {}
+        self.counters: Counter[str] = Counter()
+
+    # -- decode worker side (event loop) ------------------------------------------------------
+    def grant(self, block_ids: list[int], num_tokens: int, lease_s: float | None = None) -> Grant:
+        transfer_id = secrets.randbits(63)
+        grant = Grant(
+            transfer_id, list(block_ids), num_tokens, self.cache.num_layers,
+            time.monotonic() + (lease_s or self.lease_s), self.loop.create_future(),
+        )
+        self.grants[transfer_id] = grant
+        return grant
+
+    async def wait(self, grant: Grant) -> TransferResult:
+        """The transfer's result; raises TransferFailed (its blocks are then already freed)."""
+        timeout = max(0.0, grant.deadline - time.monotonic())
+        try:
+            return await asyncio.wait_for(asyncio.shield(grant.future), timeout)
+        except asyncio.TimeoutError:
+            self.fail(grant, "lease expired before the KV cache arrived")
+            self.counters["lease_expired"] += 1
+            raise TransferFailed("lease expired before the KV cache arrived") from None
+
+    def take(self, grant: Grant) -> list[int]:
+        """Hands a completed grant's blocks to the engine."""
+        with grant.lock:
+            assert grant.state is GrantState.COMPLETE
+            grant.owns_blocks = False
+        self.grants.pop(grant.transfer_id, None)
+        return grant.block_ids
+
+    def fail(self, grant: Grant, reason: str, status: AckStatus = AckStatus.PROTOCOL_ERROR) -> None:
+        """Ends a grant (cancel, expiry, error). Its blocks are freed now, or by the last
+        transport thread still writing into them; this never blocks."""
+        with grant.lock:
+            if grant.state is not GrantState.ACTIVE:
+                return  # completed (the blocks belong to the engine) or already failed
+            grant.state = GrantState.FAILED
+            release = grant.owns_blocks and grant.writers == 0
+            if grant.owns_blocks and grant.writers:
+                grant.free_when_idle = True
+            if release:
+                grant.owns_blocks = False
+        self.grants.pop(grant.transfer_id, None)
+        if release:
+            self.free_blocks(grant.block_ids)
+        self._resolve(grant, TransferFailed(reason, status))
+
+    def reap_expired(self) -> int:
+        now = time.monotonic()
+        expired = [g for g in list(self.grants.values()) if g.deadline < now and g.state is GrantState.ACTIVE]
+        for grant in expired:
+            log.warning("transfer %s: lease expired, freeing %d blocks", grant.transfer_key, len(grant.block_ids))
+            self.counters["lease_expired"] += 1
+            self.fail(grant, "lease expired before the KV cache arrived")
+        return len(expired)
+
+    @property
+    def num_active(self) -> int:
+        return len(self.grants)
+
+    # -- transport side (any thread) ------------------------------------------------------------
+    def lookup(self, transfer_id: int) -> Grant | None:
+        return self.grants.get(transfer_id)
+
+    def check_range(self, grant: Grant, layer: int, start: int, end: int, nbytes: int) -> str | None:
+        """Why a unit may not be written into this grant, or None."""
+        if not 0 <= layer < grant.num_layers:
+            return f"layer {layer} out of range"
+        if not 0 <= start < end <= grant.num_tokens:
+            return f"tokens [{start}, {end}) outside the {grant.num_tokens} granted"
+        if nbytes != (end - start) * self.cache.token_bytes:
+            return f"payload of {nbytes} bytes does not match {end - start} tokens"
+        if grant.landed[layer, start:end].any():
+            return f"tokens [{start}, {end}) of layer {layer} sent twice"
+        return None
+
+    def begin_write(self, grant: Grant) -> bool:
+        """A transport is about to write into the grant's blocks; False if it must discard instead."""
+        with grant.lock:
+            if grant.state is not GrantState.ACTIVE:
+                return False
+            grant.writers += 1
+            return True
+
+    def end_write(self, grant: Grant, layer: int, start: int, end: int, checksum_ok: bool | None) -> None:
+        """``checksum_ok`` None: the write broke off (connection lost) and nothing landed."""
+        release = False
+        with grant.lock:
+            grant.writers -= 1
+            if checksum_ok is not None:
+                grant.landed[layer, start:end] = True
+                grant.nbytes += (end - start) * self.cache.token_bytes
+            if checksum_ok is False:
+                grant.corrupted = True
+                self.counters["checksum_mismatch"] += 1
+            if grant.free_when_idle and grant.writers == 0:
+                grant.free_when_idle = grant.owns_blocks = False
+                release = True
+        if release:
+            self.free_blocks(grant.block_ids)
+
+    def finish(self, grant: Grant, first_token_id: int, transport: str) -> AckStatus:
+        """The sender says it is done: verify coverage and integrity, then complete or fail."""
+        with grant.lock:
+            if grant.state is not GrantState.ACTIVE:
+                return AckStatus.UNKNOWN_TRANSFER
+            if grant.corrupted:
+                status, reason = AckStatus.CHECKSUM_MISMATCH, "KV checksum mismatch: the cache arrived corrupted"
+            elif not grant.landed.all():
+                status, reason = AckStatus.INCOMPLETE, "transfer finished with K/V missing"
+            else:
+                grant.state = GrantState.COMPLETE
+                self.counters[f"transfers_{transport}"] += 1
+                self.counters[f"bytes_{transport}"] += grant.nbytes
+                self._resolve(grant, TransferResult(first_token_id, transport, grant.nbytes))
+                return AckStatus.OK
+        self.loop.call_soon_threadsafe(self.fail, grant, reason, status)
+        return status
+
+    def _resolve(self, grant: Grant, outcome: TransferResult | Exception) -> None:
+        def settle() -> None:
+            if grant.future.done():
+                return
+            if isinstance(outcome, Exception):
+                grant.future.set_exception(outcome)
+                grant.future.exception()  # mark retrieved: a cancelled waiter may never read it
+            else:
+                grant.future.set_result(outcome)
+
+        if _on_loop(self.loop):
+            settle()
+        else:
+            self.loop.call_soon_threadsafe(settle)
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False

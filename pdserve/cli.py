@@ -1,0 +1,140 @@
+"""The ``pdserve`` command: up, generate, router, prefill, decode, config."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+
+from pdserve.config import add_arguments, as_dict, load_file, resolve, unknown_file_keys
+from pdserve.engine.engine_config import EngineConfig
+from pdserve.process import setup_logging
+from pdserve.settings import ClusterSettings, RouterSettings, WorkerSettings
+
+log = logging.getLogger("pdserve")
+
+UP_WORKER_FIELDS = ("host", "port", "advertise_host", "kv_port", "colocated", "cpus")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start router, prefill and decode pools locally; print 'ready'; run until Ctrl-C")
+    add_arguments(up, RouterSettings, skip=("prefill_workers", "decode_workers"))
+    add_arguments(up, ClusterSettings)
+    add_arguments(up, EngineConfig)
+    add_arguments(up, WorkerSettings, skip=UP_WORKER_FIELDS)
+
+    gen = sub.add_parser("generate", help="stream a completion from a running router")
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--addr", default="127.0.0.1:50051", help="router address (default: %(default)s)")
+    gen.add_argument("--max-tokens", type=int, default=None)
+    gen.add_argument("--temperature", type=float, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per streamed message")
+    gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+
+    router = sub.add_parser("router", help="run the router alone")
+    add_arguments(router, RouterSettings)
+    router.add_argument("--model", default=None, help="model folder or .gguf (for the tokenizer)")
+    router.add_argument("--cache-dir", default=None)
+
+    for role in ("prefill", "decode"):
+        worker = sub.add_parser(role, help=f"run one {role} worker")
+        add_arguments(worker, EngineConfig)
+        add_arguments(worker, WorkerSettings)
+
+    show = sub.add_parser("config", help="print the effective configuration")
+    show.add_argument("--show", action="store_true", help="print it (the default action)")
+    for p in (up, router, show, *[sub.choices[r] for r in ("prefill", "decode")]):
+        p.add_argument("--config", default=None, help="YAML file with settings (flags > env > file > defaults)")
+        p.add_argument("--log-level", default=None)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "generate":
+        from pdserve.generate_cli import run_generate
+
+        return run_generate(args)
+    setup_logging(args.log_level)
+    try:
+        file = load_file(args.config)
+        return _run(args, file)
+    except (ValueError, FileNotFoundError, TimeoutError, RuntimeError) as e:
+        print(f"pdserve {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace, file: dict) -> int:
+    if args.command == "config":
+        classes = (EngineConfig, WorkerSettings, RouterSettings, ClusterSettings)
+        unknown = unknown_file_keys(file, *classes)
+        if unknown:
+            raise ValueError(f"unknown settings in {args.config}: {', '.join(unknown)}")
+        settings = [resolve(cls, None, file=file) for cls in classes]
+        print(json.dumps(as_dict(*settings), indent=2))
+        return 0
+    if args.command == "router":
+        from pdserve.router.main import serve
+
+        settings = resolve(RouterSettings, args, file=file)
+        asyncio.run(serve(settings, args.model, args.cache_dir))
+        return 0
+    if args.command in ("prefill", "decode"):
+        engine = resolve(EngineConfig, args, file=file)
+        worker = resolve(WorkerSettings, args, file=file)
+        if worker.cpu_set():
+            os.sched_setaffinity(0, worker.cpu_set())
+        if args.command == "prefill":
+            from pdserve.prefill_worker.main import serve
+        else:
+            from pdserve.decode_worker.main import serve
+        asyncio.run(serve(engine, worker))
+        return 0
+    return _up(args, file)
+
+
+def _up(args: argparse.Namespace, file: dict) -> int:
+    from pdserve.launcher import Cluster
+
+    router = resolve(RouterSettings, args, file=file)
+    cluster = Cluster(
+        resolve(EngineConfig, args, file=file),
+        resolve(WorkerSettings, args, file=file),
+        router,
+        resolve(ClusterSettings, args, file=file),
+    )
+    stop = {"signal": None}
+
+    def on_signal(signum, frame):  # noqa: ARG001
+        stop["signal"] = signal.Signals(signum).name
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        address = cluster.start()
+        mode = "colocated" if cluster.cluster.colocated else f"{cluster.cluster.prefill}P{cluster.cluster.decode}D"
+        print(f"pdserve ready: router on {address} ({mode})", flush=True)
+        code = cluster.wait()
+    except KeyboardInterrupt:
+        code = 0
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        cluster.stop()
+        log.info("all processes stopped")
+    return code or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

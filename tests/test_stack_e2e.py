@@ -1,0 +1,207 @@
+"""The whole stack in real processes: `pdserve up` (1P1D and colocated), real gRPC, the real
+model. Greedy output must equal Hugging Face's; cancels and deadlines must free every block."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from conftest import PROMPTS
+from pdserve.client import build_request
+from pdserve.v1 import pdserve_pb2 as pb
+from pdserve.v1 import pdserve_pb2_grpc
+from processes import Stack
+
+pytestmark = pytest.mark.e2e
+MAX_NEW = 16
+STACK_ARGS = ("--dtype", "float32", "--kv-cache-memory", "256MiB")
+
+
+@pytest.fixture(scope="module")
+def stack():
+    s = Stack.up("--prefill", "1", "--decode", "1", *STACK_ARGS)
+    yield s
+    s.down()
+
+
+@pytest.fixture(scope="module")
+def colocated():
+    s = Stack.up("--colocated", *STACK_ARGS)
+    yield s
+    s.down()
+
+
+async def collect(address: str, request: pb.GenerateRequest, timeout: float = 120.0):
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pdserve_pb2_grpc.RouterStub(channel)
+        messages = [m async for m in stub.Generate(request, timeout=timeout)]
+    ids = [t for m in messages for t in m.token_ids]
+    return ids, "".join(m.text for m in messages), messages
+
+
+async def cluster_stats(address: str) -> pb.ClusterStats:
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await pdserve_pb2_grpc.RouterStub(channel).GetClusterStats(pb.ClusterStatsRequest(), timeout=10)
+
+
+async def assert_blocks_all_free(address: str, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = await cluster_stats(address)
+        busy = [(w.address, w.blocks_total - w.blocks_free, w.reserved_transfers) for w in stats.workers
+                if w.blocks_free != w.blocks_total or w.reserved_transfers or w.running or w.waiting]
+        if not busy:
+            assert all(w.healthy and w.blocks_total > 0 for w in stats.workers)
+            return
+        assert time.monotonic() < deadline, f"blocks still in use: {busy}"
+        await asyncio.sleep(0.2)
+
+
+def greedy(prompt: str, max_tokens: int = MAX_NEW, **kwargs) -> pb.GenerateRequest:
+    return build_request(prompt, max_tokens=max_tokens, temperature=0.0, **kwargs)
+
+
+async def test_greedy_output_equals_transformers(stack, hf_reference):
+    for prompt in (PROMPTS[0], PROMPTS[3]):
+        ids, text, messages = await collect(stack.address, greedy(prompt))
+        expected = hf_reference.greedy(hf_reference.tokenizer(prompt).input_ids, MAX_NEW)
+        assert ids == expected
+        assert text == hf_reference.tokenizer.decode(ids, skip_special_tokens=True)
+        last = messages[-1]
+        assert last.finish_reason in ("stop", "length") and all(not m.finish_reason for m in messages[:-1])
+        assert last.usage.prompt_tokens == len(hf_reference.tokenizer(prompt).input_ids)
+        assert last.usage.completion_tokens == len(ids) and last.usage.ttft_ms > 0
+    await assert_blocks_all_free(stack.address)
+
+
+async def test_token_ids_and_chat_messages_inputs(stack, hf_reference):
+    prompt_ids = hf_reference.tokenizer(PROMPTS[2]).input_ids
+    ids, _, _ = await collect(stack.address, build_request(prompt_token_ids=prompt_ids, max_tokens=MAX_NEW, temperature=0))
+    assert ids == hf_reference.greedy(prompt_ids, MAX_NEW)
+    messages = [{"role": "user", "content": "What is the capital of Italy?"}]
+    chat_ids = hf_reference.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    chat_ids = list(chat_ids["input_ids"] if hasattr(chat_ids, "keys") else chat_ids)
+    ids, text, msgs = await collect(stack.address, build_request(messages=messages, max_tokens=MAX_NEW, temperature=0))
+    assert ids == hf_reference.greedy(chat_ids, MAX_NEW)
+    assert msgs[-1].usage.prompt_tokens == len(chat_ids)
+
+
+async def test_sixteen_concurrent_streams(stack, hf_reference):
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(16)]
+    results = await asyncio.gather(*(collect(stack.address, greedy(p, 12)) for p in prompts))
+    for prompt, (ids, _, _) in zip(prompts, results):
+        assert ids == hf_reference.greedy(hf_reference.tokenizer(prompt).input_ids, 12)
+    await assert_blocks_all_free(stack.address)
+
+
+async def test_colocated_gives_the_same_tokens(stack, colocated):
+    for prompt in PROMPTS[:3]:
+        disaggregated, _, _ = await collect(stack.address, greedy(prompt))
+        together, _, _ = await collect(colocated.address, greedy(prompt))
+        assert disaggregated == together
+    await assert_blocks_all_free(colocated.address)
+
+
+async def test_stop_string_ends_the_stream(stack, hf_reference):
+    _, full_text, _ = await collect(stack.address, greedy(PROMPTS[0], 24))
+    stop = full_text[8:12]
+    _, text, messages = await collect(stack.address, greedy(PROMPTS[0], 24, stop=[stop]))
+    assert messages[-1].finish_reason == "stop"
+    assert text == full_text[: full_text.index(stop)]
+    await assert_blocks_all_free(stack.address)
+
+
+@pytest.mark.parametrize("mode", ["stack", "colocated"])
+async def test_cancel_mid_stream_frees_blocks(mode, request):
+    address = request.getfixturevalue(mode).address
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = pdserve_pb2_grpc.RouterStub(channel).Generate(
+            build_request(PROMPTS[3], max_tokens=400, temperature=0, ignore_eos=True), timeout=120)
+        for _ in range(3):
+            await call.read()
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call.read()
+        assert call.cancelled()
+        assert (await call.code()) is grpc.StatusCode.CANCELLED
+    await assert_blocks_all_free(address)
+
+
+async def test_expiring_deadline_frees_blocks(stack):
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await collect(stack.address, build_request(PROMPTS[3], max_tokens=400, temperature=0, ignore_eos=True), timeout=1.5)
+    assert err.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    await assert_blocks_all_free(stack.address)
+
+
+BAD_REQUESTS = [
+    (dict(prompt=""), "prompt"),
+    (dict(), "prompt"),
+    (dict(prompt="hi", prompt_token_ids=[1, 2]), "prompt_token_ids"),
+    (dict(prompt="hi", messages=[{"role": "user", "content": "x"}]), "messages"),
+    (dict(prompt_token_ids=[1, 49152]), "prompt_token_ids"),
+    (dict(prompt_token_ids=[-1]), "prompt_token_ids"),
+    (dict(prompt_token_ids=[5] * 9000), "prompt_token_ids"),
+    (dict(prompt="word " * 9000), "prompt"),
+    (dict(messages=[{"role": "wizard", "content": "x"}]), "messages[0].role"),
+    (dict(prompt="hi", max_tokens=0), "sampling.max_tokens"),
+    (dict(prompt="hi", max_tokens=100_000), "sampling.max_tokens"),
+    (dict(prompt="hi", temperature=-1.0), "sampling.temperature"),
+    (dict(prompt="hi", top_p=0.0), "sampling.top_p"),
+    (dict(prompt="hi", top_p=1.5), "sampling.top_p"),
+    (dict(prompt="hi", top_k=-2), "sampling.top_k"),
+    (dict(prompt="hi", seed=-3), "sampling.seed"),
+    (dict(prompt="hi", stop=["x"] * 17), "sampling.stop"),
+    (dict(prompt="hi", stop=[""]), "sampling.stop[0]"),
+    (dict(prompt="hi", stop_token_ids=[10**7]), "sampling.stop_token_ids"),
+    (dict(prompt="hi", priority=1000), "priority"),
+]
+
+
+@pytest.mark.parametrize("fields, field", BAD_REQUESTS, ids=[f for _, f in BAD_REQUESTS])
+async def test_bad_input_is_invalid_argument_naming_the_field(stack, fields, field):
+    fields = dict(fields)
+    prompt = fields.pop("prompt", None)
+    started = time.perf_counter()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await collect(stack.address, build_request(prompt, **fields), timeout=30)
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith(field + ":"), err.value.details()
+    assert time.perf_counter() - started < 5.0  # rejected up front, not after a worker round trip
+
+
+async def test_health_and_reflection_on_every_server(stack):
+    stats = await cluster_stats(stack.address)
+    targets = [(stack.address, "pdserve.v1.Router")] + [
+        (w.address, "pdserve.v1.PrefillWorker" if w.role == "prefill" else "pdserve.v1.DecodeWorker") for w in stats.workers
+    ]
+    assert len(targets) == 3
+    for address, service in targets:
+        async with grpc.aio.insecure_channel(address) as channel:
+            health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            stream = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+            names = {s.name async for r in stream for s in r.list_services_response.service}
+            assert service in names and "grpc.health.v1.Health" in names
+
+
+def test_cli_generate_json_streams_one_object_per_message(stack, hf_reference):
+    out = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "generate", "--addr", stack.address, "--json", "--max-tokens", "8",
+         "--temperature", "0", PROMPTS[0]],
+        capture_output=True, text=True, timeout=120, check=True,
+    )
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert all({"token_ids", "text", "finish_reason"} <= row.keys() for row in rows)
+    assert all(row["finish_reason"] is None for row in rows[:-1]) and rows[-1]["finish_reason"] == "length"
+    ids = [t for row in rows for t in row["token_ids"]]
+    assert ids == hf_reference.greedy(hf_reference.tokenizer(PROMPTS[0]).input_ids, 8)

@@ -1,0 +1,71 @@
+"""Roles started one by one (as on several hosts): unreachable workers and refused handshakes
+give clear errors, never hangs."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from pdserve.client import build_request
+from pdserve.v1 import pdserve_pb2 as pb
+from pdserve.v1 import pdserve_pb2_grpc
+from processes import Proc, free_port
+
+pytestmark = pytest.mark.e2e
+
+
+def start(*args: str) -> tuple[Proc, dict]:
+    proc = Proc(list(args))
+    try:
+        return proc, proc.wait_ready()
+    except Exception:
+        proc.stop()
+        raise
+
+
+async def generate(address: str, request: pb.GenerateRequest, timeout: float = 60.0):
+    async with grpc.aio.insecure_channel(address) as channel:
+        return [m async for m in pdserve_pb2_grpc.RouterStub(channel).Generate(request, timeout=timeout)]
+
+
+async def test_no_reachable_worker_is_unavailable_not_a_hang():
+    dead = f"127.0.0.1:{free_port()}"
+    router, info = start("router", "--port", "0", "--decode-workers", dead, "--prefill-workers", dead)
+    try:
+        started = time.perf_counter()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await generate(info["grpc"], build_request("hello", max_tokens=4), timeout=60)
+        assert err.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert dead in err.value.details()
+        assert time.perf_counter() - started < 20
+    finally:
+        assert router.stop() == 0
+
+
+async def test_handshake_mismatch_is_refused_cleanly():
+    """A decode worker with another dtype refuses the prefill worker's KV handshake."""
+    prefill, p_info = start("prefill", "--port", "0", "--dtype", "float32", "--kv-cache-memory", "64MiB", "--num-threads", "1")
+    decode, d_info = start("decode", "--port", "0", "--dtype", "bfloat16", "--kv-cache-memory", "64MiB", "--num-threads", "1")
+    router, r_info = start("router", "--port", "0", "--prefill-workers", p_info["grpc"], "--decode-workers", d_info["grpc"])
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await generate(r_info["grpc"], build_request("hello there", max_tokens=4), timeout=60)
+        assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+        assert "refused the KV handshake" in err.value.details() and "dtype" in err.value.details()
+        decode.wait_for(lambda line: "KV handshake" in line and "refused" in line, timeout=10)
+
+        async with grpc.aio.insecure_channel(d_info["grpc"]) as channel:
+            stub = pdserve_pb2_grpc.DecodeWorkerStub(channel)
+            for _ in range(50):
+                stats = await stub.GetStats(pb.StatsRequest(), timeout=5)
+                if stats.blocks_free == stats.blocks_total and stats.reserved_transfers == 0:
+                    break
+                await asyncio.sleep(0.2)
+        assert stats.blocks_free == stats.blocks_total and stats.reserved_transfers == 0
+        assert stats.counters["kv_handshakes_refused"] >= 1
+    finally:
+        for proc in (router, prefill, decode):
+            assert proc.stop() == 0

@@ -1,0 +1,180 @@
+"""Serving metrics from per-request timelines, defined as in vLLM's serving benchmark.
+
+Per successful request (times from the client's clock):
+- TTFT: first message carrying tokens - send time.
+- ITL: gaps between successive messages carrying tokens (a message may carry several tokens;
+  like vLLM, the gap is per message, not split across its tokens).
+- E2EL: final message - send time.
+- TPOT: (E2EL - TTFT) / (output tokens - 1), only for outputs of more than one token.
+Goodput (DistServe): successful requests per second whose TTFT, TPOT (0 for one-token
+outputs) and E2EL are within every SLO given. Failed requests count in ``failed`` and are
+excluded from the latency statistics and throughputs, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+PERCENTILES = (90, 99)
+GOODPUT_METRICS = ("ttft", "tpot", "e2el")
+
+
+@dataclass(slots=True)
+class Timeline:
+    """What the client saw of one request; times are time.perf_counter() seconds."""
+
+    prompt_len: int
+    max_tokens: int
+    send_time: float = 0.0
+    chunk_times: list[float] = field(default_factory=list)  # arrivals of messages with tokens
+    chunk_tokens: list[int] = field(default_factory=list)  # tokens in each of those messages
+    end_time: float | None = None  # arrival of the final message
+    finish_reason: str = ""
+    error: str = ""  # "" = success
+
+    @property
+    def success(self) -> bool:
+        return not self.error and self.end_time is not None and bool(self.chunk_times)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.chunk_tokens)
+
+    @property
+    def ttft(self) -> float:
+        return self.chunk_times[0] - self.send_time
+
+    @property
+    def e2el(self) -> float:
+        assert self.end_time is not None
+        return self.end_time - self.send_time
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
+
+    @property
+    def tpot(self) -> float | None:
+        n = self.output_tokens
+        return (self.e2el - self.ttft) / (n - 1) if n > 1 else None
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    """Milliseconds."""
+
+    mean: float
+    median: float
+    std: float
+    p90: float
+    p99: float
+
+    @staticmethod
+    def of(seconds: list[float]) -> "Stats":
+        # vLLM reports 0 for an empty sample (e.g. every request failed) rather than NaN.
+        a = np.asarray(seconds or [0.0], dtype=float) * 1e3
+        p90, p99 = np.percentile(a, PERCENTILES)
+        return Stats(float(a.mean()), float(np.median(a)), float(a.std()), float(p90), float(p99))
+
+
+@dataclass(frozen=True, slots=True)
+class Goodput:
+    """SLOs in milliseconds; None = not constrained."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2el_ms: float | None = None
+
+    def is_set(self) -> bool:
+        return any(v is not None for v in (self.ttft_ms, self.tpot_ms, self.e2el_ms))
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: v for k, v in (("ttft", self.ttft_ms), ("tpot", self.tpot_ms), ("e2el", self.e2el_ms)) if v is not None}
+
+    @staticmethod
+    def parse(pairs: list[str] | None) -> "Goodput":
+        """['ttft:500', 'tpot:50'] -> Goodput; raises ValueError with a readable message."""
+        values: dict[str, float] = {}
+        for pair in pairs or []:
+            name, sep, value = pair.partition(":")
+            if not sep or name not in GOODPUT_METRICS:
+                raise ValueError(f"--goodput takes KEY:MS pairs with KEY in {', '.join(GOODPUT_METRICS)}, got {pair!r}")
+            try:
+                ms = float(value)
+            except ValueError:
+                raise ValueError(f"--goodput {name}: {value!r} is not a number of milliseconds") from None
+            if not (ms > 0 and math.isfinite(ms)):
+                raise ValueError(f"--goodput {name}: the SLO must be a positive number of milliseconds, got {value}")
+            values[f"{name}_ms"] = ms
+        return Goodput(**values)
+
+    def met_by(self, t: Timeline) -> bool:
+        tpot = t.tpot or 0.0
+        checks = ((self.ttft_ms, t.ttft), (self.tpot_ms, tpot), (self.e2el_ms, t.e2el))
+        return all(slo is None or value * 1e3 <= slo for slo, value in checks)
+
+
+@dataclass(frozen=True, slots=True)
+class RunMetrics:
+    duration: float
+    completed: int
+    failed: int
+    total_input: int
+    total_output: int
+    request_throughput: float
+    request_goodput: float | None  # None when no SLO was given
+    output_throughput: float
+    total_token_throughput: float
+    ttft: Stats
+    tpot: Stats
+    itl: Stats
+    e2el: Stats
+    max_output_tokens_per_s: float
+    max_concurrent_requests: int
+
+
+def compute(timelines: list[Timeline], duration_s: float, goodput: Goodput | None = None) -> RunMetrics:
+    ok = [t for t in timelines if t.success]
+    total_in = sum(t.prompt_len for t in ok)
+    total_out = sum(t.output_tokens for t in ok)
+    dur = max(duration_s, 1e-9)
+    good = None
+    if goodput is not None and goodput.is_set():
+        good = sum(goodput.met_by(t) for t in ok) / dur
+    peak_tokens, peak_requests = _peaks(ok)
+    return RunMetrics(
+        duration=duration_s,
+        completed=len(ok),
+        failed=len(timelines) - len(ok),
+        total_input=total_in,
+        total_output=total_out,
+        request_throughput=len(ok) / dur,
+        request_goodput=good,
+        output_throughput=total_out / dur,
+        total_token_throughput=(total_in + total_out) / dur,
+        ttft=Stats.of([t.ttft for t in ok]),
+        tpot=Stats.of([t.tpot for t in ok if t.tpot is not None]),
+        itl=Stats.of([g for t in ok for g in t.itls]),
+        e2el=Stats.of([t.e2el for t in ok]),
+        max_output_tokens_per_s=peak_tokens,
+        max_concurrent_requests=peak_requests,
+    )
+
+
+def _peaks(ok: list[Timeline]) -> tuple[float, int]:
+    """Most output tokens in any one-second bucket, and most requests active in a bucket
+    (vLLM's max_output_tokens_per_s / max_concurrent_requests)."""
+    if not ok:
+        return 0.0, 0
+    t0 = min(t.send_time for t in ok)
+    buckets = int(math.ceil(max(t.end_time or t0 for t in ok) - t0)) + 1
+    tokens = np.zeros(buckets)
+    active = np.zeros(buckets)
+    for t in ok:
+        for at, n in zip(t.chunk_times, t.chunk_tokens):
+            tokens[min(int(at - t0), buckets - 1)] += n
+        active[int(t.send_time - t0): int((t.end_time or t0) - t0) + 1] += 1
+    return float(tokens.max()), int(active.max())

@@ -1,0 +1,268 @@
+"""TTFT/ITL serving benchmark: ``python bench/serve.py ...`` (``main(argv)`` for ``pdserve bench``).
+
+Runs a workload against a live router (``--addr``), or starts each stack of ``--modes``
+itself (1p1d, colocated; one at a time: start, warm up, sweep the rates, stop), and/or runs
+the Hugging Face ``generate`` baseline (hf) on the same requests. Writes one vLLM-style JSON
+per mode and rate and the PNG plots to ``--result-dir`` and prints tables.
+Bad input exits with code 2 and a one-line message; a stack that fails to start exits 1.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __name__ == "__main__":
+    # Run as a script, this folder would shadow top-level modules (e.g. a library's 'metrics').
+    sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import contextlib  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import socket  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from typing import Iterator  # noqa: E402
+
+from pdserve.bench import plots, results, workloads  # noqa: E402
+from pdserve.bench.arrivals import parse_rates, validate as validate_arrivals  # noqa: E402
+from pdserve.bench.client_load import LoadConfig, Unreachable, check_reachable, run_load, warm_up  # noqa: E402
+from pdserve.bench.metrics import Goodput, compute  # noqa: E402
+from pdserve.config import add_arguments, resolve  # noqa: E402
+from pdserve.engine.engine_config import EngineConfig  # noqa: E402
+from pdserve.settings import KV_TRANSPORTS, ClusterSettings, RouterSettings, WorkerSettings  # noqa: E402
+
+MODES = ("live", "1p1d", "colocated", "hf")
+PROG = "pdserve bench"
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    modes: tuple[str, ...]
+    address: str
+    rates: tuple[float, ...]
+    burstiness: float
+    max_concurrency: int | None
+    seed: int
+    warmup: int
+    goodput: Goodput
+    result_dir: Path
+    time_limit_s: float
+    request_timeout_s: float
+    connect_timeout_s: float
+    hf_batch_size: int
+    progress: bool
+    plots: bool
+    workload: workloads.WorkloadConfig
+    engine: EngineConfig
+    worker: WorkerSettings
+    cluster: ClusterSettings
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description="TTFT/TPOT/ITL serving benchmark (vLLM metric definitions)")
+    load = p.add_argument_group("load")
+    load.add_argument("--addr", default="127.0.0.1:50051", help="router of a live stack, for mode live (default: %(default)s)")
+    load.add_argument("--modes", default="live",
+                      help=f"comma-separated, from {', '.join(MODES)}; all but live start their own stack (default: live)")
+    load.add_argument("--request-rates", "--request-rate", dest="request_rates", default="inf",
+                      help="comma-separated req/s to sweep, or inf = all at once (default: inf)")
+    load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps: 1 = Poisson, <1 burstier")
+    load.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (rate inf: fixed concurrency)")
+    load.add_argument("--num-prompts", type=int, default=100, help="measured requests per run (default: 100)")
+    load.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default: 0)")
+    load.add_argument("--warmup", "--num-warmups", dest="warmup", type=int, default=2,
+                      help="uncounted requests before each mode's sweep (default: 2)")
+    load.add_argument("--goodput", nargs="+", metavar="KEY:MS", help="SLOs, e.g. ttft:500 tpot:50 (keys ttft, tpot, e2el)")
+    load.add_argument("--time-limit-s", type=float, default=600.0, help="limit per run, one mode at one rate (default: 600)")
+    load.add_argument("--request-timeout-s", type=float, default=120.0, help="deadline of each request (default: 120)")
+    load.add_argument("--connect-timeout-s", type=float, default=10.0, help="wait for the router to accept (default: 10)")
+    load.add_argument("--hf-batch-size", type=int, default=8, help="static batch of the hf baseline (default: 8)")
+    load.add_argument("--result-dir", default="bench/results", help="JSON files and PNG plots (default: %(default)s)")
+    load.add_argument("--disable-tqdm", action="store_true", help="no progress bars")
+    load.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    wl = p.add_argument_group("workload")
+    wl.add_argument("--workload", "--dataset-name", dest="workload", default="random",
+                    help=f"one of {', '.join(workloads.WORKLOADS)} (default: random)")
+    wl.add_argument("--dataset-path", default=None, help="JSONL file for the jsonl workload")
+    wl.add_argument("--input-len", default=None, help="input tokens, N or LO:HI (per-workload default)")
+    wl.add_argument("--output-len", default=None, help="output tokens, N or LO:HI (per-workload default)")
+    wl.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: distinct system prompts (default: 4)")
+    wl.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: tokens per system prompt (default: 256)")
+    stack = p.add_argument_group("stacks started by the benchmark (and the hf baseline)")
+    add_arguments(stack, EngineConfig)
+    stack.add_argument("--kv-transport", default=None, choices=KV_TRANSPORTS, help="KV transport of the 1p1d stack")
+    stack.add_argument("--pin-cores", action=argparse.BooleanOptionalAction, default=None, help="pin each worker to its own cores")
+    stack.add_argument("--startup-timeout-s", type=float, default=None, help="wait for a started stack (default: 300)")
+    return p
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    """Validates every input up front; raises ValueError with the message for the user."""
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    unknown = [m for m in modes if m not in MODES]
+    if not modes or unknown:
+        raise ValueError(f"unknown mode {', '.join(unknown) or '(none)'}; choose from {', '.join(MODES)}")
+    rates = tuple(parse_rates(args.request_rates))
+    validate_arrivals(math.inf, args.burstiness)
+    counts = (("--num-prompts", args.num_prompts, 1), ("--warmup", args.warmup, 0), ("--hf-batch-size", args.hf_batch_size, 1))
+    for name, value, low in counts:
+        if value < low:
+            raise ValueError(f"{name} must be >= {low}, got {value}")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    for name in ("time_limit_s", "request_timeout_s", "connect_timeout_s"):
+        if not (getattr(args, name) > 0 and math.isfinite(getattr(args, name))):
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive number, got {getattr(args, name)}")
+    wl = workloads.WorkloadConfig(
+        name=args.workload, num_prompts=args.num_prompts, seed=args.seed,
+        input_len=workloads.parse_range(args.input_len) if args.input_len else None,
+        output_len=workloads.parse_range(args.output_len) if args.output_len else None,
+        num_prefixes=args.num_prefixes, prefix_len=args.prefix_len, path=args.dataset_path,
+    )
+    return Plan(
+        modes=modes, address=args.addr, rates=rates, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
+        seed=args.seed, warmup=args.warmup, goodput=Goodput.parse(args.goodput), result_dir=Path(args.result_dir),
+        time_limit_s=args.time_limit_s, request_timeout_s=args.request_timeout_s, connect_timeout_s=args.connect_timeout_s,
+        hf_batch_size=args.hf_batch_size, progress=not args.disable_tqdm, plots=not args.no_plots, workload=wl,
+        engine=resolve(EngineConfig, args),
+        worker=resolve(WorkerSettings, args, env={}),
+        cluster=resolve(ClusterSettings, args, env={}),
+    )
+
+
+def _tokenizer(engine: EngineConfig):
+    from transformers import AutoTokenizer
+
+    from pdserve.engine.model_store import resolve_model
+
+    return AutoTokenizer.from_pretrained(str(resolve_model(engine.model, engine.cache_dir)))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _stack(mode: str, plan: Plan) -> Iterator[str]:
+    """The router address for ``mode``; a started stack is stopped on the way out, always."""
+    if mode == "live":
+        yield plan.address
+        return
+    from pdserve.launcher import Cluster
+
+    os.environ.setdefault("PDSERVE_LOG_LEVEL", "WARNING")  # keep worker logs out of the tables
+    colocated = mode == "colocated"
+    cluster_settings = ClusterSettings(
+        prefill=0 if colocated else 1, decode=1, colocated=colocated,
+        pin_cores=plan.cluster.pin_cores, startup_timeout_s=plan.cluster.startup_timeout_s,
+    )
+    cluster = Cluster(plan.engine, plan.worker, RouterSettings(host="127.0.0.1", port=_free_port()), cluster_settings)
+    print(f"[{mode}] starting the stack ...", file=sys.stderr, flush=True)
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
+        print(f"[{mode}] stack stopped", file=sys.stderr, flush=True)
+
+
+def _info(plan: Plan, mode: str, rate: float, backend: str = "pdserve-grpc") -> results.RunInfo:
+    return results.RunInfo(
+        mode=mode, backend=backend, model_id=plan.engine.model or "default", workload=plan.workload.name,
+        num_prompts=plan.workload.num_prompts, request_rate=rate, burstiness=plan.burstiness,
+        max_concurrency=None if backend != "pdserve-grpc" else plan.max_concurrency, seed=plan.seed, goodput=plan.goodput,
+    )
+
+
+def _record(plan: Plan, info: results.RunInfo, timelines, duration: float) -> dict:
+    metrics = compute(timelines, duration, plan.goodput)
+    result = results.to_result(info, metrics, timelines)
+    path = results.write(plan.result_dir, info, result)
+    print(f"[{info.mode} @ {result['request_rate']}] {metrics.completed} ok, {metrics.failed} failed, "
+          f"{duration:.2f} s -> {path}", file=sys.stderr, flush=True)
+    return result
+
+
+async def _sweep(plan: Plan, mode: str, address: str, specs: list[workloads.RequestSpec]) -> list[dict]:
+    await check_reachable(address, plan.connect_timeout_s)
+    if plan.warmup:
+        warm = await warm_up(address, workloads.warmup_specs(specs, plan.warmup, plan.seed), plan.request_timeout_s)
+        bad = [t.error for t in warm if not t.success]
+        if bad:
+            print(f"[{mode}] warning: {len(bad)} of {len(warm)} warm-up requests failed: {bad[0]}", file=sys.stderr)
+    out = []
+    for rate in plan.rates:
+        cfg = LoadConfig(
+            address=address, request_rate=rate, burstiness=plan.burstiness, max_concurrency=plan.max_concurrency,
+            seed=plan.seed, request_timeout_s=plan.request_timeout_s, time_limit_s=plan.time_limit_s,
+            progress=plan.progress, label=f"{mode} @ {rate:g} req/s",
+        )
+        load = await run_load(specs, cfg)
+        out.append(_record(plan, _info(plan, mode, rate), load.timelines, load.duration))
+    return out
+
+
+def _run_hf(plan: Plan, specs: list[workloads.RequestSpec]) -> dict:
+    from pdserve.bench.hf_baseline import HFConfig, run_hf
+
+    cfg = HFConfig(
+        model=plan.engine.model, dtype=plan.engine.dtype, batch_size=plan.hf_batch_size, time_limit_s=plan.time_limit_s,
+        cache_dir=plan.engine.cache_dir, num_threads=plan.engine.num_threads, progress=plan.progress,
+    )
+    print("[hf] loading the model ...", file=sys.stderr, flush=True)
+    res = run_hf(specs, cfg)
+    return _record(plan, _info(plan, "hf", math.inf, backend="hf-generate"), res.timelines, res.duration)
+
+
+def run(plan: Plan, specs: list[workloads.RequestSpec]) -> tuple[list[dict], list[str]]:
+    """Runs every mode; a mode that fails (e.g. its stack does not start) is reported and
+    skipped so the others still run. Returns the results and the failed modes' messages."""
+    if "live" in plan.modes:  # fail fast, before starting anything
+        asyncio.run(check_reachable(plan.address, plan.connect_timeout_s))
+    collected: list[dict] = []
+    failures: list[str] = []
+    for mode in plan.modes:
+        try:
+            if mode == "hf":
+                collected.append(_run_hf(plan, specs))
+                continue
+            with _stack(mode, plan) as address:
+                collected += asyncio.run(_sweep(plan, mode, address, specs))
+        except (RuntimeError, TimeoutError, OSError) as e:  # Unreachable is an OSError
+            failures.append(f"mode {mode}: {e}")
+            print(f"{PROG}: error: mode {mode}: {e}", file=sys.stderr, flush=True)
+    results.print_tables(collected)
+    if plan.plots and collected:
+        for path in plots.write_all(collected, plan.result_dir):
+            print(f"plot: {path}")
+    return collected, failures
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        plan = make_plan(args)
+        specs = workloads.build(plan.workload, lambda: _tokenizer(plan.engine))
+        if set(plan.modes) - {"live"}:  # a bad --model is bad input, not a stack that fails later
+            from pdserve.engine.model_store import resolve_model
+
+            resolve_model(plan.engine.model, plan.engine.cache_dir)
+    except (ValueError, FileNotFoundError) as e:  # WorkloadError is a ValueError
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        _, failures = run(plan, specs)
+    except Unreachable as e:  # the live address, checked before anything runs
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

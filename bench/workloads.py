@@ -1,0 +1,216 @@
+"""Benchmark workloads: what each request sends (prompt token ids) and how many tokens it asks for.
+
+Everything is generated locally from a seed; nothing is downloaded. Prompts travel as token
+ids so the server and the Hugging Face baseline see exactly the same input, and the input
+length of each request is known without asking the server.
+
+Workloads
+- ``random``: input and output lengths uniform in the given ranges; token ids uniform in
+  [1000, 40000), a range of ordinary word pieces in the default model's vocabulary (49152),
+  away from the special tokens at the bottom.
+- ``sharegpt``: a synthetic stand-in for the long-tailed lengths of ShareGPT conversations.
+  Input lengths ~ LogNormal(mu=5.0, sigma=1.0) (median e^5 ~ 148 tokens, mean ~ 245),
+  output lengths ~ LogNormal(mu=4.8, sigma=0.9) (median ~ 122, mean ~ 183), both rounded and
+  clipped to the given ranges (default input [4, 1024], output [4, 512]); like vLLM's
+  ShareGPT filter, a pair whose total exceeds 2048 tokens has its output shortened. These
+  parameters give the dataset's general shape (many short turns, a long tail); they are not
+  fitted to it.
+- ``shared-prefix``: ``num_prefixes`` system prompts of ``prefix_len`` tokens of (seeded,
+  English-word) text, each request = one system prompt + a user question whose length is in
+  the input range; request i uses system prompt i % num_prefixes. Exercises prefix caching.
+- ``jsonl``: the user's own prompts, one JSON object per line: ``{"prompt": "..."}`` or
+  ``{"prompt_token_ids": [...]}``, optionally ``"output_len"`` (or ``"max_tokens"``); lines
+  without one draw an output length from the output range.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Protocol
+
+import numpy as np
+
+WORKLOADS = ("random", "sharegpt", "shared-prefix", "jsonl")
+TOKEN_ID_RANGE = (1000, 40000)
+SHAREGPT_INPUT = (5.0, 1.0)  # lognormal (mu, sigma) of input lengths
+SHAREGPT_OUTPUT = (4.8, 0.9)  # lognormal (mu, sigma) of output lengths
+SHAREGPT_MAX_TOTAL = 2048
+DEFAULT_INPUT_LEN = {"random": (32, 256), "sharegpt": (4, 1024), "shared-prefix": (16, 64), "jsonl": (1, 1)}
+DEFAULT_OUTPUT_LEN = {"random": (16, 64), "sharegpt": (4, 512), "shared-prefix": (16, 64), "jsonl": (16, 64)}
+
+# Word list for readable shared-prefix text (any text works for caching; words keep it realistic).
+_WORDS = (
+    "the a of and to in is you that it he was for on are as with his they at be this have from or one had by "
+    "word but not what all were we when your can said there use an each which she do how their if will up other "
+    "about out many then them these so some her would make like him into time has look two more write go see "
+    "number no way could people my than first water been call who oil its now find long down day did get come "
+    "made may part assistant policy customer answer question helpful careful precise support order account"
+).split()
+
+
+class WorkloadError(ValueError):
+    """Bad workload input (unknown name, bad range, malformed JSONL line)."""
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSpec:
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadConfig:
+    name: str = "random"
+    num_prompts: int = 100
+    seed: int = 0
+    input_len: tuple[int, int] | None = None  # None: the workload's default range
+    output_len: tuple[int, int] | None = None
+    num_prefixes: int = 4  # shared-prefix: distinct system prompts
+    prefix_len: int = 256  # shared-prefix: tokens per system prompt
+    path: str | None = None  # jsonl: the file
+
+    def __post_init__(self) -> None:
+        if self.name not in WORKLOADS:
+            raise WorkloadError(f"unknown workload {self.name!r}; choose one of {', '.join(WORKLOADS)}")
+        if self.num_prompts < 1:
+            raise WorkloadError(f"--num-prompts must be >= 1, got {self.num_prompts}")
+        for label, rng in (("--input-len", self.input_len), ("--output-len", self.output_len)):
+            if rng is not None and not (1 <= rng[0] <= rng[1]):
+                raise WorkloadError(f"{label} must be N or LO:HI with 1 <= LO <= HI, got {rng[0]}:{rng[1]}")
+        if self.num_prefixes < 1 or self.prefix_len < 1:
+            raise WorkloadError("--num-prefixes and --prefix-len must be >= 1")
+        if self.name == "jsonl" and not self.path:
+            raise WorkloadError("the jsonl workload needs --dataset-path FILE")
+
+    def input_range(self) -> tuple[int, int]:
+        return self.input_len or DEFAULT_INPUT_LEN[self.name]
+
+    def output_range(self) -> tuple[int, int]:
+        return self.output_len or DEFAULT_OUTPUT_LEN[self.name]
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """'N' -> (N, N); 'LO:HI' -> (LO, HI)."""
+    parts = text.split(":")
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        raise WorkloadError(f"length range must be N or LO:HI (integers), got {text!r}") from None
+    if len(values) == 1:
+        values *= 2
+    if len(values) != 2 or not 1 <= values[0] <= values[1]:
+        raise WorkloadError(f"length range must be N or LO:HI with 1 <= LO <= HI, got {text!r}")
+    return values[0], values[1]
+
+
+def build(cfg: WorkloadConfig, tokenizer: Callable[[], Tokenizer]) -> list[RequestSpec]:
+    """The requests of a workload; ``tokenizer`` is called only by workloads that hold text."""
+    rng = np.random.default_rng(cfg.seed)
+    if cfg.name == "random":
+        return _random(cfg, rng)
+    if cfg.name == "sharegpt":
+        return _sharegpt(cfg, rng)
+    if cfg.name == "shared-prefix":
+        return _shared_prefix(cfg, rng, tokenizer())
+    return load_jsonl(Path(cfg.path or ""), cfg, rng, tokenizer)
+
+
+def warmup_specs(specs: list[RequestSpec], n: int, seed: int) -> list[RequestSpec]:
+    """Same lengths as the first requests but fresh token ids, so warm-up never fills the
+    prefix cache with the prompts that are then measured."""
+    rng = np.random.default_rng(seed + 10_007)
+    out = []
+    for i in range(n):
+        src = specs[i % len(specs)]
+        out.append(RequestSpec(_random_ids(rng, src.prompt_len), src.max_tokens))
+    return out
+
+
+def _random_ids(rng: np.random.Generator, n: int) -> tuple[int, ...]:
+    return tuple(int(t) for t in rng.integers(*TOKEN_ID_RANGE, size=n))
+
+
+def _random(cfg: WorkloadConfig, rng: np.random.Generator) -> list[RequestSpec]:
+    (ilo, ihi), (olo, ohi) = cfg.input_range(), cfg.output_range()
+    ins = rng.integers(ilo, ihi + 1, size=cfg.num_prompts)
+    outs = rng.integers(olo, ohi + 1, size=cfg.num_prompts)
+    return [RequestSpec(_random_ids(rng, int(i)), int(o)) for i, o in zip(ins, outs)]
+
+
+def _sharegpt(cfg: WorkloadConfig, rng: np.random.Generator) -> list[RequestSpec]:
+    (ilo, ihi), (olo, ohi) = cfg.input_range(), cfg.output_range()
+    ins = np.clip(np.rint(rng.lognormal(*SHAREGPT_INPUT, size=cfg.num_prompts)), ilo, ihi).astype(int)
+    outs = np.clip(np.rint(rng.lognormal(*SHAREGPT_OUTPUT, size=cfg.num_prompts)), olo, ohi).astype(int)
+    specs = []
+    for i, o in zip(ins, outs):
+        o = max(1, min(int(o), SHAREGPT_MAX_TOTAL - int(i)))
+        specs.append(RequestSpec(_random_ids(rng, int(i)), o))
+    return specs
+
+
+def _text_ids(rng: np.random.Generator, tok: Tokenizer, head: str, n: int) -> list[int]:
+    """Exactly n token ids of seeded English-word text that starts with ``head``."""
+    ids = tok.encode(head, add_special_tokens=False)
+    while len(ids) < n:
+        words = rng.choice(_WORDS, size=max(16, n - len(ids)))
+        ids += tok.encode(" " + " ".join(words), add_special_tokens=False)
+    return ids[:n]
+
+
+def _shared_prefix(cfg: WorkloadConfig, rng: np.random.Generator, tok: Tokenizer) -> list[RequestSpec]:
+    (ilo, ihi), (olo, ohi) = cfg.input_range(), cfg.output_range()
+    prefixes = [_text_ids(rng, tok, f"System: you are assistant {k}. Rules:", cfg.prefix_len) for k in range(cfg.num_prefixes)]
+    specs = []
+    for i in range(cfg.num_prompts):
+        question = _text_ids(rng, tok, f"\nUser {i} asks:", int(rng.integers(ilo, ihi + 1)))
+        specs.append(RequestSpec(tuple(prefixes[i % cfg.num_prefixes] + question), int(rng.integers(olo, ohi + 1))))
+    return specs
+
+
+def load_jsonl(path: Path, cfg: WorkloadConfig, rng: np.random.Generator, tokenizer: Callable[[], Tokenizer]) -> list[RequestSpec]:
+    """The first ``num_prompts`` requests of a JSONL file; errors name the line number."""
+    if not path.is_file():
+        raise WorkloadError(f"{path}: no such file")
+    olo, ohi = cfg.output_range()
+    tok: Tokenizer | None = None
+    specs: list[RequestSpec] = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if len(specs) >= cfg.num_prompts:
+                break
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise WorkloadError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(obj, dict):
+                raise WorkloadError(f"{path}:{lineno}: expected a JSON object")
+            if "prompt_token_ids" in obj:
+                ids = obj["prompt_token_ids"]
+                if not (isinstance(ids, list) and ids and all(isinstance(t, int) and t >= 0 for t in ids)):
+                    raise WorkloadError(f"{path}:{lineno}: prompt_token_ids must be a non-empty list of ints >= 0")
+            elif isinstance(obj.get("prompt"), str) and obj["prompt"]:
+                tok = tok or tokenizer()
+                ids = tok.encode(obj["prompt"], add_special_tokens=True)
+            else:
+                raise WorkloadError(f"{path}:{lineno}: needs a non-empty string 'prompt' or a 'prompt_token_ids' list")
+            out = obj.get("output_len", obj.get("max_tokens"))
+            if out is None:
+                out = int(rng.integers(olo, ohi + 1))
+            if not isinstance(out, int) or isinstance(out, bool) or out < 1:
+                raise WorkloadError(f"{path}:{lineno}: output_len must be an integer >= 1, got {out!r}")
+            specs.append(RequestSpec(tuple(ids), out))
+    if not specs:
+        raise WorkloadError(f"{path}: no prompts in the file")
+    return specs

@@ -53,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
         add_arguments(worker, EngineConfig)
         add_arguments(worker, WorkerSettings)
 
+    sub.add_parser("bench", add_help=False, help="TTFT/ITL serving benchmark (pdserve bench --help)")
+
     show = sub.add_parser("config", help="print the effective configuration")
     show.add_argument("--show", action="store_true", help="print it (the default action)")
     for p in (up, router, show, *[sub.choices[r] for r in ("prefill", "decode")]):
@@ -62,6 +64,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # the benchmark owns its flags
+        from pdserve.bench.serve import main as bench_main
+
+        return bench_main(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "generate":
         from pdserve.generate_cli import run_generate
@@ -121,7 +128,9 @@ def _up(args: argparse.Namespace, file: dict) -> int:
         stop["signal"] = signal.Signals(signum).name
         raise KeyboardInterrupt
 
+    # Set both explicitly: a shell starts background jobs with SIGINT ignored.
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
         address = cluster.start()
         mode = "colocated" if cluster.cluster.colocated else f"{cluster.cluster.prefill}P{cluster.cluster.decode}D"
@@ -131,6 +140,7 @@ def _up(args: argparse.Namespace, file: dict) -> int:
         code = 0
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         cluster.stop()
         log.info("all processes stopped")
     return code or 0

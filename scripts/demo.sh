@@ -7,7 +7,7 @@ PORT=${PDSERVE_DEMO_PORT:-50051}
 LOG=$(mktemp)
 "$PDSERVE" up --port "$PORT" >"$LOG" 2>&1 &
 UP=$!
-trap 'kill -INT $UP 2>/dev/null; wait $UP 2>/dev/null; rm -f "$LOG"' EXIT
+trap 'kill -TERM $UP 2>/dev/null; wait $UP 2>/dev/null; rm -f "$LOG"' EXIT
 echo "starting pdserve (router, 1 prefill worker, 1 decode worker; the first run converts the model once)..."
 for _ in $(seq 300); do
   grep -q "pdserve ready" "$LOG" && break

@@ -118,9 +118,9 @@ class Stack:
         proc.wait_for(lambda line: "pdserve ready" in line)
         return cls(proc, f"127.0.0.1:{port}", descendants(proc.process.pid))
 
-    def down(self) -> None:
+    def down(self, sig: int = signal.SIGTERM) -> None:
         """Stops the stack and checks that no process it started survives."""
-        code = self.proc.stop(signal.SIGTERM)
+        code = self.proc.stop(sig)
         assert code == 0, f"pdserve up exited with {code}:\n{self.proc.log_tail()}"
         deadline = time.monotonic() + 10
         while any(alive(pid) for pid in self.children) and time.monotonic() < deadline:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -36,7 +37,7 @@ def stack():
 def colocated():
     s = Stack.up("--colocated", *STACK_ARGS)
     yield s
-    s.down()
+    s.down(signal.SIGINT)  # Ctrl-C stops it as cleanly as SIGTERM
 
 
 async def collect(address: str, request: pb.GenerateRequest, timeout: float = 120.0):

@@ -12,7 +12,7 @@ def _opt(default, help: str, choices: tuple | None = None):
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str | None = _opt(None, "model: a Hugging Face folder or a .gguf file (default: SmolLM2-135M-Instruct)")
-    dtype: str = _opt("float32", "weights and KV cache dtype", ("float32", "bfloat16", "float16"))
+    dtype: str = _opt("auto", "weights and KV cache dtype; auto: bfloat16 where the hardware has it, else float32 (CPU) / float16 (GPU)", ("auto", "float32", "bfloat16", "float16"))
     device: str = _opt("auto", "torch device; auto picks CUDA when present")
     block_size: int = _opt(16, "KV cache block size in tokens")
     kv_cache_memory: str = _opt("auto", "KV cache budget: '2GiB', bytes, or a fraction of free memory")
@@ -20,7 +20,7 @@ class EngineConfig:
     max_num_batched_tokens: int = _opt(1024, "token budget of one forward pass (chunked prefill)")
     enable_chunked_prefill: bool = _opt(True, "split long prompts across steps")
     enable_prefix_caching: bool = _opt(True, "reuse the KV of shared prompt prefixes")
-    attention_backend: str = _opt("auto", "attention kernels", ("auto", "torch", "triton"))
+    attention_backend: str = _opt("auto", "attention kernels", ("auto", "torch", "cpu", "triton"))
     cache_dir: str | None = _opt(None, "where converted models are kept (default ~/.cache/pdserve)")
     num_threads: int | None = _opt(None, "torch CPU threads for this process")
 

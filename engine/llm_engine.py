@@ -98,7 +98,7 @@ class LLMEngine:
         self.on_forward: Callable[[SchedulerOutput], LayerHook | None] | None = None
         log.info(
             "engine loaded: %s %s on %s, %d KV blocks of %d tokens (%.0f MiB), attention=%s",
-            self.model_config.architecture, config.dtype, self.device, num_blocks, config.block_size,
+            self.model_config.architecture, str(self.dtype).removeprefix("torch."), self.device, num_blocks, config.block_size,
             self.kv_cache.nbytes / 2**20, backend.name,
         )
 

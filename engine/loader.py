@@ -18,12 +18,27 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def parse_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto``: bfloat16 where the hardware computes it natively (CUDA with bf16, CPUs with
+    AVX512-BF16 or AMX), else float16 on GPUs and float32 on CPUs."""
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
     if name not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(set(DTYPES))}, got {name!r}")
+        raise ValueError(f"dtype must be auto or one of {sorted(set(DTYPES))}, got {name!r}")
     dtype = DTYPES[name]
     if dtype == torch.float16 and device.type == "cpu":
         raise ValueError("float16 is for GPUs; on CPU use bfloat16 or float32")
     return dtype
+
+
+def _cpu_has_native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def pick_device(name: str = "auto") -> torch.device:

@@ -1,4 +1,4 @@
-"""Paged attention and KV write/gather: a torch reference (CPU) and Triton kernels (GPU)."""
+"""Paged attention and KV write/gather: a torch reference, a C++ CPU decode kernel, Triton kernels (GPU)."""
 
 from __future__ import annotations
 
@@ -38,10 +38,36 @@ def triton_available() -> bool:
     return True
 
 
+def cpu_backend() -> AttentionBackend | None:
+    """The reference with decode attention replaced by the C++ kernel, if it builds here."""
+    from pdserve.kernels import cpu_extension
+
+    module = cpu_extension.load()
+    if module is None:
+        return None
+    return AttentionBackend(
+        name="cpu",
+        write_kv=reference.write_kv,
+        causal_attention=reference.causal_attention,
+        prefill_attention=reference.paged_prefill_attention,
+        decode_attention=module.paged_decode_attention,
+    )
+
+
+BACKENDS = ("auto", "torch", "cpu", "triton")
+
+
 def select_backend(device: torch.device, name: str = "auto") -> AttentionBackend:
-    """``auto`` picks Triton on CUDA when it is installed, the torch reference otherwise."""
-    if name not in ("auto", "torch", "triton"):
-        raise ValueError(f"attention backend must be auto, torch or triton, not {name!r}")
+    """``auto``: Triton on CUDA when installed; the C++ kernel on CPU when it builds; else the torch reference."""
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, not {name!r}")
+    if name == "torch":
+        return TORCH_BACKEND
+    if name == "cpu" or (name == "auto" and device.type == "cpu"):
+        backend = cpu_backend()
+        if backend is None and name == "cpu":
+            raise ValueError("attention backend 'cpu' could not be built (needs a C++ compiler and ninja)")
+        return backend or TORCH_BACKEND
     use_triton = name == "triton" or (name == "auto" and device.type == "cuda" and triton_available())
     if not use_triton:
         return TORCH_BACKEND

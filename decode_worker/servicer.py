@@ -37,7 +37,7 @@ class DecodeService(pdserve_pb2_grpc.DecodeWorkerServicer):
         token_ids = [int(t) for t in request.token_ids]
         try:
             sampling = sampling_from_proto(request.sampling)
-            self.engine.validate(token_ids, sampling)
+            self.engine.validate(token_ids, sampling, request.num_prior_output_tokens)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         prior = request.num_prior_output_tokens

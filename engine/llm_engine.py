@@ -69,8 +69,9 @@ class PrefilledKV:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, *, model_dir: str | None = None, kv_storage: Callable[[KVLayout, int], torch.Tensor] | None = None) -> None:
-        """``kv_storage(layout, num_blocks)`` may supply the cache tensor (e.g. in shared memory)."""
+    def __init__(self, config: EngineConfig, *, model_dir: str | None = None,
+                 kv_storage: Callable[[KVLayout, int], torch.Tensor | None] | None = None) -> None:
+        """``kv_storage(layout, num_blocks)`` may supply the cache tensor (shared memory, an IPC-able GPU allocation)."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
@@ -107,7 +108,8 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.model_config.max_position
 
-    def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+    def validate(self, prompt_token_ids: list[int], sampling: SamplingParams, num_prior_output_tokens: int = 0) -> None:
+        """``num_prior_output_tokens``: trailing prompt tokens that were generated earlier."""
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids: the prompt must not be empty")
         vocab = self.model_config.vocab_size
@@ -118,10 +120,12 @@ class LLMEngine:
             raise ValueError(
                 f"prompt_token_ids: {len(prompt_token_ids)} tokens leave no room in the model's context of {self.max_model_len}"
             )
-        if len(prompt_token_ids) + sampling.max_tokens > self.max_model_len:
+        if not 0 <= num_prior_output_tokens < sampling.max_tokens:
+            raise ValueError(f"num_prior_output_tokens: {num_prior_output_tokens} must be in [0, max_tokens)")
+        if len(prompt_token_ids) - num_prior_output_tokens + sampling.max_tokens > self.max_model_len:
             raise ValueError(
-                f"max_tokens: {len(prompt_token_ids)} prompt tokens + max_tokens {sampling.max_tokens} "
-                f"exceed the model's context of {self.max_model_len}"
+                f"max_tokens: {len(prompt_token_ids) - num_prior_output_tokens} prompt tokens + max_tokens "
+                f"{sampling.max_tokens} exceed the model's context of {self.max_model_len}"
             )
         sampling.check_vocab(vocab)
         if self.blocks.blocks_needed(len(prompt_token_ids) + 1) > self.blocks.num_blocks:
@@ -141,7 +145,7 @@ class LLMEngine:
         were generated earlier (a migrated or resumed request)."""
         if request_id in self.requests or request_id in self.prefilled:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        self.validate(prompt_token_ids, sampling)
+        self.validate(prompt_token_ids, sampling, num_prior_output_tokens)
         seq = Sequence(
             request_id, list(prompt_token_ids), len(prompt_token_ids), sampling,
             priority=priority, prefill_only=prefill_only, num_prior_output_tokens=num_prior_output_tokens,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import xxhash
 
 
 def slot_runs(block_ids: list[int], block_size: int, start: int, end: int) -> list[tuple[int, int]]:
@@ -40,13 +39,6 @@ def host_bytes(layer: torch.Tensor) -> np.ndarray:
 
 def run_views(layer_bytes: np.ndarray, runs: list[tuple[int, int]], token_bytes: int) -> list[memoryview]:
     return [memoryview(layer_bytes[s * token_bytes : (s + n) * token_bytes]) for s, n in runs]
-
-
-def checksum(views: list[memoryview]) -> int:
-    h = xxhash.xxh3_64()
-    for v in views:
-        h.update(v)
-    return h.intdigest()
 
 
 class CacheLayers:
@@ -89,6 +81,11 @@ class CacheLayers:
             target.flatten(0, 1).index_copy_(0, slots, staging.to(target.device, non_blocking=False))
 
         return [memoryview(host_bytes(staging))], commit
+
+    def device_rows(self, layer: int, block_ids: list[int], start: int, end: int) -> torch.Tensor:
+        """Tokens [start, end) of a layer as a tensor on the cache's device (a gathered copy)."""
+        slots = self._slots(slot_runs(block_ids, self.block_size, start, end))
+        return self.layers[layer].flatten(0, 1).index_select(0, slots)
 
     def _slots(self, runs: list[tuple[int, int]]) -> torch.Tensor:
         device = self.layers[0].device

@@ -27,7 +27,8 @@ class FrameKind(enum.IntEnum):
     DATA = 4  # prefill -> decode: K/V of tokens [start, end) of one layer
     DONE = 5  # prefill -> decode: all layers sent; aux = first generated token
     ACK = 6  # decode -> prefill: aux = AckStatus; payload = message
-    WRITTEN = 7  # prefill -> decode: one-sided write of [start, end) of a layer landed (shared memory)
+    WRITTEN = 7  # prefill -> decode: a one-sided write of [start, end) of a layer landed (shm, CUDA IPC)
+    UCX_DATA = 8  # prefill -> decode: [start, end) of a layer follows over UCX; aux = first message tag
 
 
 class AckStatus(enum.IntEnum):

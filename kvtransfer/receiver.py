@@ -1,10 +1,12 @@
 """The decode side's ledger of expected transfers, shared by every transport.
 
-A *grant* is a set of reserved blocks a prefill worker may fill for one request. Transports
-(threads) look grants up by id, write into them under the grant's lock, and report what
-landed; the decode worker (asyncio) awaits completion. A grant that does not complete
-within its lease is cancelled and its blocks freed; the lock guarantees no transport thread
-is still writing into blocks once they are freed.
+A *grant* is a set of reserved blocks a prefill worker may fill for one request. Transport
+threads look grants up by id, bracket every write with ``begin_write``/``end_write`` and
+report what landed; the decode worker (asyncio) awaits completion. A grant that does not
+complete within its lease fails and its blocks are freed: never while a transport thread is
+still writing into them, and, when peers write into our memory directly (shared memory,
+CUDA IPC), only after a short quarantine so a late one-sided write cannot land in blocks
+that already belong to another request.
 """
 
 from __future__ import annotations
@@ -60,9 +62,10 @@ class Grant:
     state: GrantState = GrantState.ACTIVE
     corrupted: bool = False
     nbytes: int = 0
-    owns_blocks: bool = True  # False once the engine has taken the blocks (or they were freed)
-    writers: int = 0  # transport threads writing into the blocks right now
-    free_when_idle: bool = False  # failed while a writer was active: the last writer frees
+    owns_blocks: bool = True  # False once the engine took the blocks, or they were freed
+    writers: int = 0  # transport writes in progress
+    free_when_idle: bool = False  # failed during a write: the last writer frees
+    pending_done: tuple[int, str, Callable[[AckStatus], None]] | None = None  # DONE seen, writes still landing
     landed: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
@@ -80,12 +83,15 @@ class KVReceiver:
         loop: asyncio.AbstractEventLoop,
         free_blocks: Callable[[list[int]], None],
         lease_s: float = DEFAULT_LEASE_S,
+        quarantine_s: float = 0.0,
     ) -> None:
         self.cache = cache
         self.loop = loop
-        self.free_blocks = free_blocks
+        self._free_blocks = free_blocks
         self.lease_s = lease_s
+        self.quarantine_s = quarantine_s  # > 0 when peers may write into our memory directly
         self.grants: dict[int, Grant] = {}
+        self.quarantined = 0
         self.counters: Counter[str] = Counter()
 
     # -- decode worker side (event loop) ------------------------------------------------------
@@ -99,13 +105,13 @@ class KVReceiver:
         return grant
 
     async def wait(self, grant: Grant) -> TransferResult:
-        """The transfer's result; raises TransferFailed (its blocks are then already freed)."""
+        """The transfer's result; raises TransferFailed (its blocks are then being freed)."""
         timeout = max(0.0, grant.deadline - time.monotonic())
         try:
             return await asyncio.wait_for(asyncio.shield(grant.future), timeout)
         except asyncio.TimeoutError:
-            self.fail(grant, "lease expired before the KV cache arrived")
             self.counters["lease_expired"] += 1
+            self.fail(grant, "lease expired before the KV cache arrived")
             raise TransferFailed("lease expired before the KV cache arrived") from None
 
     def take(self, grant: Grant) -> list[int]:
@@ -117,20 +123,21 @@ class KVReceiver:
         return grant.block_ids
 
     def fail(self, grant: Grant, reason: str, status: AckStatus = AckStatus.PROTOCOL_ERROR) -> None:
-        """Ends a grant (cancel, expiry, error). Its blocks are freed now, or by the last
-        transport thread still writing into them; this never blocks."""
+        """Ends an active grant (cancel, expiry, error); never blocks. No-op once complete or failed."""
         with grant.lock:
             if grant.state is not GrantState.ACTIVE:
-                return  # completed (the blocks belong to the engine) or already failed
+                return
             grant.state = GrantState.FAILED
             release = grant.owns_blocks and grant.writers == 0
-            if grant.owns_blocks and grant.writers:
-                grant.free_when_idle = True
+            grant.free_when_idle = grant.owns_blocks and grant.writers > 0
             if release:
                 grant.owns_blocks = False
+            pending, grant.pending_done = grant.pending_done, None
         self.grants.pop(grant.transfer_id, None)
         if release:
-            self.free_blocks(grant.block_ids)
+            self._release(grant.block_ids)
+        if pending is not None:
+            pending[2](AckStatus.INCOMPLETE)
         self._resolve(grant, TransferFailed(reason, status))
 
     def reap_expired(self) -> int:
@@ -144,7 +151,7 @@ class KVReceiver:
 
     @property
     def num_active(self) -> int:
-        return len(self.grants)
+        return len(self.grants) + self.quarantined
 
     # -- transport side (any thread) ------------------------------------------------------------
     def lookup(self, transfer_id: int) -> Grant | None:
@@ -157,13 +164,13 @@ class KVReceiver:
         if not 0 <= start < end <= grant.num_tokens:
             return f"tokens [{start}, {end}) outside the {grant.num_tokens} granted"
         if nbytes != (end - start) * self.cache.token_bytes:
-            return f"payload of {nbytes} bytes does not match {end - start} tokens"
+            return f"{nbytes} bytes do not match {end - start} tokens"
         if grant.landed[layer, start:end].any():
             return f"tokens [{start}, {end}) of layer {layer} sent twice"
         return None
 
     def begin_write(self, grant: Grant) -> bool:
-        """A transport is about to write into the grant's blocks; False if it must discard instead."""
+        """A transport is about to write into the grant's blocks; False: it must discard instead."""
         with grant.lock:
             if grant.state is not GrantState.ACTIVE:
                 return False
@@ -171,7 +178,7 @@ class KVReceiver:
             return True
 
     def end_write(self, grant: Grant, layer: int, start: int, end: int, checksum_ok: bool | None) -> None:
-        """``checksum_ok`` None: the write broke off (connection lost) and nothing landed."""
+        """``checksum_ok`` None: the write broke off and nothing landed."""
         release = False
         with grant.lock:
             grant.writers -= 1
@@ -184,14 +191,23 @@ class KVReceiver:
             if grant.free_when_idle and grant.writers == 0:
                 grant.free_when_idle = grant.owns_blocks = False
                 release = True
+            deferred = grant.pending_done if grant.writers == 0 else None
+            if deferred is not None:
+                grant.pending_done = None
         if release:
-            self.free_blocks(grant.block_ids)
+            self._release(grant.block_ids)
+        if deferred is not None:
+            deferred[2](self.finish(grant, deferred[0], deferred[1]))
 
-    def finish(self, grant: Grant, first_token_id: int, transport: str) -> AckStatus:
-        """The sender says it is done: verify coverage and integrity, then complete or fail."""
+    def finish(self, grant: Grant, first_token_id: int, transport: str, reply: Callable[[AckStatus], None] | None = None) -> AckStatus | None:
+        """The sender is done: verify coverage and integrity, then complete or fail. Returns
+        None when writes are still landing; ``reply`` then gets the status later."""
         with grant.lock:
             if grant.state is not GrantState.ACTIVE:
                 return AckStatus.UNKNOWN_TRANSFER
+            if grant.writers and reply is not None:
+                grant.pending_done = (first_token_id, transport, reply)
+                return None
             if grant.corrupted:
                 status, reason = AckStatus.CHECKSUM_MISMATCH, "KV checksum mismatch: the cache arrived corrupted"
             elif not grant.landed.all():
@@ -200,10 +216,24 @@ class KVReceiver:
                 grant.state = GrantState.COMPLETE
                 self.counters[f"transfers_{transport}"] += 1
                 self.counters[f"bytes_{transport}"] += grant.nbytes
+                log.debug("transfer %s complete over %s (%d bytes)", grant.transfer_key, transport, grant.nbytes)
                 self._resolve(grant, TransferResult(first_token_id, transport, grant.nbytes))
                 return AckStatus.OK
         self.loop.call_soon_threadsafe(self.fail, grant, reason, status)
         return status
+
+    # -- internals ----------------------------------------------------------------------------
+    def _release(self, block_ids: list[int]) -> None:
+        if self.quarantine_s <= 0:
+            self._free_blocks(block_ids)
+            return
+        self.quarantined += 1
+
+        def free() -> None:
+            self.quarantined -= 1
+            self._free_blocks(block_ids)
+
+        self.loop.call_soon_threadsafe(self.loop.call_later, self.quarantine_s, free)
 
     def _resolve(self, grant: Grant, outcome: TransferResult | Exception) -> None:
         def settle() -> None:
@@ -215,14 +245,4 @@ class KVReceiver:
             else:
                 grant.future.set_result(outcome)
 
-        if _on_loop(self.loop):
-            settle()
-        else:
-            self.loop.call_soon_threadsafe(settle)
-
-
-def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
-    try:
-        return asyncio.get_running_loop() is loop
-    except RuntimeError:
-        return False
+        self.loop.call_soon_threadsafe(settle)

@@ -5,21 +5,24 @@ from __future__ import annotations
 import logging
 import threading
 
+from pdserve.kvtransfer.client import KVConnection
+from pdserve.kvtransfer.faults import FaultPlan
 from pdserve.kvtransfer.layout import CacheLayers
 from pdserve.kvtransfer.peer import PeerInfo
-from pdserve.kvtransfer.tcp import TcpKVConnection
 
 log = logging.getLogger(__name__)
 
 
 class KVConnections:
-    def __init__(self, local: PeerInfo, cache: CacheLayers) -> None:
+    def __init__(self, local: PeerInfo, cache: CacheLayers, ucx=None, faults: FaultPlan | None = None) -> None:
         self.local = local
         self.cache = cache
-        self._conns: dict[str, TcpKVConnection] = {}
+        self.ucx = ucx
+        self.faults = faults or FaultPlan.from_env()
+        self._conns: dict[str, KVConnection] = {}
         self._lock = threading.Lock()
 
-    def get(self, address: str) -> TcpKVConnection:
+    def get(self, address: str) -> KVConnection:
         """A live, handshaken connection (blocking; run it off the event loop). Raises HandshakeError or OSError."""
         with self._lock:
             conn = self._conns.get(address)
@@ -27,7 +30,7 @@ class KVConnections:
                 return conn
             if conn is not None:
                 log.info("KV connection to %s was lost (%s); reconnecting", address, conn.broken)
-            conn = TcpKVConnection(address, self.local, self.cache)
+            conn = KVConnection(address, self.local, self.cache, ucx=self.ucx, faults=self.faults)
             self._conns[address] = conn
             log.info("KV connection to %s open (transport %s)", address, conn.name)
             return conn

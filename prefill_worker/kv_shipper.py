@@ -8,22 +8,9 @@ so sending layer i overlaps computing layer i+1.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
-
 from pdserve.engine.model import LayerHook
 from pdserve.engine.scheduler import SchedulerOutput
-
-
-class LayerSink(Protocol):
-    def send_layer(self, transfer_id: int, layer: int, block_ids: list[int], start: int, end: int) -> None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class Outgoing:
-    sink: LayerSink
-    transfer_id: int
-    num_tokens: int  # prompt tokens whose K/V the decode worker needs
+from pdserve.kvtransfer.client import Outgoing
 
 
 class KVShipper:
@@ -50,6 +37,6 @@ class KVShipper:
 
         def ship(layer: int) -> None:
             for out, blocks, start, end in units:
-                out.sink.send_layer(out.transfer_id, layer, blocks, start, end)
+                out.send_layer(layer, blocks, start, end)
 
         return ship

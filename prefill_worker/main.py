@@ -8,10 +8,13 @@ import logging
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.loader import pick_device
 from pdserve.grpc_server import start_server
 from pdserve.kvtransfer.layout import CacheLayers
+from pdserve.kvtransfer.negotiate import local_transports
 from pdserve.kvtransfer.peer import local_peer_info
 from pdserve.kvtransfer.sender import KVConnections
+from pdserve.kvtransfer.ucx import UcxWorkerThread
 from pdserve.prefill_worker.kv_shipper import KVShipper
 from pdserve.prefill_worker.servicer import PrefillService
 from pdserve.process import announce_ready, wait_for_shutdown_signal
@@ -23,25 +26,29 @@ SHUTDOWN_GRACE_S = 5.0
 
 
 async def serve(engine_config: EngineConfig, settings: WorkerSettings) -> None:
+    transports = local_transports(settings.kv_transport, pick_device(engine_config.device))
     engine = await asyncio.to_thread(LLMEngine, engine_config)
     shipper = KVShipper()
     engine.on_forward = shipper.on_forward
     loop = EngineLoop(engine)
     loop.start()
 
-    peer = local_peer_info(engine.model_dir, engine.kv_layout, role="prefill", transports=("tcp",))
-    connections = KVConnections(peer, CacheLayers(engine.kv_cache.layers, engine.config.block_size))
-    service = PrefillService(loop, connections, shipper)
+    ucx = UcxWorkerThread() if "ucx" in transports else None
+    peer = local_peer_info(engine.model_dir, engine.kv_layout, role="prefill", transports=transports)
+    connections = KVConnections(peer, CacheLayers(engine.kv_cache.layers, engine.config.block_size), ucx=ucx)
+    service = PrefillService(loop, connections, shipper, ack_timeout_s=settings.kv_lease_s)
     server = await start_server(
         [lambda s: pdserve_pb2_grpc.add_PrefillWorkerServicer_to_server(service, s)], ["PrefillWorker"],
         settings.host, settings.port,
     )
     service.address = f"{settings.advertise_host or settings.host}:{server.port}"
-    log.info("prefill worker serving on %s", service.address)
+    log.info("prefill worker serving on %s (KV transports offered: %s)", service.address, ", ".join(transports))
     announce_ready("prefill", grpc=service.address)
 
     signal_name = await wait_for_shutdown_signal()
     log.info("%s: shutting down", signal_name)
     await server.stop(SHUTDOWN_GRACE_S)
     connections.close()
+    if ucx is not None:
+        ucx.close()
     await loop.stop()

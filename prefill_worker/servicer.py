@@ -16,18 +16,19 @@ from pdserve.engine.sequence import FinishReason
 from pdserve.kvtransfer.peer import HandshakeError
 from pdserve.kvtransfer.protocol import AckStatus
 from pdserve.kvtransfer.sender import KVConnections
-from pdserve.prefill_worker.kv_shipper import KVShipper, Outgoing
+from pdserve.prefill_worker.kv_shipper import KVShipper
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc
 from pdserve.wire import parse_transfer_key, sampling_from_proto, worker_stats
 
 log = logging.getLogger(__name__)
-ACK_TIMEOUT_S = 30.0
 
 
 class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
-    def __init__(self, loop: EngineLoop, connections: KVConnections, shipper: KVShipper, address: str = "") -> None:
+    def __init__(self, loop: EngineLoop, connections: KVConnections, shipper: KVShipper, address: str = "",
+                 ack_timeout_s: float = 30.0) -> None:
         self.loop = loop
+        self.ack_timeout_s = ack_timeout_s  # the decode side's lease: past it our copy is useless
         self.engine: LLMEngine = loop.engine
         self.connections = connections
         self.shipper = shipper
@@ -40,7 +41,7 @@ class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
         target = request.target
         try:
             sampling = sampling_from_proto(request.sampling)
-            self.engine.validate(token_ids, sampling)
+            self.engine.validate(token_ids, sampling, request.num_prior_output_tokens)
             transfer_id = parse_transfer_key(target.transfer_id)
             if target.num_tokens != len(token_ids):
                 raise ValueError(f"target.num_tokens: {target.num_tokens} does not match the {len(token_ids)} prompt tokens")
@@ -56,7 +57,9 @@ class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot reach decode worker KV endpoint {target.kv_address}: {e}")
 
         started = time.perf_counter()
-        self.shipper.transfers[rid] = Outgoing(conn, transfer_id, len(token_ids))
+        transfer = conn.open(transfer_id, list(target.block_ids), target.block_size or self.engine.config.block_size, len(token_ids))
+        self.shipper.transfers[rid] = transfer
+        acked = False
         try:
             first = await self._prefill(rid, token_ids, sampling, request, context)
             prefill_ms = (time.perf_counter() - started) * 1e3
@@ -65,13 +68,16 @@ class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
                 return pb.PrefillResponse(first_token_id=first.new_token_ids[0], finish_reason=first.finish_reason.value,
                                           num_cached_tokens=first.num_cached_tokens, prefill_ms=prefill_ms)
             if not self.shipper.pipelined:
-                await self.loop.call(lambda e: self._ship_all(e, rid, conn, transfer_id, len(token_ids)))
-            ack = await asyncio.wait_for(asyncio.wrap_future(conn.finish(transfer_id, first.new_token_ids[0])), ACK_TIMEOUT_S)
+                await self.loop.call(lambda e: self._ship_all(e, rid, transfer))
+            ack = await asyncio.wait_for(asyncio.wrap_future(transfer.finish(first.new_token_ids[0])), self.ack_timeout_s)
+            acked = True
         except asyncio.TimeoutError:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker did not acknowledge the KV transfer in time")
-        except ConnectionError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except (ConnectionError, ValueError) as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {e}")
         finally:
+            if not acked:
+                transfer.cancel()
             self.shipper.transfers.pop(rid, None)
             self.loop.call(lambda e: e.release(rid))
 
@@ -101,10 +107,11 @@ class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
         await context.abort(grpc.StatusCode.INTERNAL, "prefill ended without a token")
 
     @staticmethod
-    def _ship_all(engine: LLMEngine, rid: str, conn, transfer_id: int, num_tokens: int) -> None:
+    def _ship_all(engine: LLMEngine, rid: str, transfer) -> None:
+        """Send-after-prefill (the non-pipelined baseline): every layer once the prompt is done."""
         kv = engine.take_prefilled(rid)
         for layer in range(engine.model_config.num_layers):
-            conn.send_layer(transfer_id, layer, kv.block_ids, 0, num_tokens)
+            transfer.send_layer(layer, kv.block_ids, 0, transfer.num_tokens)
 
     async def GetStats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.WorkerStats:
         return worker_stats(self.engine.stats(), "prefill", self.address, 0, self.counters)

@@ -5,11 +5,18 @@ where the KV must go), run the prefill on a prefill worker (which ships the KV t
 returns the first token), then relay the decode stream. Colocated: one decode worker does
 both. Closing the generator cancels whatever RPC is in flight, so the workers free the
 request's blocks on client cancel, deadline or stop string.
+
+An attempt that fails in a retryable way (a KV transfer that arrived corrupted or never
+arrived, a worker that went away) is retried on other workers. Tokens already sent to the
+client become part of the prompt of the next attempt, which continues where the stream
+stopped: the same mechanism re-prefills a failed handoff and migrates a request off a dead
+decode worker.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -21,6 +28,9 @@ from pdserve.router.workers import Worker, WorkerRegistry
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.wire import sampling_to_proto
 
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.ABORTED}
+DEFAULT_MAX_ATTEMPTS = 3
+
 
 @dataclass(frozen=True, slots=True)
 class TokenEvent:
@@ -30,40 +40,82 @@ class TokenEvent:
 
 
 class DispatchError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, worker: Worker | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.worker = worker
+
+    @property
+    def retryable(self) -> bool:
+        return self.code in RETRYABLE
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """What one try sends: the original prompt plus the tokens the client already has."""
+
+    request: ValidatedRequest
+    prior: list[int]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids + self.prior
 
 
 def _worker_error(worker: Worker, error: grpc.aio.AioRpcError) -> DispatchError:
     code = error.code()
     if code is grpc.StatusCode.CANCELLED:
-        return DispatchError(code, "request cancelled")
-    return DispatchError(code, f"{worker.role.value} worker {worker.address}: {error.details()}")
+        return DispatchError(code, "request cancelled", worker)
+    return DispatchError(code, f"{worker.role.value} worker {worker.address}: {error.details()}", worker)
 
 
 class Dispatcher:
-    def __init__(self, registry: WorkerRegistry, policy: RoutingPolicy) -> None:
+    def __init__(self, registry: WorkerRegistry, policy: RoutingPolicy, max_attempts: int = DEFAULT_MAX_ATTEMPTS) -> None:
         self.registry = registry
         self.policy = policy
+        self.max_attempts = max_attempts
+        self.counters: Counter[str] = Counter()
 
     async def generate(self, req: ValidatedRequest, timeout_s: float) -> AsyncIterator[TokenEvent]:
         deadline = time.monotonic() + timeout_s
+        prior: list[int] = []
+        failed: set[str] = set()
+        for attempt in range(1, self.max_attempts + 1):
+            try:
+                async for event in self._attempt(Attempt(req, list(prior)), deadline, failed):
+                    prior += event.token_ids
+                    yield event
+                    if event.finish_reason:
+                        return
+                raise DispatchError(grpc.StatusCode.UNAVAILABLE, "the worker stream ended without a finish reason")
+            except DispatchError as e:
+                if not e.retryable or attempt == self.max_attempts or time.monotonic() >= deadline:
+                    raise
+                if e.worker is not None:
+                    failed.add(e.worker.address)
+                self.counters["migrations" if prior else "retries"] += 1
+                if e.code is grpc.StatusCode.DATA_LOSS:
+                    self.counters["reprefills_after_corruption"] += 1
+
+    async def _attempt(self, attempt: Attempt, deadline: float, failed: set[str]) -> AsyncIterator[TokenEvent]:
         try:
-            decode = self.policy.pick_decode(req, self.registry.decode)
-            prefill = self.policy.pick_prefill(req, self.registry.prefill) if self.registry.disaggregated else None
+            decode = self.policy.pick_decode(attempt.request, self.registry.decode, exclude=failed)
+            prefill = (
+                self.policy.pick_prefill(attempt.request, self.registry.prefill, exclude=failed)
+                if self.registry.disaggregated else None
+            )
         except NoWorkerAvailable as e:
             raise DispatchError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
-        stream = self._disaggregated(req, prefill, decode, deadline) if prefill else self._colocated(req, decode, deadline)
+        stream = self._disaggregated(attempt, prefill, decode, deadline) if prefill else self._colocated(attempt, decode, deadline)
         async for event in stream:
             yield event
 
-    async def _colocated(self, req: ValidatedRequest, decode: Worker, deadline: float) -> AsyncIterator[TokenEvent]:
-        call = decode.decode_stub.Decode(_decode_request(req, prefill_locally=True), timeout=_left(deadline))
+    async def _colocated(self, attempt: Attempt, decode: Worker, deadline: float) -> AsyncIterator[TokenEvent]:
+        call = decode.decode_stub.Decode(_decode_request(attempt, prefill_locally=True), timeout=_left(deadline))
         decode.inflight += 1
         try:
-            async for event in call:
+            while (event := await call.read()) is not grpc.aio.EOF:
                 yield TokenEvent(list(event.tokens.token_ids), event.tokens.finish_reason or None, event.tokens.num_cached_tokens)
         except grpc.aio.AioRpcError as e:
             raise _worker_error(decode, e) from None
@@ -72,9 +124,9 @@ class Dispatcher:
             decode.inflight -= 1
 
     async def _disaggregated(
-        self, req: ValidatedRequest, prefill: Worker, decode: Worker, deadline: float
+        self, attempt: Attempt, prefill: Worker, decode: Worker, deadline: float
     ) -> AsyncIterator[TokenEvent]:
-        call = decode.decode_stub.Decode(_decode_request(req, prefill_locally=False), timeout=_left(deadline))
+        call = decode.decode_stub.Decode(_decode_request(attempt, prefill_locally=False), timeout=_left(deadline))
         decode.inflight += 1
         try:
             try:
@@ -82,18 +134,11 @@ class Dispatcher:
             except grpc.aio.AioRpcError as e:
                 raise _worker_error(decode, e) from None
             if first is grpc.aio.EOF or not first.HasField("reservation"):
-                raise DispatchError(grpc.StatusCode.INTERNAL, f"decode worker {decode.address} sent no reservation")
+                raise DispatchError(grpc.StatusCode.UNAVAILABLE, f"decode worker {decode.address} sent no reservation", decode)
 
             prefill.inflight += 1
             try:
-                response = await prefill.prefill_stub.Prefill(
-                    pb.PrefillRequest(
-                        request_id=req.request_id, token_ids=req.prompt_token_ids,
-                        sampling=sampling_to_proto(req.sampling), priority=req.priority,
-                        target=first.reservation.target,
-                    ),
-                    timeout=_left(deadline),
-                )
+                response = await prefill.prefill_stub.Prefill(_prefill_request(attempt, first.reservation.target), timeout=_left(deadline))
             except grpc.aio.AioRpcError as e:
                 raise _worker_error(prefill, e) from None
             finally:
@@ -111,12 +156,22 @@ class Dispatcher:
             decode.inflight -= 1
 
 
-def _decode_request(req: ValidatedRequest, prefill_locally: bool) -> pb.DecodeRequest:
+def _decode_request(attempt: Attempt, prefill_locally: bool) -> pb.DecodeRequest:
+    req = attempt.request
     return pb.DecodeRequest(
-        request_id=req.request_id, token_ids=req.prompt_token_ids, sampling=sampling_to_proto(req.sampling),
-        priority=req.priority, prefill_locally=prefill_locally,
+        request_id=req.request_id, token_ids=attempt.token_ids, sampling=sampling_to_proto(req.sampling),
+        priority=req.priority, prefill_locally=prefill_locally, num_prior_output_tokens=len(attempt.prior),
+    )
+
+
+def _prefill_request(attempt: Attempt, target: pb.KvTarget) -> pb.PrefillRequest:
+    req = attempt.request
+    return pb.PrefillRequest(
+        request_id=req.request_id, token_ids=attempt.token_ids, sampling=sampling_to_proto(req.sampling),
+        priority=req.priority, num_prior_output_tokens=len(attempt.prior), target=target,
     )
 
 
 def _left(deadline: float) -> float:
     return max(0.001, deadline - time.monotonic())
+

@@ -16,16 +16,18 @@ class NoWorkerAvailable(Exception):
 class RoutingPolicy(Protocol):
     name: str
 
-    def pick_prefill(self, request: ValidatedRequest, workers: list[Worker]) -> Worker: ...
+    def pick_prefill(self, request: ValidatedRequest, workers: list[Worker], exclude: set[str] | None = None) -> Worker: ...
 
-    def pick_decode(self, request: ValidatedRequest, workers: list[Worker]) -> Worker: ...
+    def pick_decode(self, request: ValidatedRequest, workers: list[Worker], exclude: set[str] | None = None) -> Worker: ...
 
 
 def _healthy(workers: list[Worker], exclude: set[str] | None = None) -> list[Worker]:
-    candidates = [w for w in workers if w.healthy and w.address not in (exclude or ())]
-    if not candidates:
-        raise NoWorkerAvailable("no healthy worker available")
-    return candidates
+    """Healthy workers, minus ``exclude`` (ones that just failed this request) unless that leaves none."""
+    healthy = [w for w in workers if w.healthy]
+    if not healthy:
+        role = workers[0].role.value if workers else "matching"
+        raise NoWorkerAvailable(f"no healthy {role} worker available")
+    return [w for w in healthy if w.address not in (exclude or ())] or healthy
 
 
 class RoundRobin:

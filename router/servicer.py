@@ -69,7 +69,8 @@ class RouterService(pdserve_pb2_grpc.RouterServicer):
         await context.abort(grpc.StatusCode.INTERNAL, "the worker stream ended without a finish reason")
 
     async def GetClusterStats(self, request: pb.ClusterStatsRequest, context: grpc.aio.ServicerContext) -> pb.ClusterStats:
-        stats = pb.ClusterStats(counters={k: float(v) for k, v in self.counters.items()})
+        counters = {**self.counters, **self.dispatcher.counters}
+        stats = pb.ClusterStats(counters={k: float(v) for k, v in counters.items()})
         for worker in self.dispatcher.registry.all():
             try:
                 stub = worker.prefill_stub or worker.decode_stub

@@ -112,9 +112,9 @@ class Stack:
     children: set[int]
 
     @classmethod
-    def up(cls, *extra: str) -> "Stack":
+    def up(cls, *extra: str, env: dict[str, str] | None = None) -> "Stack":
         port = free_port()
-        proc = Proc(["up", "--port", str(port), *extra])
+        proc = Proc(["up", "--port", str(port), *extra], env=env or {})
         proc.wait_for(lambda line: "pdserve ready" in line)
         return cls(proc, f"127.0.0.1:{port}", descendants(proc.process.pid))
 

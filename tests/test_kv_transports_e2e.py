@@ -1,0 +1,108 @@
+"""Each KV transport end to end through `pdserve up --kv-transport X`, the fallback when ucxx
+is missing, corruption and stall injection, and re-blocking between block sizes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import grpc
+import pytest
+
+from conftest import PROMPTS
+from pdserve.client import build_request
+from pdserve.kvtransfer.ucx import ucx_available
+from pdserve.v1 import pdserve_pb2 as pb
+from pdserve.v1 import pdserve_pb2_grpc
+from processes import Proc, Stack
+from test_stack_e2e import assert_blocks_all_free, cluster_stats, collect
+
+pytestmark = pytest.mark.e2e
+MAX_NEW = 12
+ARGS = ("--dtype", "float32", "--kv-cache-memory", "128MiB")
+
+
+async def check_greedy(address: str, hf_reference, prompts=(PROMPTS[0], PROMPTS[3])) -> None:
+    for prompt in prompts:
+        ids, _, _ = await collect(address, build_request(prompt, max_tokens=MAX_NEW, temperature=0))
+        assert ids == hf_reference.greedy(hf_reference.tokenizer(prompt).input_ids, MAX_NEW)
+
+
+def worker_counters(stats: pb.ClusterStats, role: str) -> dict:
+    return next(dict(w.counters) for w in stats.workers if w.role == role)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"] + (["ucx"] if ucx_available() else []))
+async def test_each_transport_gives_hf_greedy_output(transport, hf_reference):
+    stack = Stack.up("--kv-transport", transport, *ARGS)
+    try:
+        await check_greedy(stack.address, hf_reference)
+        stats = await cluster_stats(stack.address)
+        assert worker_counters(stats, "decode")[f"kv_transfers_{transport}"] >= 2
+        assert worker_counters(stats, "prefill")[f"kv_transfers_{transport}"] >= 2
+        await assert_blocks_all_free(stack.address)
+    finally:
+        stack.down()
+
+
+async def test_without_ucxx_auto_falls_back_and_says_so(tmp_path, hf_reference):
+    fake = tmp_path / "ucxx"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('simulated: ucxx is not installed')\n")
+    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    stack = Stack.up(*ARGS, env=env)
+    try:
+        assert any("UCX unavailable" in line and "pip install 'pdserve[ucx]'" in line for line in stack.proc.output)
+        await check_greedy(stack.address, hf_reference, prompts=(PROMPTS[0],))
+        assert worker_counters(await cluster_stats(stack.address), "decode")["kv_transfers_shm"] >= 1
+    finally:
+        stack.down()
+
+
+async def test_forcing_an_unavailable_transport_fails_at_start():
+    proc = Proc(["up", "--port", "0", "--kv-transport", "cuda_ipc", *ARGS])
+    code = await asyncio.to_thread(proc.process.wait, 120)
+    assert code != 0
+    assert "cuda_ipc" in proc.log_tail() and "not available" in proc.log_tail()
+
+
+async def test_corrupted_transfer_is_reprefilled_never_decoded(hf_reference):
+    stack = Stack.up("--kv-transport", "tcp", *ARGS, env={"PDSERVE_KV_FAULTS": "corrupt=1"})
+    try:
+        await check_greedy(stack.address, hf_reference, prompts=(PROMPTS[2],))
+        stats = await cluster_stats(stack.address)
+        assert worker_counters(stats, "decode")["kv_checksum_mismatch"] == 1
+        assert stats.counters["reprefills_after_corruption"] == 1
+        await assert_blocks_all_free(stack.address)
+    finally:
+        stack.down()
+
+
+async def test_stalled_transfer_times_out_and_fails_over(hf_reference):
+    stack = Stack.up("--kv-transport", "tcp", "--kv-lease-s", "3", *ARGS, env={"PDSERVE_KV_FAULTS": "stall=1"})
+    try:
+        await check_greedy(stack.address, hf_reference, prompts=(PROMPTS[2],))
+        stats = await cluster_stats(stack.address)
+        assert worker_counters(stats, "decode")["kv_lease_expired"] >= 1
+        assert stats.counters["retries"] >= 1
+        await assert_blocks_all_free(stack.address)
+    finally:
+        stack.down()
+
+
+async def test_prefill_and_decode_with_different_block_sizes(hf_reference):
+    """Prefill blocks of 16 tokens, decode blocks of 32: the K/V is re-blocked on arrival."""
+    procs = []
+    try:
+        prefill = Proc(["prefill", "--port", "0", "--block-size", "16", "--num-threads", "1", *ARGS])
+        decode = Proc(["decode", "--port", "0", "--block-size", "32", "--num-threads", "1", *ARGS])
+        procs += [prefill, decode]
+        p_info, d_info = prefill.wait_ready(), decode.wait_ready()
+        router = Proc(["router", "--port", "0", "--prefill-workers", p_info["grpc"], "--decode-workers", d_info["grpc"]])
+        procs.append(router)
+        address = router.wait_ready()["grpc"]
+        await check_greedy(address, hf_reference)
+        await assert_blocks_all_free(address)
+    finally:
+        for proc in procs:
+            assert proc.stop() == 0

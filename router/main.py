@@ -8,6 +8,7 @@ import logging
 from pdserve.engine.model_store import resolve_model
 from pdserve.grpc_server import start_server
 from pdserve.process import announce_ready, wait_for_shutdown_signal
+from pdserve.router.completions import Completions
 from pdserve.router.dispatch import Dispatcher
 from pdserve.router.policy import make_policy
 from pdserve.router.servicer import RouterService
@@ -28,7 +29,8 @@ async def serve(settings: RouterSettings, model: str | None, cache_dir: str | No
     model_dir = await asyncio.to_thread(resolve_model, model, cache_dir)
     tokenizer = await asyncio.to_thread(RouterTokenizer, model_dir)
     registry = WorkerRegistry.connect(prefill, decode)
-    service = RouterService(tokenizer, Dispatcher(registry, make_policy(settings.policy)), settings.request_timeout_s)
+    completions = Completions(tokenizer, Dispatcher(registry, make_policy(settings.policy)), settings.request_timeout_s)
+    service = RouterService(completions)
     server = await start_server(
         [lambda s: pdserve_pb2_grpc.add_RouterServicer_to_server(service, s)], ["Router"], settings.host, settings.port
     )

@@ -1,0 +1,89 @@
+"""One completion from a validated request to streamed chunks of text: the part of the
+router that every front end (gRPC, the OpenAI-compatible HTTP API) shares."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import grpc
+
+from pdserve.router.dispatch import DispatchError, Dispatcher
+from pdserve.router.tokenizer import RouterTokenizer
+from pdserve.router.validation import ValidatedRequest, validate
+from pdserve.v1 import pdserve_pb2 as pb
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+    ttft_ms: float
+    e2e_ms: float
+
+    def to_proto(self) -> pb.Usage:
+        return pb.Usage(
+            prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+            cached_prompt_tokens=self.cached_prompt_tokens, ttft_ms=self.ttft_ms, e2e_ms=self.e2e_ms,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # set on the last chunk: stop, length
+    usage: Usage | None = None  # set on the last chunk
+
+
+class Completions:
+    def __init__(self, tokenizer: RouterTokenizer, dispatcher: Dispatcher, request_timeout_s: float) -> None:
+        self.tokenizer = tokenizer
+        self.dispatcher = dispatcher
+        self.request_timeout_s = request_timeout_s
+        self.counters: Counter[str] = Counter()
+
+    def validate(self, request: pb.GenerateRequest) -> ValidatedRequest:
+        """Raises InvalidRequest naming the field."""
+        try:
+            return validate(request, self.tokenizer)
+        except ValueError:
+            self.counters["rejected_invalid"] += 1
+            raise
+
+    def timeout(self, client_remaining_s: float | None) -> float:
+        if client_remaining_s is None:
+            return self.request_timeout_s
+        return min(client_remaining_s, self.request_timeout_s)
+
+    async def stream(self, req: ValidatedRequest, timeout_s: float) -> AsyncIterator[Chunk]:
+        """Streams the completion; raises DispatchError when the workers cannot serve it."""
+        started = time.perf_counter()
+        text = self.tokenizer.text_stream(req.sampling.stop)
+        completion_tokens, cached, ttft_ms = 0, 0, None
+        events = self.dispatcher.generate(req, timeout_s)
+        try:
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    if ttft_ms is None:
+                        ttft_ms = (time.perf_counter() - started) * 1e3
+                        cached = event.cached_tokens
+                    completion_tokens += len(event.token_ids)
+                    delta = text.push(event.token_ids)
+                    finish = "stop" if text.stopped else event.finish_reason
+                    if finish is None:
+                        yield Chunk(event.token_ids, delta)
+                        continue
+                    self.counters[f"finished_{finish}"] += 1
+                    usage = Usage(len(req.prompt_token_ids), completion_tokens, cached, ttft_ms,
+                                  (time.perf_counter() - started) * 1e3)
+                    yield Chunk(event.token_ids, delta + text.flush(), finish, usage)
+                    return
+        except DispatchError as e:
+            self.counters[f"failed_{e.code.name.lower()}"] += 1
+            raise
+        raise DispatchError(grpc.StatusCode.INTERNAL, "the worker stream ended without a finish reason")

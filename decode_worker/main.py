@@ -15,6 +15,7 @@ from pdserve.engine.kv_cache import KVLayout
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.loader import pick_device
 from pdserve.grpc_server import start_server
+from pdserve.metrics import WorkerCollector, start_worker_metrics
 from pdserve.kvtransfer.layout import CacheLayers
 from pdserve.kvtransfer.negotiate import local_transports
 from pdserve.kvtransfer.peer import local_peer_info
@@ -84,8 +85,10 @@ async def serve(engine_config: EngineConfig, settings: WorkerSettings) -> None:
     )
     service.address = f"{public_host}:{server.port}"
     reaper = asyncio.create_task(_reap(receiver))
+    metrics_address = start_worker_metrics(
+        settings.metrics_port, settings.host, public_host, WorkerCollector(role, engine.stats, lambda: receiver.counters))
     log.info("%s worker serving on %s, KV transfer on %s (transports: %s)", role, service.address, kv_address, ", ".join(transports))
-    announce_ready(role, grpc=service.address, kv=kv_address)
+    announce_ready(role, grpc=service.address, kv=kv_address, metrics=metrics_address)
 
     signal_name = await wait_for_shutdown_signal()
     log.info("%s: shutting down", signal_name)

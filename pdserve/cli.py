@@ -17,7 +17,7 @@ from pdserve.settings import ClusterSettings, RouterSettings, WorkerSettings
 
 log = logging.getLogger("pdserve")
 
-UP_WORKER_FIELDS = ("host", "port", "advertise_host", "kv_port", "colocated", "cpus")
+UP_WORKER_FIELDS = ("host", "port", "advertise_host", "kv_port", "colocated", "cpus", "metrics_port")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -134,6 +134,7 @@ def _up(args: argparse.Namespace, file: dict) -> int:
     try:
         address = cluster.start()
         mode = "colocated" if cluster.cluster.colocated else f"{cluster.cluster.prefill}P{cluster.cluster.decode}D"
+        print(f"pdserve cluster: {json.dumps(cluster.describe())}", flush=True)
         print(f"pdserve ready: router on {address} ({mode})", flush=True)
         code = cluster.wait()
     except KeyboardInterrupt:

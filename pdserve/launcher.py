@@ -66,12 +66,19 @@ class Cluster:
             self._wait_ready(child, deadline)
         prefill = [c.info["grpc"] for c in workers if c.info["role"] == "prefill"]
         decode = [c.info["grpc"] for c in workers if c.info["role"] != "prefill"]
-        router_settings = dataclasses.replace(self.router, prefill_workers=",".join(prefill), decode_workers=",".join(decode))
+        router_settings = dataclasses.replace(
+            self.router, prefill_workers=",".join(prefill), decode_workers=",".join(decode),
+            metrics_port=0 if self.cluster.metrics and self.router.metrics_port is None else self.router.metrics_port,
+        )
         model_args = ["--model", self.engine.model] if self.engine.model else []
         cache_args = ["--cache-dir", self.engine.cache_dir] if self.engine.cache_dir else []
         router = self._spawn("router", ["router", *to_args(router_settings), *model_args, *cache_args])
         self._wait_ready(router, deadline)
         return router.info["grpc"]
+
+    def describe(self) -> list[dict]:
+        """Every process with its addresses (its ready line)."""
+        return [{"name": c.name, "pid": c.process.pid, **(c.info or {})} for c in self.children]
 
     def wait(self) -> int | None:
         """Blocks until a child exits (returns its code) or the launcher is signalled (None)."""
@@ -119,6 +126,7 @@ class Cluster:
         worker = dataclasses.replace(
             self.worker, host=self.router.host, port=0, kv_port=0, cpus=cpus,
             colocated=self.cluster.colocated and role == "decode",
+            metrics_port=0 if self.cluster.metrics else None,
         )
         return [*to_args(engine), *to_args(worker)]
 

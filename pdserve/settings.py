@@ -20,6 +20,7 @@ class WorkerSettings:
     kv_lease_s: float = setting(30.0, "seconds a decode worker keeps blocks reserved for a transfer")
     colocated: bool = setting(False, "decode worker that also prefills (no separate prefill pool)")
     cpus: str = setting("", "pin this process to these CPU cores, e.g. '0' or '2,3' (default: no pinning)")
+    metrics_port: int | None = setting(None, "serve Prometheus /metrics on this port (0: any free port; unset: off)")
 
     def __post_init__(self) -> None:
         if self.kv_lease_s <= 0:
@@ -44,6 +45,8 @@ class RouterSettings:
     decode_workers: str = setting("", "comma-separated decode (or colocated) worker addresses host:port")
     policy: str = setting("round_robin", "routing policy", choices=ROUTING_POLICIES)
     request_timeout_s: float = setting(600.0, "upper bound on a request's life when the client sets no deadline")
+    http_port: int | None = setting(None, "serve the OpenAI-compatible HTTP API (and /metrics) on this port")
+    metrics_port: int | None = setting(None, "serve Prometheus /metrics on this port when there is no HTTP port")
 
     def __post_init__(self) -> None:
         if self.request_timeout_s <= 0:
@@ -61,6 +64,7 @@ class ClusterSettings:
     colocated: bool = setting(False, "one worker doing prefill and decode instead of separate pools")
     pin_cores: bool = setting(False, "pin each worker process to its own CPU core(s)")
     startup_timeout_s: float = setting(300.0, "seconds to wait for every process to become ready")
+    metrics: bool = setting(False, "Prometheus /metrics on every process (free ports, listed when ready)")
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 1:

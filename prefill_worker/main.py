@@ -10,6 +10,7 @@ from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.loader import pick_device
 from pdserve.grpc_server import start_server
+from pdserve.metrics import WorkerCollector, start_worker_metrics
 from pdserve.kvtransfer.layout import CacheLayers
 from pdserve.kvtransfer.negotiate import local_transports
 from pdserve.kvtransfer.peer import local_peer_info
@@ -41,9 +42,12 @@ async def serve(engine_config: EngineConfig, settings: WorkerSettings) -> None:
         [lambda s: pdserve_pb2_grpc.add_PrefillWorkerServicer_to_server(service, s)], ["PrefillWorker"],
         settings.host, settings.port,
     )
-    service.address = f"{settings.advertise_host or settings.host}:{server.port}"
+    public_host = settings.advertise_host or settings.host
+    service.address = f"{public_host}:{server.port}"
+    metrics_address = start_worker_metrics(
+        settings.metrics_port, settings.host, public_host, WorkerCollector("prefill", engine.stats, lambda: service.counters))
     log.info("prefill worker serving on %s (KV transports offered: %s)", service.address, ", ".join(transports))
-    announce_ready("prefill", grpc=service.address)
+    announce_ready("prefill", grpc=service.address, metrics=metrics_address)
 
     signal_name = await wait_for_shutdown_signal()
     log.info("%s: shutting down", signal_name)

@@ -10,6 +10,7 @@ from collections import Counter
 
 import grpc
 
+from pdserve import metrics
 from pdserve.engine.engine_loop import EngineError, EngineLoop
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 from pdserve.engine.sequence import FinishReason
@@ -83,6 +84,7 @@ class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
 
         transfer_ms = (time.perf_counter() - started) * 1e3 - prefill_ms
         self.counters[f"transfers_{conn.name}"] += 1
+        metrics.KV_TRANSFER_SECONDS.labels(conn.name).observe(transfer_ms / 1e3)
         if ack is not AckStatus.OK:
             self.counters[f"transfer_{ack.name.lower()}"] += 1
             code = grpc.StatusCode.DATA_LOSS if ack is AckStatus.CHECKSUM_MISMATCH else grpc.StatusCode.ABORTED

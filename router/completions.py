@@ -11,6 +11,7 @@ from typing import AsyncIterator
 
 import grpc
 
+from pdserve import metrics
 from pdserve.router.dispatch import DispatchError, Dispatcher
 from pdserve.router.tokenizer import RouterTokenizer
 from pdserve.router.validation import ValidatedRequest, validate
@@ -53,6 +54,7 @@ class Completions:
             return validate(request, self.tokenizer)
         except ValueError:
             self.counters["rejected_invalid"] += 1
+            metrics.REJECTIONS.labels("invalid_argument").inc()
             raise
 
     def timeout(self, client_remaining_s: float | None) -> float:
@@ -62,16 +64,22 @@ class Completions:
 
     async def stream(self, req: ValidatedRequest, timeout_s: float) -> AsyncIterator[Chunk]:
         """Streams the completion; raises DispatchError when the workers cannot serve it."""
-        started = time.perf_counter()
+        started = last = time.perf_counter()
         text = self.tokenizer.text_stream(req.sampling.stop)
         completion_tokens, cached, ttft_ms = 0, 0, None
         events = self.dispatcher.generate(req, timeout_s)
+        metrics.INFLIGHT.inc()
         try:
             async with contextlib.aclosing(events):
                 async for event in events:
+                    now = time.perf_counter()
                     if ttft_ms is None:
-                        ttft_ms = (time.perf_counter() - started) * 1e3
+                        ttft_ms = (now - started) * 1e3
                         cached = event.cached_tokens
+                        metrics.TTFT.observe(now - started)
+                    else:
+                        metrics.ITL.observe(now - last)
+                    last = now
                     completion_tokens += len(event.token_ids)
                     delta = text.push(event.token_ids)
                     finish = "stop" if text.stopped else event.finish_reason
@@ -79,11 +87,15 @@ class Completions:
                         yield Chunk(event.token_ids, delta)
                         continue
                     self.counters[f"finished_{finish}"] += 1
-                    usage = Usage(len(req.prompt_token_ids), completion_tokens, cached, ttft_ms,
-                                  (time.perf_counter() - started) * 1e3)
+                    metrics.REQUESTS.labels(finish).inc()
+                    metrics.E2E.observe(now - started)
+                    usage = Usage(len(req.prompt_token_ids), completion_tokens, cached, ttft_ms, (now - started) * 1e3)
                     yield Chunk(event.token_ids, delta + text.flush(), finish, usage)
                     return
         except DispatchError as e:
             self.counters[f"failed_{e.code.name.lower()}"] += 1
+            metrics.REJECTIONS.labels(e.code.name.lower()).inc()
             raise
+        finally:
+            metrics.INFLIGHT.dec()
         raise DispatchError(grpc.StatusCode.INTERNAL, "the worker stream ended without a finish reason")

@@ -22,6 +22,7 @@ from typing import AsyncIterator
 
 import grpc
 
+from pdserve import metrics
 from pdserve.router.policy import NoWorkerAvailable, RoutingPolicy
 from pdserve.router.validation import ValidatedRequest
 from pdserve.router.workers import Worker, WorkerRegistry
@@ -94,7 +95,9 @@ class Dispatcher:
                     raise
                 if e.worker is not None:
                     failed.add(e.worker.address)
-                self.counters["migrations" if prior else "retries"] += 1
+                kind = "migrations" if prior else "retries"
+                self.counters[kind] += 1
+                metrics.MIGRATIONS.labels(kind).inc()
                 if e.code is grpc.StatusCode.DATA_LOSS:
                     self.counters["reprefills_after_corruption"] += 1
 

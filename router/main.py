@@ -7,6 +7,7 @@ import logging
 
 from pdserve.engine.model_store import resolve_model
 from pdserve.grpc_server import start_server
+from pdserve.metrics import serve_metrics
 from pdserve.process import announce_ready, wait_for_shutdown_signal
 from pdserve.router.completions import Completions
 from pdserve.router.dispatch import Dispatcher
@@ -35,9 +36,10 @@ async def serve(settings: RouterSettings, model: str | None, cache_dir: str | No
         [lambda s: pdserve_pb2_grpc.add_RouterServicer_to_server(service, s)], ["Router"], settings.host, settings.port
     )
     address = f"{settings.host}:{server.port}"
+    metrics_address = f"{settings.host}:{serve_metrics(settings.host, settings.metrics_port)}" if settings.metrics_port is not None else None
     mode = "disaggregated" if prefill else "colocated"
     log.info("router serving on %s (%s: %d prefill, %d decode workers)", address, mode, len(prefill), len(decode))
-    announce_ready("router", grpc=address)
+    announce_ready("router", grpc=address, metrics=metrics_address)
 
     signal_name = await wait_for_shutdown_signal()
     log.info("%s: shutting down", signal_name)

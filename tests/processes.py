@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
@@ -110,13 +111,16 @@ class Stack:
     proc: Proc
     address: str
     children: set[int]
+    processes: list[dict]  # each process's name, pid and addresses
 
     @classmethod
     def up(cls, *extra: str, env: dict[str, str] | None = None) -> "Stack":
         port = free_port()
         proc = Proc(["up", "--port", str(port), *extra], env=env or {})
         proc.wait_for(lambda line: "pdserve ready" in line)
-        return cls(proc, f"127.0.0.1:{port}", descendants(proc.process.pid))
+        described = next(line for line in proc.output if line.startswith("pdserve cluster: "))
+        processes = json.loads(described[len("pdserve cluster: "):])
+        return cls(proc, f"127.0.0.1:{port}", descendants(proc.process.pid), processes)
 
     def down(self, sig: int = signal.SIGTERM) -> None:
         """Stops the stack and checks that no process it started survives."""

@@ -1,0 +1,98 @@
+"""Prometheus metrics: request latencies at the router, engine and KV-transfer state at workers.
+
+Router figures are recorded as requests flow. Worker figures are read at scrape time from
+the engine and the transfer counters (a custom collector), so the hot path pays nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterable, Mapping
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+# -- router --------------------------------------------------------------------------------------
+REQUESTS = Counter("pdserve_requests", "Finished requests", ["finish_reason"])
+REJECTIONS = Counter("pdserve_request_rejections", "Requests refused or failed", ["reason"])
+TTFT = Histogram("pdserve_time_to_first_token_seconds", "Time to first token, at the router", buckets=_LATENCY_BUCKETS)
+ITL = Histogram("pdserve_inter_token_latency_seconds", "Time between streamed chunks, at the router", buckets=_ITL_BUCKETS)
+E2E = Histogram("pdserve_e2e_request_latency_seconds", "Request latency, first byte in to last byte out", buckets=_LATENCY_BUCKETS)
+INFLIGHT = Gauge("pdserve_router_inflight_requests", "Requests the router is serving")
+MIGRATIONS = Counter("pdserve_migrations", "Requests moved to another worker after a failure", ["kind"])
+
+# -- prefill side of KV transfer ---------------------------------------------------------------------
+KV_TRANSFER_SECONDS = Histogram(
+    "pdserve_kv_transfer_duration_seconds", "From the end of prefill compute to the decode side's ack",
+    ["transport"], buckets=_LATENCY_BUCKETS,
+)
+
+
+class WorkerCollector(Collector):
+    """Engine and transfer state of one worker, read when Prometheus scrapes."""
+
+    def __init__(self, role: str, engine_stats: Callable[[], object], kv_counters: Callable[[], Mapping[str, float]]) -> None:
+        self.role = role
+        self.engine_stats = engine_stats
+        self.kv_counters = kv_counters
+
+    def collect(self) -> Iterable:
+        s = self.engine_stats()
+        labels = ["role"]
+        for name, doc, value in (
+            ("pdserve_kv_blocks_total", "KV cache blocks", s.blocks_total),
+            ("pdserve_kv_blocks_free", "KV cache blocks free (cached prefixes included)", s.blocks_free),
+            ("pdserve_kv_blocks_used", "KV cache blocks held by requests", s.blocks_total - s.blocks_free),
+            ("pdserve_kv_blocks_cached", "Blocks holding reusable prefixes", s.blocks_cached),
+            ("pdserve_running_batch_size", "Sequences in the running batch", s.running),
+            ("pdserve_queue_depth", "Requests waiting for admission", s.waiting),
+            ("pdserve_prefix_cache_hit_ratio", "Prompt blocks served from the prefix cache",
+             s.prefix_hits / s.prefix_queries if s.prefix_queries else 0.0),
+        ):
+            family = GaugeMetricFamily(name, doc, labels=labels)
+            family.add_metric([self.role], float(value))
+            yield family
+        for name, doc, value in (
+            ("pdserve_preemptions", "Sequences preempted for lack of blocks", s.preemptions),
+            ("pdserve_prefix_cache_queries", "Prompt blocks looked up in the prefix cache", s.prefix_queries),
+            ("pdserve_prefix_cache_hits", "Prompt blocks found in the prefix cache", s.prefix_hits),
+            ("pdserve_prefix_cache_evictions", "Cached blocks reused for other content", s.evictions),
+        ):
+            family = CounterMetricFamily(name, doc, labels=labels)
+            family.add_metric([self.role], float(value))
+            yield family
+        yield from _kv_families(self.role, self.kv_counters())
+
+
+def _kv_families(role: str, counters: Mapping[str, float]) -> Iterable:
+    transfers = CounterMetricFamily("pdserve_kv_transfers", "KV transfers completed", labels=["role", "transport"])
+    nbytes = CounterMetricFamily("pdserve_kv_transfer_bytes", "KV bytes received", labels=["role", "transport"])
+    events = CounterMetricFamily("pdserve_kv_transfer_events", "KV transfer problems", labels=["role", "event"])
+    for key, value in counters.items():
+        if key.startswith("transfers_"):
+            transfers.add_metric([role, key.removeprefix("transfers_")], float(value))
+        elif key.startswith("bytes_"):
+            nbytes.add_metric([role, key.removeprefix("bytes_")], float(value))
+        else:
+            events.add_metric([role, key], float(value))
+    return transfers, nbytes, events
+
+
+def serve_metrics(host: str, port: int) -> int:
+    """Starts the /metrics endpoint; returns the bound port (``port`` 0 picks a free one)."""
+    server, _ = start_http_server(port, addr=host)
+    return server.server_port
+
+
+def start_worker_metrics(port: int | None, host: str, public_host: str, collector: WorkerCollector) -> str | None:
+    """Registers a worker's collector and serves /metrics if ``port`` is set; returns its address."""
+    if port is None:
+        return None
+    REGISTRY.register(collector)
+    return f"{public_host}:{serve_metrics(host, port)}"

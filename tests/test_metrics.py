@@ -1,0 +1,59 @@
+"""Prometheus /metrics on the router and every worker: parseable, and moving with traffic."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import PROMPTS
+from pdserve.client import build_request
+from processes import Stack
+from test_stack_e2e import collect
+
+pytestmark = pytest.mark.e2e
+
+
+def scrape(address: str) -> dict[str, float]:
+    """Sample name (with labels) -> value, parsed with Prometheus' own text parser."""
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}"] = sample.value
+    return samples
+
+
+@pytest.fixture(scope="module")
+def stack():
+    s = Stack.up("--metrics", "--dtype", "float32", "--kv-cache-memory", "128MiB", "--kv-transport", "tcp")
+    yield s
+    s.down()
+
+
+async def test_metrics_move_with_traffic(stack):
+    by_role = {p["role"]: p["metrics"] for p in stack.processes}
+    assert set(by_role) == {"router", "prefill", "decode"} and all(by_role.values())
+    before = {role: scrape(address) for role, address in by_role.items()}
+    for prompt in PROMPTS[:2]:
+        await collect(stack.address, build_request(prompt, max_tokens=8, temperature=0))
+    after = {role: scrape(address) for role, address in by_role.items()}
+
+    router_before, router_after = before["router"], after["router"]
+    finished = lambda m: sum(v for k, v in m.items() if k.startswith("pdserve_requests_total"))  # noqa: E731
+    assert finished(router_after) - finished(router_before) == 2
+    assert router_after["pdserve_time_to_first_token_seconds_count{}"] - router_before.get("pdserve_time_to_first_token_seconds_count{}", 0) == 2
+    assert router_after["pdserve_inter_token_latency_seconds_count{}"] > router_before.get("pdserve_inter_token_latency_seconds_count{}", 0)
+    assert router_after["pdserve_e2e_request_latency_seconds_count{}"] >= 2
+
+    decode = after["decode"]
+    assert decode["pdserve_kv_transfers_total{role=decode,transport=tcp}"] - before["decode"].get("pdserve_kv_transfers_total{role=decode,transport=tcp}", 0) == 2
+    assert decode["pdserve_kv_transfer_bytes_total{role=decode,transport=tcp}"] > 0
+    assert decode["pdserve_kv_blocks_total{role=decode}"] > 0
+    assert decode["pdserve_kv_blocks_free{role=decode}"] == decode["pdserve_kv_blocks_total{role=decode}"]
+    prefill = after["prefill"]
+    assert prefill["pdserve_kv_transfer_duration_seconds_count{transport=tcp}"] == 2
+    assert prefill["pdserve_prefix_cache_queries_total{role=prefill}"] >= 1
+    assert "pdserve_prefix_cache_hit_ratio{role=prefill}" in prefill

@@ -64,7 +64,7 @@ async def serve(engine_config: EngineConfig, settings: WorkerSettings) -> None:
     loop = EngineLoop(engine)
     loop.start()
     role = "colocated" if settings.colocated else "decode"
-    public_host = settings.advertise_host or settings.host
+    public_host = settings.public_host()
 
     one_sided = any(t in transports for t in ("shm", "cuda_ipc"))
     receiver = KVReceiver(

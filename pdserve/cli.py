@@ -53,6 +53,11 @@ def _parser() -> argparse.ArgumentParser:
         add_arguments(worker, EngineConfig)
         add_arguments(worker, WorkerSettings)
 
+    health = sub.add_parser("health", help="exit 0 if a pdserve server reports SERVING (for healthchecks)")
+    health.add_argument("--addr", default="127.0.0.1:50051")
+    health.add_argument("--service", default="", help="a service name, e.g. pdserve.v1.DecodeWorker (default: the server)")
+    health.add_argument("--timeout", type=float, default=3.0)
+
     sub.add_parser("bench", add_help=False, help="TTFT/ITL serving benchmark (pdserve bench --help)")
 
     show = sub.add_parser("config", help="print the effective configuration")
@@ -74,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
         from pdserve.generate_cli import run_generate
 
         return run_generate(args)
+    if args.command == "health":
+        from pdserve.probe import run_health
+
+        return run_health(args)
     setup_logging(args.log_level)
     try:
         file = load_file(args.config)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 
 from pdserve.config import setting
@@ -26,6 +27,15 @@ class WorkerSettings:
         if self.kv_lease_s <= 0:
             raise ValueError(f"kv_lease_s must be > 0, got {self.kv_lease_s}")
         self.cpu_set()  # validates
+
+    def public_host(self) -> str:
+        """The address peers use: --advertise-host, else --host, else (bound to all interfaces)
+        this machine's own address, so a container advertises its own IP, never localhost."""
+        if self.advertise_host:
+            return self.advertise_host
+        if self.host in ("0.0.0.0", "::", ""):
+            return socket.gethostbyname(socket.gethostname())
+        return self.host
 
     def cpu_set(self) -> set[int]:
         try:

@@ -42,7 +42,7 @@ async def serve(engine_config: EngineConfig, settings: WorkerSettings) -> None:
         [lambda s: pdserve_pb2_grpc.add_PrefillWorkerServicer_to_server(service, s)], ["PrefillWorker"],
         settings.host, settings.port,
     )
-    public_host = settings.advertise_host or settings.host
+    public_host = settings.public_host()
     service.address = f"{public_host}:{server.port}"
     metrics_address = start_worker_metrics(
         settings.metrics_port, settings.host, public_host, WorkerCollector("prefill", engine.stats, lambda: service.counters))

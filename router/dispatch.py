@@ -72,10 +72,12 @@ def _worker_error(worker: Worker, error: grpc.aio.AioRpcError) -> DispatchError:
 
 
 class Dispatcher:
-    def __init__(self, registry: WorkerRegistry, policy: RoutingPolicy, max_attempts: int = DEFAULT_MAX_ATTEMPTS) -> None:
+    def __init__(self, registry: WorkerRegistry, policy: RoutingPolicy, max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+                 failure_threshold: int = 2) -> None:
         self.registry = registry
         self.policy = policy
-        self.max_attempts = max_attempts
+        self.max_attempts = max_attempts  # 1 + retries/migrations per request
+        self.failure_threshold = failure_threshold
         self.counters: Counter[str] = Counter()
 
     async def generate(self, req: ValidatedRequest, timeout_s: float) -> AsyncIterator[TokenEvent]:
@@ -91,6 +93,8 @@ class Dispatcher:
                         return
                 raise DispatchError(grpc.StatusCode.UNAVAILABLE, "the worker stream ended without a finish reason")
             except DispatchError as e:
+                if e.worker is not None and e.code is grpc.StatusCode.UNAVAILABLE:
+                    e.worker.record_failure(self.failure_threshold)
                 if not e.retryable or attempt == self.max_attempts or time.monotonic() >= deadline:
                     raise
                 if e.worker is not None:

@@ -11,6 +11,7 @@ from pdserve.metrics import serve_metrics
 from pdserve.process import announce_ready, wait_for_shutdown_signal
 from pdserve.router.completions import Completions
 from pdserve.router.dispatch import Dispatcher
+from pdserve.router.health_monitor import HealthMonitor
 from pdserve.router.policy import make_policy
 from pdserve.router.servicer import RouterService
 from pdserve.router.tokenizer import RouterTokenizer
@@ -32,6 +33,9 @@ async def serve(settings: RouterSettings, model: str | None, cache_dir: str | No
     registry = WorkerRegistry.connect(prefill, decode)
     completions = Completions(tokenizer, Dispatcher(registry, make_policy(settings.policy)), settings.request_timeout_s)
     service = RouterService(completions)
+    monitor = HealthMonitor(registry)
+    await monitor.probe_all()
+    monitor.start()
     server = await start_server(
         [lambda s: pdserve_pb2_grpc.add_RouterServicer_to_server(service, s)], ["Router"], settings.host, settings.port
     )
@@ -44,4 +48,5 @@ async def serve(settings: RouterSettings, model: str | None, cache_dir: str | No
     signal_name = await wait_for_shutdown_signal()
     log.info("%s: shutting down", signal_name)
     await server.stop(SHUTDOWN_GRACE_S)
+    await monitor.stop()
     await registry.close()

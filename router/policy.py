@@ -25,8 +25,10 @@ def _healthy(workers: list[Worker], exclude: set[str] | None = None) -> list[Wor
     """Healthy workers, minus ``exclude`` (ones that just failed this request) unless that leaves none."""
     healthy = [w for w in workers if w.healthy]
     if not healthy:
-        role = workers[0].role.value if workers else "matching"
-        raise NoWorkerAvailable(f"no healthy {role} worker available")
+        if not workers:
+            raise NoWorkerAvailable("no worker registered")
+        down = ", ".join(w.address for w in workers)
+        raise NoWorkerAvailable(f"no healthy {workers[0].role.value} worker available (failing health checks: {down})")
     return [w for w in healthy if w.address not in (exclude or ())] or healthy
 
 

@@ -1,8 +1,16 @@
-"""The router's view of its workers: channels, stubs, load and health."""
+"""The router's view of its workers: where they are, their channels, load and health.
+
+Workers are given as ``host:port`` or as ``dns:NAME:PORT``; a DNS entry stands for every
+address the name resolves to and is re-resolved periodically, so a docker-compose service
+scaled with ``--scale`` or a Kubernetes headless Service is followed as it grows and shrinks.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import enum
+import logging
+import socket
 from dataclasses import dataclass, field
 
 import grpc
@@ -10,6 +18,8 @@ import grpc
 from pdserve.grpc_server import channel_options
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 
 class Role(str, enum.Enum):
@@ -25,6 +35,7 @@ class Worker:
     prefill_stub: pdserve_pb2_grpc.PrefillWorkerStub | None = None
     decode_stub: pdserve_pb2_grpc.DecodeWorkerStub | None = None
     healthy: bool = True
+    consecutive_failures: int = 0
     inflight: int = 0  # requests this router has on the worker right now
     last_stats: pb.WorkerStats | None = None
 
@@ -33,29 +44,96 @@ class Worker:
         queued = self.last_stats.waiting if self.last_stats else 0
         return self.inflight + queued
 
+    def record_failure(self, threshold: int) -> None:
+        """Opens the circuit after ``threshold`` failures in a row; the health monitor closes it."""
+        self.consecutive_failures += 1
+        if self.healthy and self.consecutive_failures >= threshold:
+            log.warning("%s worker %s taken out of rotation after %d failures", self.role.value, self.address,
+                        self.consecutive_failures)
+            self.healthy = False
+
+    def record_success(self) -> None:
+        if not self.healthy:
+            log.info("%s worker %s is healthy again; back in rotation", self.role.value, self.address)
+        self.consecutive_failures = 0
+        self.healthy = True
+
+
+def _connect(address: str, role: Role, credentials: grpc.ChannelCredentials | None) -> Worker:
+    options = channel_options()
+    channel = grpc.aio.secure_channel(address, credentials, options) if credentials else grpc.aio.insecure_channel(address, options)
+    if role is Role.PREFILL:
+        return Worker(address, role, channel, prefill_stub=pdserve_pb2_grpc.PrefillWorkerStub(channel))
+    return Worker(address, role, channel, decode_stub=pdserve_pb2_grpc.DecodeWorkerStub(channel))
+
+
+def parse_spec(spec: str) -> tuple[str, str, int]:
+    """'host:port' -> ('static', host, port); 'dns:name:port' -> ('dns', name, port)."""
+    kind = "dns" if spec.startswith("dns:") else "static"
+    rest = spec[4:] if kind == "dns" else spec
+    host, _, port = rest.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"worker address must be host:port or dns:name:port, got {spec!r}")
+    return kind, host.strip("[]"), int(port)
+
 
 @dataclass
 class WorkerRegistry:
     prefill: list[Worker] = field(default_factory=list)
     decode: list[Worker] = field(default_factory=list)
+    specs: dict[Role, list[str]] = field(default_factory=dict)
+    credentials: grpc.ChannelCredentials | None = None
 
     @classmethod
-    def connect(cls, prefill_addresses: list[str], decode_addresses: list[str]) -> "WorkerRegistry":
-        registry = cls()
-        for address in prefill_addresses:
-            channel = grpc.aio.insecure_channel(address, options=channel_options())
-            registry.prefill.append(Worker(address, Role.PREFILL, channel, prefill_stub=pdserve_pb2_grpc.PrefillWorkerStub(channel)))
-        for address in decode_addresses:
-            channel = grpc.aio.insecure_channel(address, options=channel_options())
-            registry.decode.append(Worker(address, Role.DECODE, channel, decode_stub=pdserve_pb2_grpc.DecodeWorkerStub(channel)))
+    def connect(cls, prefill: list[str], decode: list[str], credentials: grpc.ChannelCredentials | None = None) -> "WorkerRegistry":
+        for spec in (*prefill, *decode):
+            parse_spec(spec)  # fail at start on a malformed address
+        registry = cls(specs={Role.PREFILL: list(prefill), Role.DECODE: list(decode)}, credentials=credentials)
+        for role in Role:
+            registry._pool(role).extend(
+                _connect(f"{host}:{port}", role, credentials)
+                for kind, host, port in map(parse_spec, registry.specs[role]) if kind == "static"
+            )
         return registry
 
     @property
     def disaggregated(self) -> bool:
-        return bool(self.prefill)
+        return bool(self.specs.get(Role.PREFILL))
+
+    @property
+    def dynamic(self) -> bool:
+        return any(spec.startswith("dns:") for specs in self.specs.values() for spec in specs)
 
     def all(self) -> list[Worker]:
         return self.prefill + self.decode
+
+    def _pool(self, role: Role) -> list[Worker]:
+        return self.prefill if role is Role.PREFILL else self.decode
+
+    async def resolve(self) -> None:
+        """Re-resolves DNS entries: adds new addresses, drops ones that are gone."""
+        loop = asyncio.get_running_loop()
+        for role in Role:
+            wanted: set[str] = set()
+            for kind, host, port in map(parse_spec, self.specs[role]):
+                if kind == "static":
+                    wanted.add(f"{host}:{port}")
+                    continue
+                try:
+                    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+                except socket.gaierror as e:
+                    log.warning("cannot resolve %s workers at %s: %s", role.value, host, e)
+                    wanted |= {w.address for w in self._pool(role)}  # keep what we had
+                    continue
+                wanted |= {f"{info[4][0]}:{port}" for info in infos}
+            pool = self._pool(role)
+            known = {w.address for w in pool}
+            for address in sorted(wanted - known):
+                log.info("discovered %s worker %s", role.value, address)
+                pool.append(_connect(address, role, self.credentials))
+            for worker in [w for w in pool if w.address not in wanted]:
+                log.info("%s worker %s is gone from DNS", role.value, worker.address)
+                pool.remove(worker)
 
     async def close(self) -> None:
         for worker in self.all():

@@ -1,0 +1,65 @@
+"""Keeps the router's worker list current: DNS discovery, health probes, load figures.
+
+Every interval each worker gets a grpc.health check and a stats call (which also feeds the
+load-aware policies). A worker that fails ``failure_threshold`` probes in a row (or requests
+in a row, counted by the dispatcher) leaves the rotation; the next successful probe brings
+it back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdserve.router.workers import Worker, WorkerRegistry
+from pdserve.v1 import pdserve_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+PROBE_TIMEOUT_S = 1.0
+
+
+class HealthMonitor:
+    def __init__(self, registry: WorkerRegistry, interval_s: float = 1.0, failure_threshold: int = 2) -> None:
+        self.registry = registry
+        self.interval_s = interval_s
+        self.failure_threshold = failure_threshold
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="health-monitor")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        while True:
+            await self.probe_all()
+            await asyncio.sleep(self.interval_s)
+
+    async def probe_all(self) -> None:
+        if self.registry.dynamic:
+            await self.registry.resolve()
+        await asyncio.gather(*(self._probe(w) for w in self.registry.all()))
+
+    async def _probe(self, worker: Worker) -> None:
+        service = "pdserve.v1.PrefillWorker" if worker.prefill_stub else "pdserve.v1.DecodeWorker"
+        try:
+            health = await health_pb2_grpc.HealthStub(worker.channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=PROBE_TIMEOUT_S)
+            if health.status != health_pb2.HealthCheckResponse.SERVING:
+                raise ConnectionError(f"health status {health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)}")
+            stub = worker.prefill_stub or worker.decode_stub
+            worker.last_stats = await stub.GetStats(pb.StatsRequest(), timeout=PROBE_TIMEOUT_S)
+        except (grpc.aio.AioRpcError, ConnectionError) as e:
+            if worker.healthy:
+                log.info("probe of %s worker %s failed: %s", worker.role.value, worker.address,
+                         e.code().name if isinstance(e, grpc.aio.AioRpcError) else e)
+            worker.record_failure(self.failure_threshold)
+            return
+        worker.record_success()

@@ -46,12 +46,12 @@ class DecodeService(pdserve_pb2_grpc.DecodeWorkerServicer):
             start = lambda e: e.add_request(  # noqa: E731
                 rid, token_ids, sampling, priority=request.priority, num_prior_output_tokens=prior)
         else:
-            block_ids = await self._reserve(len(token_ids), context)
-            grant = self.receiver.grant(block_ids, len(token_ids))
+            block_ids, cached = await self._reserve(token_ids, context)
+            grant = self.receiver.grant(block_ids, len(token_ids), skip_tokens=cached)
             try:
                 yield pb.DecodeEvent(reservation=pb.Reservation(target=pb.KvTarget(
                     transfer_id=transfer_key(grant.transfer_id), kv_address=self.kv_address, block_ids=block_ids,
-                    block_size=self.engine.config.block_size, num_tokens=len(token_ids),
+                    block_size=self.engine.config.block_size, num_tokens=len(token_ids), skip_tokens=cached,
                 )))
                 result = await self.receiver.wait(grant)
             except TransferFailed as e:
@@ -63,7 +63,7 @@ class DecodeService(pdserve_pb2_grpc.DecodeWorkerServicer):
             first = result.first_token_id
             start = lambda e: e.add_prefilled(  # noqa: E731
                 rid, token_ids + [first], len(token_ids), sampling, blocks, priority=request.priority,
-                num_prior_output_tokens=prior)
+                num_prior_output_tokens=prior, num_cached_tokens=cached)
 
         try:
             async for out in self.loop.generate(rid, start):
@@ -75,17 +75,18 @@ class DecodeService(pdserve_pb2_grpc.DecodeWorkerServicer):
         except EngineError as e:
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
 
-    async def _reserve(self, num_tokens: int, context: grpc.aio.ServicerContext) -> list[int]:
+    async def _reserve(self, token_ids: list[int], context: grpc.aio.ServicerContext) -> tuple[list[int], int]:
         # Admission control lives here: the decode worker knows its own free blocks. The
         # reservation includes room for the first generated token, so admitting the request
         # into the batch once its KV has landed cannot fail for lack of blocks.
         try:
-            return self.engine.reserve_blocks(num_tokens + 1)
+            return self.engine.reserve_blocks(token_ids, len(token_ids) + 1)
         except MemoryError:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"decode worker has no room for {num_tokens} tokens of KV cache; retry later",
+                f"decode worker has no room for {len(token_ids)} tokens of KV cache; retry later",
             )
 
     async def GetStats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.WorkerStats:
-        return worker_stats(self.engine.stats(), self.role, self.address, self.receiver.num_active, self.receiver.counters)
+        return worker_stats(self.engine.stats(with_digest=True), self.role, self.address, self.receiver.num_active,
+                            self.receiver.counters, self.engine.config.block_size, self.engine.config.max_num_seqs)

@@ -117,12 +117,20 @@ class BlockManager:
         seq.num_cached_tokens = len(hits) * self.block_size
         seq.num_computed_tokens = seq.num_cached_tokens
 
-    def allocate_blocks(self, num_tokens: int) -> list[int]:
-        """Fresh blocks with no sequence attached (a decode worker's KV reservation)."""
-        needed = self.blocks_needed(num_tokens)
-        if needed > self.num_free:
+    def allocate_for_tokens(self, token_ids: list[int], num_tokens: int) -> tuple[list[int], int]:
+        """Blocks for ``num_tokens`` tokens whose K/V will be written from outside (a decode
+        worker's reservation): cached full blocks of ``token_ids`` are shared, the rest fresh.
+        Returns (block ids, tokens already cached)."""
+        hits = self.cached_prefix_blocks(token_ids[:num_tokens])
+        fresh = self.blocks_needed(num_tokens) - len(hits)
+        reusable_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        if fresh > self.num_free - reusable_free:
             raise MemoryError("not enough free KV blocks")
-        return [self._take_free() for _ in range(needed)]
+        self.prefix_queries += len(token_ids) // self.block_size
+        self.prefix_hits += len(hits)
+        for block_id in hits:
+            self._ref(block_id)
+        return hits + [self._take_free() for _ in range(fresh)], len(hits) * self.block_size
 
     def ensure_capacity(self, seq: Sequence, num_tokens: int) -> bool:
         """Grows ``seq``'s block table to hold ``num_tokens``; False if blocks ran out."""

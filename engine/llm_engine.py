@@ -56,6 +56,8 @@ class EngineStats:
     prefix_queries: int
     prefix_hits: int
     evictions: int
+    queued_prefill_tokens: int = 0
+    cached_block_hashes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,14 +198,18 @@ class LLMEngine:
                     self.blocks.commit_full_blocks(chunk.seq)
         return outputs
 
-    def stats(self) -> EngineStats:
+    def stats(self, with_digest: bool = False) -> EngineStats:
+        """``with_digest``: include the hashes of every cached block (for KV-aware routing)."""
         with self.lock:
             b = self.blocks.stats()
+            pending = [*self.scheduler.waiting, *(s for s in self.scheduler.running if s.is_prefilling)]
             return EngineStats(
                 blocks_total=b.num_blocks, blocks_free=b.num_free, blocks_cached=b.num_cached,
                 running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
                 prefilled_held=len(self.prefilled), preemptions=self.scheduler.num_preemptions,
                 prefix_queries=b.prefix_queries, prefix_hits=b.prefix_hits, evictions=b.evictions,
+                queued_prefill_tokens=sum(s.num_tokens - s.num_computed_tokens for s in pending),
+                cached_block_hashes=tuple(self.blocks.cached) if with_digest else (),
             )
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
@@ -237,10 +243,11 @@ class LLMEngine:
             with self.lock:
                 self.blocks.free(seq)
 
-    def reserve_blocks(self, num_tokens: int) -> list[int]:
-        """Blocks for K/V that will arrive from elsewhere; raises MemoryError if they do not fit."""
+    def reserve_blocks(self, token_ids: list[int], num_tokens: int) -> tuple[list[int], int]:
+        """Blocks for K/V that will arrive from elsewhere, sharing any cached prefix of
+        ``token_ids``; returns (block ids, tokens already cached). MemoryError if they do not fit."""
         with self.lock:
-            return self.blocks.allocate_blocks(num_tokens)
+            return self.blocks.allocate_for_tokens(token_ids, num_tokens)
 
     def free_blocks(self, block_ids: list[int]) -> None:
         with self.lock:
@@ -256,6 +263,7 @@ class LLMEngine:
         *,
         priority: int = 0,
         num_prior_output_tokens: int = 0,
+        num_cached_tokens: int = 0,
     ) -> RequestOutput | None:
         """Starts decoding a request whose first ``len(token_ids) - 1`` tokens have K/V in
         ``block_ids`` and whose last token was sampled elsewhere. The blocks now belong to the
@@ -268,7 +276,9 @@ class LLMEngine:
                        num_prior_output_tokens=num_prior_output_tokens)
         seq.block_table = list(block_ids)
         seq.num_computed_tokens = len(token_ids) - 1
+        seq.num_cached_tokens = num_cached_tokens
         with self.lock:
+            seq.block_hashes = [self.blocks.blocks[b].hash for b in block_ids[: num_cached_tokens // self.config.block_size]]
             if not self.blocks.ensure_capacity(seq, seq.num_tokens):
                 self.blocks.free(seq)
                 raise MemoryError("not enough free KV blocks")

@@ -34,12 +34,16 @@ class Outgoing:
     dst_block_ids: list[int]
     dst_block_size: int
     num_tokens: int
+    skip_tokens: int = 0  # leading tokens the decode side already holds
     cancelled: bool = False
     units_sent: int = field(default=0)
 
     def send_layer(self, layer: int, src_block_ids: list[int], start: int, end: int) -> None:
-        self.connection.queue_unit(self, Unit(self.transfer_id, layer, src_block_ids, self.dst_block_ids,
-                                              self.dst_block_size, start, end))
+        """Queues tokens [start, end) of a layer, minus what the decode side already holds."""
+        start, end = max(start, self.skip_tokens), min(end, self.num_tokens)
+        if start < end:
+            self.connection.queue_unit(self, Unit(self.transfer_id, layer, src_block_ids, self.dst_block_ids,
+                                                  self.dst_block_size, start, end))
 
     def finish(self, first_token_id: int) -> concurrent.futures.Future:
         return self.connection.finish(self, first_token_id)
@@ -112,8 +116,9 @@ class KVConnection:
         raise HandshakeError(f"decode worker {self.address} chose an unknown transport {transport!r}")
 
     # -- transfers ------------------------------------------------------------------------------
-    def open(self, transfer_id: int, dst_block_ids: list[int], dst_block_size: int, num_tokens: int) -> Outgoing:
-        return Outgoing(self, transfer_id, list(dst_block_ids), dst_block_size, num_tokens)
+    def open(self, transfer_id: int, dst_block_ids: list[int], dst_block_size: int, num_tokens: int,
+             skip_tokens: int = 0) -> Outgoing:
+        return Outgoing(self, transfer_id, list(dst_block_ids), dst_block_size, num_tokens, skip_tokens)
 
     def queue_unit(self, transfer: Outgoing, unit: Unit) -> None:
         self._queue.put((transfer, unit))

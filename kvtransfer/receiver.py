@@ -95,12 +95,15 @@ class KVReceiver:
         self.counters: Counter[str] = Counter()
 
     # -- decode worker side (event loop) ------------------------------------------------------
-    def grant(self, block_ids: list[int], num_tokens: int, lease_s: float | None = None) -> Grant:
+    def grant(self, block_ids: list[int], num_tokens: int, lease_s: float | None = None, skip_tokens: int = 0) -> Grant:
+        """Expects tokens [skip_tokens, num_tokens) of every layer in ``block_ids`` (the first
+        ``skip_tokens`` are already there: shared prefix blocks)."""
         transfer_id = secrets.randbits(63)
         grant = Grant(
             transfer_id, list(block_ids), num_tokens, self.cache.num_layers,
             time.monotonic() + (lease_s or self.lease_s), self.loop.create_future(),
         )
+        grant.landed[:, :skip_tokens] = True
         self.grants[transfer_id] = grant
         return grant
 

@@ -53,7 +53,7 @@ class RouterSettings:
     port: int = setting(50051, "router gRPC port", short="-p")
     prefill_workers: str = setting("", "comma-separated prefill worker addresses host:port")
     decode_workers: str = setting("", "comma-separated decode (or colocated) worker addresses host:port")
-    policy: str = setting("round_robin", "routing policy", choices=ROUTING_POLICIES)
+    policy: str = setting("kv_aware", "routing policy", choices=ROUTING_POLICIES)
     request_timeout_s: float = setting(600.0, "upper bound on a request's life when the client sets no deadline")
     http_port: int | None = setting(None, "serve the OpenAI-compatible HTTP API (and /metrics) on this port")
     metrics_port: int | None = setting(None, "serve Prometheus /metrics on this port when there is no HTTP port")

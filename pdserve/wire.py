@@ -41,7 +41,8 @@ def parse_transfer_key(key: str) -> int:
 
 
 def worker_stats(
-    stats: EngineStats, role: str, address: str, reserved: int = 0, kv_counters: Mapping[str, float] | None = None
+    stats: EngineStats, role: str, address: str, reserved: int = 0, kv_counters: Mapping[str, float] | None = None,
+    block_size: int = 0, max_num_seqs: int = 0,
 ) -> pb.WorkerStats:
     counters = {
         "preemptions": stats.preemptions, "prefix_queries": stats.prefix_queries, "prefix_hits": stats.prefix_hits,
@@ -51,4 +52,6 @@ def worker_stats(
     return pb.WorkerStats(
         address=address, role=role, healthy=True, blocks_total=stats.blocks_total, blocks_free=stats.blocks_free,
         running=stats.running, waiting=stats.waiting, reserved_transfers=reserved, counters=counters,
+        block_size=block_size, max_num_seqs=max_num_seqs, queued_prefill_tokens=stats.queued_prefill_tokens,
+        cached_block_hashes=stats.cached_block_hashes,
     )

@@ -29,9 +29,7 @@ class KVShipper:
                 continue
             # The first chunk also carries the prefix that came from the prefix cache.
             start = 0 if chunk.start == seq.num_cached_tokens else chunk.start
-            end = min(chunk.start + chunk.num_tokens, out.num_tokens)
-            if start < end:
-                units.append((out, list(seq.block_table), start, end))
+            units.append((out, list(seq.block_table), start, chunk.start + chunk.num_tokens))
         if not units:
             return None
 

@@ -46,6 +46,8 @@ class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
             transfer_id = parse_transfer_key(target.transfer_id)
             if target.num_tokens != len(token_ids):
                 raise ValueError(f"target.num_tokens: {target.num_tokens} does not match the {len(token_ids)} prompt tokens")
+            if not 0 <= target.skip_tokens <= target.num_tokens:
+                raise ValueError(f"target.skip_tokens: {target.skip_tokens} is outside [0, {target.num_tokens}]")
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
@@ -58,7 +60,8 @@ class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot reach decode worker KV endpoint {target.kv_address}: {e}")
 
         started = time.perf_counter()
-        transfer = conn.open(transfer_id, list(target.block_ids), target.block_size or self.engine.config.block_size, len(token_ids))
+        transfer = conn.open(transfer_id, list(target.block_ids), target.block_size or self.engine.config.block_size,
+                             len(token_ids), skip_tokens=target.skip_tokens)
         self.shipper.transfers[rid] = transfer
         acked = False
         try:
@@ -116,4 +119,5 @@ class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
             transfer.send_layer(layer, kv.block_ids, 0, transfer.num_tokens)
 
     async def GetStats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.WorkerStats:
-        return worker_stats(self.engine.stats(), "prefill", self.address, 0, self.counters)
+        return worker_stats(self.engine.stats(with_digest=True), "prefill", self.address, 0, self.counters,
+                            self.engine.config.block_size, self.engine.config.max_num_seqs)

@@ -144,12 +144,14 @@ class Dispatcher:
                 raise DispatchError(grpc.StatusCode.UNAVAILABLE, f"decode worker {decode.address} sent no reservation", decode)
 
             prefill.inflight += 1
+            prefill.inflight_tokens += len(attempt.token_ids)
             try:
                 response = await prefill.prefill_stub.Prefill(_prefill_request(attempt, first.reservation.target), timeout=_left(deadline))
             except grpc.aio.AioRpcError as e:
                 raise _worker_error(prefill, e) from None
             finally:
                 prefill.inflight -= 1
+                prefill.inflight_tokens -= len(attempt.token_ids)
             yield TokenEvent([response.first_token_id], response.finish_reason or None, response.num_cached_tokens)
             if response.finish_reason:
                 return

@@ -37,7 +37,13 @@ class Worker:
     healthy: bool = True
     consecutive_failures: int = 0
     inflight: int = 0  # requests this router has on the worker right now
+    inflight_tokens: int = 0  # prompt tokens this router sent it to prefill, not yet done
     last_stats: pb.WorkerStats | None = None
+    cached_hashes: set[int] = field(default_factory=set)  # its prefix-cache digest (KV-aware routing)
+
+    def update_stats(self, stats: pb.WorkerStats) -> None:
+        self.last_stats = stats
+        self.cached_hashes = set(stats.cached_block_hashes)
 
     @property
     def load(self) -> float:

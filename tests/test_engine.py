@@ -150,7 +150,8 @@ def test_seam_prefill_here_decode_there(model_dir, prompt_ids, hf_reference):
     kv = prefill.take_prefilled("r")
     assert kv.num_computed_tokens == len(ids) and kv.token_ids == ids + first
 
-    block_ids = decode.reserve_blocks(kv.num_computed_tokens)
+    block_ids, cached = decode.reserve_blocks(kv.token_ids, kv.num_computed_tokens)
+    assert cached == 0
     src_table = torch.tensor(kv.block_ids)
     bs = decode.config.block_size
     positions = torch.arange(kv.num_computed_tokens)

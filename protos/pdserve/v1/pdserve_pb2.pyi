@@ -122,18 +122,20 @@ class ResolvedSampling(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KvTarget(_message.Message):
-    __slots__ = ("transfer_id", "kv_address", "block_ids", "block_size", "num_tokens")
+    __slots__ = ("transfer_id", "kv_address", "block_ids", "block_size", "num_tokens", "skip_tokens")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     kv_address: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     block_size: int
     num_tokens: int
-    def __init__(self, transfer_id: _Optional[str] = ..., kv_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    skip_tokens: int
+    def __init__(self, transfer_id: _Optional[str] = ..., kv_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., skip_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "sampling", "num_prior_output_tokens", "priority", "target")
@@ -212,7 +214,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("address", "role", "healthy", "blocks_total", "blocks_free", "running", "waiting", "reserved_transfers", "counters")
+    __slots__ = ("address", "role", "healthy", "blocks_total", "blocks_free", "running", "waiting", "reserved_transfers", "counters", "block_size", "cached_block_hashes", "queued_prefill_tokens", "max_num_seqs")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -229,6 +231,10 @@ class WorkerStats(_message.Message):
     WAITING_FIELD_NUMBER: _ClassVar[int]
     RESERVED_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     address: str
     role: str
     healthy: bool
@@ -238,4 +244,8 @@ class WorkerStats(_message.Message):
     waiting: int
     reserved_transfers: int
     counters: _containers.ScalarMap[str, float]
-    def __init__(self, address: _Optional[str] = ..., role: _Optional[str] = ..., healthy: _Optional[bool] = ..., blocks_total: _Optional[int] = ..., blocks_free: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., reserved_transfers: _Optional[int] = ..., counters: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    block_size: int
+    cached_block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    queued_prefill_tokens: int
+    max_num_seqs: int
+    def __init__(self, address: _Optional[str] = ..., role: _Optional[str] = ..., healthy: _Optional[bool] = ..., blocks_total: _Optional[int] = ..., blocks_free: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., reserved_transfers: _Optional[int] = ..., counters: _Optional[_Mapping[str, float]] = ..., block_size: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[int]] = ..., queued_prefill_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,28 @@
+"""Smoke test of the KV-transfer benchmark: the micro part with a tiny payload, no model."""
+
+from __future__ import annotations
+
+import json
+
+from pdserve.bench.kv_transfer_bench import main
+
+
+def test_micro_part_reports_positive_throughput(tmp_path, capsys):
+    out = tmp_path / "kv.json"
+    assert main(["--sizes-mib", "1", "--repeats", "1", "--transports", "tcp,shm", "--parts", "micro", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+
+    machine = result["machine"]
+    assert machine["cpu_count"] >= 1 and len(machine["loadavg_start"]) == 3 and len(machine["loadavg_end"]) == 3
+    assert isinstance(machine["other_load_present"], bool)
+    assert result["config"]["transports"] == ["tcp", "shm"]
+    assert "real_request" not in result and "ttft" not in result
+
+    (row,) = result["micro"]
+    assert row["label"] == "1 MiB" and row["samples"] >= 1
+    assert abs(row["bytes"] - (1 << 20)) < row["num_layers"] * row["token_bytes"]  # whole tokens of every layer
+    assert set(row["gbps"]) == {"memcpy", "raw_socket", "tcp", "shm"}
+    assert all(v > 0 for v in row["gbps"].values()) and all(v > 0 for v in row["seconds_median"].values())
+    assert set(row["ratios"]) == {"tcp_vs_raw_socket", "shm_vs_memcpy"} and all(v > 0 for v in row["ratios"].values())
+    assert {c["target"] for c in result["targets"]} == {"shm_vs_memcpy >= 0.5", "tcp_vs_raw_socket >= 0.9"}
+    assert "GB/s" in capsys.readouterr().out

@@ -132,6 +132,10 @@ class BlockManager:
             self._ref(block_id)
         return hits + [self._take_free() for _ in range(fresh)], len(hits) * self.block_size
 
+    def allocate_blocks_raw(self, count: int) -> list[int]:
+        """``count`` fresh blocks (caller checked ``num_free``)."""
+        return [self._take_free() for _ in range(count)]
+
     def ensure_capacity(self, seq: Sequence, num_tokens: int) -> bool:
         """Grows ``seq``'s block table to hold ``num_tokens``; False if blocks ran out."""
         needed = self.blocks_needed(num_tokens) - len(seq.block_table)

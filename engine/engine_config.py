@@ -20,6 +20,9 @@ class EngineConfig:
     max_num_batched_tokens: int = _opt(1024, "token budget of one forward pass (chunked prefill)")
     enable_chunked_prefill: bool = _opt(True, "split long prompts across steps")
     enable_prefix_caching: bool = _opt(True, "reuse the KV of shared prompt prefixes")
+    preemption_mode: str = _opt("auto", "when KV blocks run out: swap to host memory or recompute; auto: swap on GPUs",
+                                ("auto", "swap", "recompute"))
+    swap_space: str = _opt("4GiB", "host memory for swapped-out KV blocks (preemption_mode swap)")
     attention_backend: str = _opt("auto", "attention kernels", ("auto", "torch", "cpu", "triton"))
     cache_dir: str | None = _opt(None, "where converted models are kept (default ~/.cache/pdserve)")
     num_threads: int | None = _opt(None, "torch CPU threads for this process")

@@ -21,7 +21,7 @@ import torch
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.engine_config import EngineConfig
-from pdserve.engine.kv_cache import KVCache, KVLayout, num_blocks_for_budget
+from pdserve.engine.kv_cache import KVCache, KVLayout, num_blocks_for_budget, parse_memory
 from pdserve.engine.loader import load_model, parse_dtype, pick_device
 from pdserve.engine.model import LayerHook
 from pdserve.engine.model_config import ModelConfig
@@ -30,6 +30,7 @@ from pdserve.engine.model_store import resolve_model
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.engine.sequence import FinishReason, Sequence, SequenceStatus
+from pdserve.engine.swap import SwapSpace
 from pdserve.kernels import select_backend
 
 log = logging.getLogger(__name__)
@@ -88,9 +89,10 @@ class LLMEngine:
         storage = kv_storage(self.kv_layout, num_blocks) if kv_storage else None
         self.kv_cache = KVCache(self.kv_layout, num_blocks, self.device, storage)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.swap = self._swap_space(num_blocks)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill),
-            self.blocks,
+            self.blocks, self.swap,
         )
         self.runner = ModelRunner(self.model, self.kv_cache.layers, config.block_size, self.device)
         self.requests: dict[str, Sequence] = {}
@@ -104,6 +106,18 @@ class LLMEngine:
             self.model_config.architecture, str(self.dtype).removeprefix("torch."), self.device, num_blocks, config.block_size,
             self.kv_cache.nbytes / 2**20, backend.name,
         )
+
+    def _swap_space(self, num_blocks: int) -> SwapSpace | None:
+        mode = self.config.preemption_mode
+        if mode not in ("auto", "swap", "recompute"):
+            raise ValueError(f"preemption_mode must be auto, swap or recompute, got {mode!r}")
+        if mode == "recompute" or (mode == "auto" and self.device.type != "cuda"):
+            return None
+        nbytes, fraction = parse_memory(self.config.swap_space)
+        if fraction is not None:
+            raise ValueError("swap_space must be a size such as '4GiB'")
+        host_blocks = min(num_blocks * 4, nbytes // (self.kv_layout.block_bytes * self.kv_layout.num_layers))
+        return SwapSpace(self.kv_cache, host_blocks) if host_blocks else None
 
     # -- requests ---------------------------------------------------------------------------
     @property
@@ -142,9 +156,13 @@ class LLMEngine:
         priority: int = 0,
         prefill_only: bool = False,
         num_prior_output_tokens: int = 0,
+        ttft_budget_s: float | None = None,
     ) -> None:
         """Queues a request. ``num_prior_output_tokens``: how many of the prompt's last tokens
-        were generated earlier (a migrated or resumed request)."""
+        were generated earlier (a migrated or resumed request). ``ttft_budget_s``: reject the
+        request (finish reason ``rejected``) if it has not started by then."""
+        if ttft_budget_s is not None and not ttft_budget_s > 0:
+            raise ValueError(f"ttft_budget_ms: must be > 0, got {ttft_budget_s * 1e3}")
         if request_id in self.requests or request_id in self.prefilled:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         self.validate(prompt_token_ids, sampling, num_prior_output_tokens)
@@ -152,6 +170,8 @@ class LLMEngine:
             request_id, list(prompt_token_ids), len(prompt_token_ids), sampling,
             priority=priority, prefill_only=prefill_only, num_prior_output_tokens=num_prior_output_tokens,
         )
+        if ttft_budget_s is not None:
+            seq.start_deadline = seq.arrival_time + ttft_budget_s
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -176,8 +196,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         with self.lock:
             schedule = self.scheduler.schedule()
+            rejected = [self._reject(seq) for seq in schedule.expired]
         if schedule.empty:
-            return []
+            return rejected
         hook = self.on_forward(schedule) if self.on_forward else None
         sampled = self.runner.run(schedule, hook)
 
@@ -196,7 +217,12 @@ class LLMEngine:
             for chunk in schedule.prefills:
                 if not chunk.completes:
                     self.blocks.commit_full_blocks(chunk.seq)
-        return outputs
+        return rejected + outputs
+
+    def _reject(self, seq: Sequence) -> RequestOutput:
+        del self.requests[seq.request_id]
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.REJECTED
+        return RequestOutput(seq.request_id, [], FinishReason.REJECTED, seq.num_prompt_tokens, 0)
 
     def stats(self, with_digest: bool = False) -> EngineStats:
         """``with_digest``: include the hashes of every cached block (for KV-aware routing)."""

@@ -6,16 +6,21 @@ first. Mixing keeps decodes flowing while a long prompt is prefilled in chunks, 
 one larger matmul costs less than two small ones. A sequence gets blocks for its whole
 prompt when admitted, so an admitted prefill always completes; decodes grow one block at a
 time and, when blocks run out, the least important running sequence (lowest priority, then
-latest admitted) is preempted: its blocks are freed and it is recomputed later.
+latest admitted) is preempted: its blocks are swapped out to host memory when a swap space is
+configured (GPUs), else freed and recomputed later. Swapped-out sequences come back before
+any new request is admitted. A waiting request whose TTFT budget has passed is rejected
+rather than served late.
 """
 
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, field
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.swap import SwapSpace
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +55,7 @@ class SchedulerOutput:
     decodes: list[ScheduledChunk] = field(default_factory=list)
     prefills: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    expired: list[Sequence] = field(default_factory=list)  # could not start within their TTFT budget
 
     @property
     def chunks(self) -> list[ScheduledChunk]:
@@ -65,12 +71,15 @@ def _importance(seq: Sequence) -> tuple[int, int]:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, swap: SwapSpace | None = None) -> None:
         self.config = config
         self.blocks = blocks
+        self.swap = swap
         self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
         self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []  # preempted with their K/V in host memory
         self.num_preemptions = 0
+        self.num_rejected = 0
         self._step = 0
 
     # -- queues -----------------------------------------------------------------------------
@@ -85,14 +94,16 @@ class Scheduler:
         self.running.append(seq)
 
     def remove(self, seq: Sequence) -> None:
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        for queue in (self.running, self.waiting, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+        if seq.swapped_blocks:
+            self.swap.release(seq.swapped_blocks)
+            seq.swapped_blocks = []
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.swapped)
 
     # -- the step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -121,7 +132,9 @@ class Scheduler:
                     out.prefills.append(ScheduledChunk(seq, seq.num_computed_tokens, chunk))
                     budget -= chunk
 
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        self._swap_in()
+        out.expired = self._expire_waiting()
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not self.swapped:
             seq = self.waiting[0]
             if not self.blocks.can_allocate(seq, seq.num_tokens):
                 break  # strict priority order: nothing overtakes the head of the queue
@@ -133,6 +146,7 @@ class Scheduler:
             self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
             seq.admitted_at = self._step
+            seq.start_deadline = None  # it has started
             self.running.append(seq)
             out.prefills.append(ScheduledChunk(seq, seq.num_computed_tokens, chunk))
             budget -= chunk
@@ -158,8 +172,41 @@ class Scheduler:
         return True
 
     def preempt(self, seq: Sequence) -> None:
-        """Recompute preemption: drop the K/V; the sequence re-prefills prompt + output later."""
+        """Swap the K/V out to host memory if there is room, else drop it (the sequence
+        re-prefills prompt + output later)."""
         self.running.remove(seq)
-        self.blocks.free(seq)
         self.num_preemptions += 1
+        if self.swap is not None and not seq.is_prefilling and self.swap.can_hold(len(seq.block_table)):
+            seq.swapped_blocks = self.swap.swap_out(seq.block_table)
+            computed = seq.num_computed_tokens
+            self.blocks.free(seq)
+            seq.num_computed_tokens = computed
+            seq.status = SequenceStatus.WAITING
+            self.swapped.append(seq)
+            return
+        self.blocks.free(seq)
         self.add(seq)
+
+    def _swap_in(self) -> None:
+        """Brings swapped-out sequences back, most important first, while blocks allow."""
+        self.swapped.sort(key=_importance)
+        while self.swapped and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped[0]
+            needed = self.blocks.blocks_needed(seq.num_computed_tokens)
+            if needed > self.blocks.num_free:
+                return
+            self.swapped.pop(0)
+            device_blocks = self.blocks.allocate_blocks_raw(needed)
+            self.swap.swap_in(seq.swapped_blocks, device_blocks)
+            seq.swapped_blocks, seq.block_table = [], device_blocks
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+
+    def _expire_waiting(self) -> list[Sequence]:
+        """Requests that have not started by their TTFT deadline leave the queue, rejected."""
+        now = time.monotonic()
+        expired = [s for s in self.waiting if s.start_deadline is not None and now > s.start_deadline]
+        for seq in expired:
+            self.waiting.remove(seq)
+        self.num_rejected += len(expired)
+        return expired

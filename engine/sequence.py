@@ -20,6 +20,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens, or the model's context is full
     ABORT = "abort"
     PREFILLED = "prefilled"  # a prefill-only request has its KV and first token
+    REJECTED = "rejected"  # could not start within its TTFT budget
 
 
 @dataclass(eq=False, slots=True)
@@ -41,6 +42,8 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache
     admitted_at: int = -1  # scheduler step counter at admission (preemption picks the latest)
+    start_deadline: float | None = None  # monotonic time by which the first token must start
+    swapped_blocks: list[int] = field(default_factory=list)  # host slots while swapped out
 
     @property
     def num_tokens(self) -> int:

@@ -238,3 +238,57 @@ def test_engine_keeps_serving_after_bad_request(engine, prompt_ids, hf_reference
         engine.add_request("bad", [10**9], GREEDY)
     assert run(engine, [(0, "good", prompt_ids[0], GREEDY)])["good"] == hf_reference.greedy(prompt_ids[0], MAX_NEW)
     assert_all_free(engine)
+
+
+def test_swap_preemption_keeps_greedy_output(model_dir, prompt_ids, hf_reference):
+    """Preempted sequences go to host memory and come back (the GPU path, forced here on CPU)."""
+    requests = [(0, f"{i}-{j}", prompt_ids[i], GREEDY) for i in (0, 2) for j in range(3)]
+    admit = sum(-(-len(ids) // 16) for _, _, ids, _ in requests)
+    per_block = 16 * 2 * 3 * 64 * 4 * 30
+    engine = make_engine(model_dir, kv_cache_memory=str((admit + 2) * per_block), enable_prefix_caching=False,
+                         preemption_mode="swap", swap_space="64MiB")
+    got = run(engine, requests)
+    assert engine.swap.swapped_out > 0 and engine.swap.swapped_in == engine.swap.swapped_out
+    for _, rid, ids, _ in requests:
+        assert got[rid] == hf_reference.greedy(ids, MAX_NEW), rid
+    assert_all_free(engine)
+    assert engine.swap.num_free == engine.swap.host.shape[1]
+
+
+def test_priority_decides_admission_and_preemption(model_dir, prompt_ids):
+    per_block = 16 * 2 * 3 * 64 * 4 * 30
+    engine = make_engine(model_dir, kv_cache_memory=str(6 * per_block), enable_prefix_caching=False, max_num_seqs=2)
+    long_out = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    engine.add_request("low-1", prompt_ids[2], long_out, priority=5)
+    engine.add_request("low-2", prompt_ids[2], long_out, priority=5)
+    engine.add_request("high", prompt_ids[2], long_out, priority=-5)  # arrives last, admitted first
+    engine.step()
+    running = {s.request_id for s in engine.scheduler.running}
+    assert "high" in running and len(running) == 2
+    finished_order = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finish_reason is not None:
+                finished_order.append(out.request_id)
+    assert finished_order[0] == "high"
+    # Blocks ran out while two requests decoded: the low-priority one was the victim.
+    assert engine.scheduler.num_preemptions > 0
+    assert_all_free(engine)
+
+
+def test_ttft_budget_rejects_requests_that_cannot_start_in_time(model_dir, prompt_ids):
+    engine = make_engine(model_dir, max_num_seqs=1)
+    engine.add_request("busy", prompt_ids[0], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    engine.step()
+    engine.add_request("impatient", prompt_ids[1], GREEDY, ttft_budget_s=0.001)
+    engine.add_request("patient", prompt_ids[1], SamplingParams(max_tokens=2, temperature=0), ttft_budget_s=600)
+    outcomes = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finish_reason is not None:
+                outcomes[out.request_id] = out.finish_reason
+    assert outcomes["impatient"] is FinishReason.REJECTED
+    assert outcomes["patient"] in (FinishReason.STOP, FinishReason.LENGTH)
+    with pytest.raises(ValueError, match="ttft_budget_ms"):
+        engine.add_request("zero", prompt_ids[1], GREEDY, ttft_budget_s=0)
+    assert_all_free(engine)

@@ -78,7 +78,7 @@ async def serve(engine_config: EngineConfig, settings: WorkerSettings) -> None:
     kv_server.start()
     kv_address = f"{public_host}:{kv_server.port}"
 
-    service = DecodeService(loop, receiver, kv_address, role, address="")
+    service = DecodeService(loop, receiver, kv_address, role, address="", max_queued_requests=settings.max_queued_requests)
     server = await start_server(
         [lambda s: pdserve_pb2_grpc.add_DecodeWorkerServicer_to_server(service, s)], ["DecodeWorker"],
         settings.host, settings.port,

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from typing import AsyncIterator
 
 import grpc
 
 from pdserve.engine.engine_loop import EngineError, EngineLoop
+from pdserve.grpc_server import abort_overloaded
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sequence import FinishReason
 from pdserve.kvtransfer.protocol import AckStatus
@@ -24,13 +27,16 @@ def token_event(token_ids: list[int], finish: FinishReason | None, cached: int =
 
 
 class DecodeService(pdserve_pb2_grpc.DecodeWorkerServicer):
-    def __init__(self, loop: EngineLoop, receiver: KVReceiver, kv_address: str, role: str, address: str) -> None:
+    def __init__(self, loop: EngineLoop, receiver: KVReceiver, kv_address: str, role: str, address: str,
+                 max_queued_requests: int = 256) -> None:
         self.loop = loop
         self.engine: LLMEngine = loop.engine
         self.receiver = receiver
         self.kv_address = kv_address
         self.role = role
         self.address = address
+        self.max_queued_requests = max_queued_requests
+        self.waiting_reservations = 0
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DecodeEvent]:
         rid = request.request_id
@@ -41,12 +47,16 @@ class DecodeService(pdserve_pb2_grpc.DecodeWorkerServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         prior = request.num_prior_output_tokens
+        budget_s = request.ttft_budget_ms / 1e3 if request.ttft_budget_ms > 0 else None
 
         if request.prefill_locally:
+            if len(self.engine.scheduler.waiting) >= self.max_queued_requests:
+                await abort_overloaded(context, f"{self.role} worker queue is full ({self.max_queued_requests} waiting)")
             start = lambda e: e.add_request(  # noqa: E731
-                rid, token_ids, sampling, priority=request.priority, num_prior_output_tokens=prior)
+                rid, token_ids, sampling, priority=request.priority, num_prior_output_tokens=prior, ttft_budget_s=budget_s)
         else:
-            block_ids, cached = await self._reserve(token_ids, context)
+            wait_s = min(budget_s or self.receiver.lease_s, context.time_remaining() or self.receiver.lease_s)
+            block_ids, cached = await self._reserve(token_ids, context, wait_s)
             grant = self.receiver.grant(block_ids, len(token_ids), skip_tokens=cached)
             try:
                 yield pb.DecodeEvent(reservation=pb.Reservation(target=pb.KvTarget(
@@ -67,6 +77,8 @@ class DecodeService(pdserve_pb2_grpc.DecodeWorkerServicer):
 
         try:
             async for out in self.loop.generate(rid, start):
+                if out.finish_reason is FinishReason.REJECTED:
+                    await abort_overloaded(context, "request could not start within its ttft_budget_ms")
                 yield token_event(out.new_token_ids, out.finish_reason, out.num_cached_tokens)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -75,18 +87,29 @@ class DecodeService(pdserve_pb2_grpc.DecodeWorkerServicer):
         except EngineError as e:
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
 
-    async def _reserve(self, token_ids: list[int], context: grpc.aio.ServicerContext) -> tuple[list[int], int]:
-        # Admission control lives here: the decode worker knows its own free blocks. The
-        # reservation includes room for the first generated token, so admitting the request
-        # into the batch once its KV has landed cannot fail for lack of blocks.
+    async def _reserve(self, token_ids: list[int], context: grpc.aio.ServicerContext, wait_s: float) -> tuple[list[int], int]:
+        """Admission control lives here: the decode worker knows its own free blocks. A request
+        waits (in a bounded queue) up to ``wait_s`` for blocks to free up. The reservation
+        includes room for the first generated token, so admitting the request into the batch
+        once its KV has landed cannot fail for lack of blocks."""
+        if self.waiting_reservations >= self.max_queued_requests:
+            await abort_overloaded(context, f"decode worker queue is full ({self.max_queued_requests} waiting for KV blocks)")
+        self.waiting_reservations += 1
+        deadline = time.monotonic() + wait_s
         try:
-            return self.engine.reserve_blocks(token_ids, len(token_ids) + 1)
-        except MemoryError:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"decode worker has no room for {len(token_ids)} tokens of KV cache; retry later",
-            )
+            while True:
+                try:
+                    return self.engine.reserve_blocks(token_ids, len(token_ids) + 1)
+                except MemoryError:
+                    if time.monotonic() >= deadline:
+                        await abort_overloaded(
+                            context, f"decode worker has no room for {len(token_ids)} tokens of KV cache; retry later")
+                    await asyncio.sleep(0.02)
+        finally:
+            self.waiting_reservations -= 1
 
     async def GetStats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.WorkerStats:
-        return worker_stats(self.engine.stats(with_digest=True), self.role, self.address, self.receiver.num_active,
-                            self.receiver.counters, self.engine.config.block_size, self.engine.config.max_num_seqs)
+        stats = worker_stats(self.engine.stats(with_digest=True), self.role, self.address, self.receiver.num_active,
+                             self.receiver.counters, self.engine.config.block_size, self.engine.config.max_num_seqs)
+        stats.waiting += self.waiting_reservations
+        return stats

@@ -74,17 +74,25 @@ def parse_memory(value: str | int | float) -> tuple[int | None, float | None]:
 
 
 def free_memory(device: torch.device) -> int:
+    """Free memory on the device; on CPU, the machine's available memory or, inside a
+    container with a memory limit (cgroup v2), what is left under that limit."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     try:
         with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
         pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        limit = open("/sys/fs/cgroup/memory.max").read().strip()
+        used = int(open("/sys/fs/cgroup/memory.current").read())
+        if limit != "max":
+            available = min(available, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return max(available, 0)
 
 
 def num_blocks_for_budget(layout: KVLayout, budget: str | int | float, device: torch.device) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -59,6 +60,8 @@ class EngineStats:
     evictions: int
     queued_prefill_tokens: int = 0
     cached_block_hashes: tuple[int, ...] = ()
+    prefill_tokens_per_s: float = 0.0
+    rejected: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +101,7 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self.prefilled: dict[str, Sequence] = {}
         self.lock = threading.RLock()
+        self.prefill_rate = 0.0  # tokens/s of recent prefill steps (an EMA), for TTFT estimates
         # Set by a prefill worker: called with each step's schedule, returns a hook run after
         # every layer so that layer's K/V can leave while the next layer computes.
         self.on_forward: Callable[[SchedulerOutput], LayerHook | None] | None = None
@@ -200,7 +204,12 @@ class LLMEngine:
         if schedule.empty:
             return rejected
         hook = self.on_forward(schedule) if self.on_forward else None
+        started = time.perf_counter()
         sampled = self.runner.run(schedule, hook)
+        if schedule.prefills:
+            tokens = sum(c.num_tokens for c in schedule.prefills) + len(schedule.decodes)
+            rate = tokens / max(time.perf_counter() - started, 1e-6)
+            self.prefill_rate = rate if not self.prefill_rate else 0.8 * self.prefill_rate + 0.2 * rate
 
         with self.lock:
             for chunk in schedule.chunks:
@@ -236,6 +245,7 @@ class LLMEngine:
                 prefix_queries=b.prefix_queries, prefix_hits=b.prefix_hits, evictions=b.evictions,
                 queued_prefill_tokens=sum(s.num_tokens - s.num_computed_tokens for s in pending),
                 cached_block_hashes=tuple(self.blocks.cached) if with_digest else (),
+                prefill_tokens_per_s=self.prefill_rate, rejected=self.scheduler.num_rejected,
             )
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:

@@ -25,7 +25,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="start router, prefill and decode pools locally; print 'ready'; run until Ctrl-C")
-    add_arguments(up, RouterSettings, skip=("prefill_workers", "decode_workers"))
+    add_arguments(up, RouterSettings, skip=("prefill_workers", "decode_workers", "model", "cache_dir"))
     add_arguments(up, ClusterSettings)
     add_arguments(up, EngineConfig)
     add_arguments(up, WorkerSettings, skip=UP_WORKER_FIELDS)
@@ -45,8 +45,6 @@ def _parser() -> argparse.ArgumentParser:
 
     router = sub.add_parser("router", help="run the router alone")
     add_arguments(router, RouterSettings)
-    router.add_argument("--model", default=None, help="model folder or .gguf (for the tokenizer)")
-    router.add_argument("--cache-dir", default=None)
 
     for role in ("prefill", "decode"):
         worker = sub.add_parser(role, help=f"run one {role} worker")
@@ -105,7 +103,7 @@ def _run(args: argparse.Namespace, file: dict) -> int:
         from pdserve.router.main import serve
 
         settings = resolve(RouterSettings, args, file=file)
-        asyncio.run(serve(settings, args.model, args.cache_dir))
+        asyncio.run(serve(settings))
         return 0
     if args.command in ("prefill", "decode"):
         engine = resolve(EngineConfig, args, file=file)
@@ -144,7 +142,8 @@ def _up(args: argparse.Namespace, file: dict) -> int:
         address = cluster.start()
         mode = "colocated" if cluster.cluster.colocated else f"{cluster.cluster.prefill}P{cluster.cluster.decode}D"
         print(f"pdserve cluster: {json.dumps(cluster.describe())}", flush=True)
-        print(f"pdserve ready: router on {address} ({mode})", flush=True)
+        http = cluster.router_info.get("http")
+        print(f"pdserve ready: router on {address}{f', OpenAI API on http://{http}/v1' if http else ''} ({mode})", flush=True)
         code = cluster.wait()
     except KeyboardInterrupt:
         code = 0

@@ -17,6 +17,12 @@ from pdserve.v1 import pdserve_pb2
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+RETRY_AFTER_KEY = "retry-after-ms"  # trailing metadata on RESOURCE_EXHAUSTED: when to try again
+
+
+async def abort_overloaded(context: grpc.aio.ServicerContext, message: str, retry_after_ms: int = 1000) -> None:
+    """RESOURCE_EXHAUSTED with a retry hint (like HTTP's Retry-After)."""
+    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message, trailing_metadata=((RETRY_AFTER_KEY, str(retry_after_ms)),))
 
 
 @dataclass

@@ -68,12 +68,12 @@ class Cluster:
         decode = [c.info["grpc"] for c in workers if c.info["role"] != "prefill"]
         router_settings = dataclasses.replace(
             self.router, prefill_workers=",".join(prefill), decode_workers=",".join(decode),
+            model=self.engine.model, cache_dir=self.engine.cache_dir,
             metrics_port=0 if self.cluster.metrics and self.router.metrics_port is None else self.router.metrics_port,
         )
-        model_args = ["--model", self.engine.model] if self.engine.model else []
-        cache_args = ["--cache-dir", self.engine.cache_dir] if self.engine.cache_dir else []
-        router = self._spawn("router", ["router", *to_args(router_settings), *model_args, *cache_args])
+        router = self._spawn("router", ["router", *to_args(router_settings)])
         self._wait_ready(router, deadline)
+        self.router_info = router.info
         return router.info["grpc"]
 
     def describe(self) -> list[dict]:

@@ -22,10 +22,13 @@ class WorkerSettings:
     colocated: bool = setting(False, "decode worker that also prefills (no separate prefill pool)")
     cpus: str = setting("", "pin this process to these CPU cores, e.g. '0' or '2,3' (default: no pinning)")
     metrics_port: int | None = setting(None, "serve Prometheus /metrics on this port (0: any free port; unset: off)")
+    max_queued_requests: int = setting(256, "requests waiting for this worker beyond which it answers RESOURCE_EXHAUSTED")
 
     def __post_init__(self) -> None:
         if self.kv_lease_s <= 0:
             raise ValueError(f"kv_lease_s must be > 0, got {self.kv_lease_s}")
+        if self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         self.cpu_set()  # validates
 
     def public_host(self) -> str:
@@ -55,12 +58,21 @@ class RouterSettings:
     decode_workers: str = setting("", "comma-separated decode (or colocated) worker addresses host:port")
     policy: str = setting("kv_aware", "routing policy", choices=ROUTING_POLICIES)
     request_timeout_s: float = setting(600.0, "upper bound on a request's life when the client sets no deadline")
+    model: str | None = setting(None, "model folder or .gguf, for the tokenizer (default: SmolLM2-135M-Instruct)")
+    cache_dir: str | None = setting(None, "where converted models are kept (default ~/.cache/pdserve)")
+    served_model_name: str | None = setting(None, "the model name clients send (default: derived from the model)")
+    max_migrations: int = setting(2, "times a request may move to other workers after failures")
     http_port: int | None = setting(None, "serve the OpenAI-compatible HTTP API (and /metrics) on this port")
     metrics_port: int | None = setting(None, "serve Prometheus /metrics on this port when there is no HTTP port")
+    max_inflight_requests: int = setting(1024, "requests in flight beyond which new ones get RESOURCE_EXHAUSTED")
 
     def __post_init__(self) -> None:
         if self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
+        if self.max_inflight_requests < 1:
+            raise ValueError(f"max_inflight_requests must be >= 1, got {self.max_inflight_requests}")
 
     @staticmethod
     def split(addresses: str) -> list[str]:

@@ -47,11 +47,12 @@ def worker_stats(
     counters = {
         "preemptions": stats.preemptions, "prefix_queries": stats.prefix_queries, "prefix_hits": stats.prefix_hits,
         "evictions": stats.evictions, "blocks_cached": stats.blocks_cached, "prefilled_held": stats.prefilled_held,
+        "rejected_ttft": stats.rejected,
     }
     counters.update({f"kv_{k}": float(v) for k, v in (kv_counters or {}).items()})
     return pb.WorkerStats(
         address=address, role=role, healthy=True, blocks_total=stats.blocks_total, blocks_free=stats.blocks_free,
         running=stats.running, waiting=stats.waiting, reserved_transfers=reserved, counters=counters,
         block_size=block_size, max_num_seqs=max_num_seqs, queued_prefill_tokens=stats.queued_prefill_tokens,
-        cached_block_hashes=stats.cached_block_hashes,
+        cached_block_hashes=stats.cached_block_hashes, prefill_tokens_per_s=stats.prefill_tokens_per_s,
     )

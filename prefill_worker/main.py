@@ -37,7 +37,8 @@ async def serve(engine_config: EngineConfig, settings: WorkerSettings) -> None:
     ucx = UcxWorkerThread() if "ucx" in transports else None
     peer = local_peer_info(engine.model_dir, engine.kv_layout, role="prefill", transports=transports)
     connections = KVConnections(peer, CacheLayers(engine.kv_cache.layers, engine.config.block_size), ucx=ucx)
-    service = PrefillService(loop, connections, shipper, ack_timeout_s=settings.kv_lease_s)
+    service = PrefillService(loop, connections, shipper, ack_timeout_s=settings.kv_lease_s,
+                             max_queued_requests=settings.max_queued_requests)
     server = await start_server(
         [lambda s: pdserve_pb2_grpc.add_PrefillWorkerServicer_to_server(service, s)], ["PrefillWorker"],
         settings.host, settings.port,

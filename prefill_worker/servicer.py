@@ -14,6 +14,7 @@ from pdserve import metrics
 from pdserve.engine.engine_loop import EngineError, EngineLoop
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 from pdserve.engine.sequence import FinishReason
+from pdserve.grpc_server import abort_overloaded
 from pdserve.kvtransfer.peer import HandshakeError
 from pdserve.kvtransfer.protocol import AckStatus
 from pdserve.kvtransfer.sender import KVConnections
@@ -27,7 +28,8 @@ log = logging.getLogger(__name__)
 
 class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, loop: EngineLoop, connections: KVConnections, shipper: KVShipper, address: str = "",
-                 ack_timeout_s: float = 30.0) -> None:
+                 ack_timeout_s: float = 30.0, max_queued_requests: int = 256) -> None:
+        self.max_queued_requests = max_queued_requests
         self.loop = loop
         self.ack_timeout_s = ack_timeout_s  # the decode side's lease: past it our copy is useless
         self.engine: LLMEngine = loop.engine
@@ -50,6 +52,8 @@ class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
                 raise ValueError(f"target.skip_tokens: {target.skip_tokens} is outside [0, {target.num_tokens}]")
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if len(self.engine.scheduler.waiting) >= self.max_queued_requests:
+            await abort_overloaded(context, f"prefill worker queue is full ({self.max_queued_requests} waiting)")
 
         try:
             conn = await asyncio.to_thread(self.connections.get, target.kv_address)
@@ -67,6 +71,8 @@ class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
         try:
             first = await self._prefill(rid, token_ids, sampling, request, context)
             prefill_ms = (time.perf_counter() - started) * 1e3
+            if first.finish_reason is FinishReason.REJECTED:
+                await abort_overloaded(context, "prefill could not start within its ttft_budget_ms")
             if first.finish_reason is not FinishReason.PREFILLED:
                 # The first token already ends the request: the decode worker is not needed.
                 return pb.PrefillResponse(first_token_id=first.new_token_ids[0], finish_reason=first.finish_reason.value,
@@ -98,9 +104,10 @@ class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
         )
 
     async def _prefill(self, rid, token_ids, sampling, request, context) -> RequestOutput:
+        budget_s = request.ttft_budget_ms / 1e3 if request.ttft_budget_ms > 0 else None
         start = lambda e: e.add_request(  # noqa: E731
             rid, token_ids, sampling, priority=request.priority, prefill_only=True,
-            num_prior_output_tokens=request.num_prior_output_tokens)
+            num_prior_output_tokens=request.num_prior_output_tokens, ttft_budget_s=budget_s)
         try:
             async with contextlib.aclosing(self.loop.generate(rid, start)) as outputs:
                 async for out in outputs:

@@ -42,10 +42,13 @@ class Chunk:
 
 
 class Completions:
-    def __init__(self, tokenizer: RouterTokenizer, dispatcher: Dispatcher, request_timeout_s: float) -> None:
+    def __init__(self, tokenizer: RouterTokenizer, dispatcher: Dispatcher, request_timeout_s: float,
+                 max_inflight: int = 1024) -> None:
         self.tokenizer = tokenizer
         self.dispatcher = dispatcher
         self.request_timeout_s = request_timeout_s
+        self.max_inflight = max_inflight
+        self.inflight = 0
         self.counters: Counter[str] = Counter()
 
     def validate(self, request: pb.GenerateRequest) -> ValidatedRequest:
@@ -64,11 +67,17 @@ class Completions:
 
     async def stream(self, req: ValidatedRequest, timeout_s: float) -> AsyncIterator[Chunk]:
         """Streams the completion; raises DispatchError when the workers cannot serve it."""
+        if self.inflight >= self.max_inflight:
+            self.counters["rejected_overloaded"] += 1
+            metrics.REJECTIONS.labels("overloaded").inc()
+            raise DispatchError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"the router is serving its limit of {self.max_inflight} requests; retry later", retry_after_ms=500)
         started = last = time.perf_counter()
         text = self.tokenizer.text_stream(req.sampling.stop)
         completion_tokens, cached, ttft_ms = 0, 0, None
         events = self.dispatcher.generate(req, timeout_s)
         metrics.INFLIGHT.inc()
+        self.inflight += 1
         try:
             async with contextlib.aclosing(events):
                 async for event in events:
@@ -98,4 +107,5 @@ class Completions:
             raise
         finally:
             metrics.INFLIGHT.dec()
+            self.inflight -= 1
         raise DispatchError(grpc.StatusCode.INTERNAL, "the worker stream ended without a finish reason")

@@ -23,6 +23,7 @@ from typing import AsyncIterator
 import grpc
 
 from pdserve import metrics
+from pdserve.grpc_server import RETRY_AFTER_KEY
 from pdserve.router.policy import NoWorkerAvailable, RoutingPolicy
 from pdserve.router.validation import ValidatedRequest
 from pdserve.router.workers import Worker, WorkerRegistry
@@ -41,11 +42,12 @@ class TokenEvent:
 
 
 class DispatchError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str, worker: Worker | None = None) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, worker: Worker | None = None, retry_after_ms: int | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.worker = worker
+        self.retry_after_ms = retry_after_ms  # for RESOURCE_EXHAUSTED: when the client may try again
 
     @property
     def retryable(self) -> bool:
@@ -68,7 +70,9 @@ def _worker_error(worker: Worker, error: grpc.aio.AioRpcError) -> DispatchError:
     code = error.code()
     if code is grpc.StatusCode.CANCELLED:
         return DispatchError(code, "request cancelled", worker)
-    return DispatchError(code, f"{worker.role.value} worker {worker.address}: {error.details()}", worker)
+    retry = dict(error.trailing_metadata() or ()).get(RETRY_AFTER_KEY)
+    return DispatchError(code, f"{worker.role.value} worker {worker.address}: {error.details()}", worker,
+                         retry_after_ms=int(retry) if retry and str(retry).isdigit() else None)
 
 
 class Dispatcher:
@@ -114,9 +118,28 @@ class Dispatcher:
             )
         except NoWorkerAvailable as e:
             raise DispatchError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+        if attempt.request.ttft_budget_ms is not None and not attempt.prior:
+            self._check_ttft_budget(attempt, prefill or decode)
         stream = self._disaggregated(attempt, prefill, decode, deadline) if prefill else self._colocated(attempt, decode, deadline)
         async for event in stream:
             yield event
+
+    def _check_ttft_budget(self, attempt: Attempt, worker: Worker) -> None:
+        """Rejects at once a request whose prefill cannot start within its TTFT budget, judged
+        by the work already queued on the chosen worker and its recent prefill speed."""
+        stats = worker.last_stats
+        if stats is None or stats.prefill_tokens_per_s <= 0:
+            return
+        queued = stats.queued_prefill_tokens + worker.inflight_tokens + len(attempt.token_ids)
+        expected_ms = queued / stats.prefill_tokens_per_s * 1e3
+        budget = attempt.request.ttft_budget_ms
+        if expected_ms > budget:
+            self.counters["rejected_ttft_budget"] += 1
+            raise DispatchError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"ttft_budget_ms: the first token would take ~{expected_ms:.0f} ms (budget {budget:.0f} ms); retry later",
+                retry_after_ms=int(min(expected_ms - budget, 60_000)) + 100,
+            )
 
     async def _colocated(self, attempt: Attempt, decode: Worker, deadline: float) -> AsyncIterator[TokenEvent]:
         call = decode.decode_stub.Decode(_decode_request(attempt, prefill_locally=True), timeout=_left(deadline))
@@ -165,11 +188,20 @@ class Dispatcher:
             decode.inflight -= 1
 
 
+def _remaining_budget_ms(attempt: Attempt) -> float:
+    """What is left of the request's TTFT budget (0 = none; a continuation has started already)."""
+    req = attempt.request
+    if req.ttft_budget_ms is None or attempt.prior:
+        return 0.0
+    return max(1.0, req.ttft_budget_ms - (time.monotonic() - req.arrival) * 1e3)
+
+
 def _decode_request(attempt: Attempt, prefill_locally: bool) -> pb.DecodeRequest:
     req = attempt.request
     return pb.DecodeRequest(
         request_id=req.request_id, token_ids=attempt.token_ids, sampling=sampling_to_proto(req.sampling),
         priority=req.priority, prefill_locally=prefill_locally, num_prior_output_tokens=len(attempt.prior),
+        ttft_budget_ms=_remaining_budget_ms(attempt),
     )
 
 
@@ -178,6 +210,7 @@ def _prefill_request(attempt: Attempt, target: pb.KvTarget) -> pb.PrefillRequest
     return pb.PrefillRequest(
         request_id=req.request_id, token_ids=attempt.token_ids, sampling=sampling_to_proto(req.sampling),
         priority=req.priority, num_prior_output_tokens=len(attempt.prior), target=target,
+        ttft_budget_ms=_remaining_budget_ms(attempt),
     )
 
 

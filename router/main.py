@@ -1,9 +1,13 @@
-"""The router process: tokenizer, worker registry, public gRPC server."""
+"""The router process: tokenizer, worker registry and health, gRPC and HTTP front ends."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
+
+from prometheus_client import make_asgi_app
+from starlette.routing import Mount
 
 from pdserve.engine.model_store import resolve_model
 from pdserve.grpc_server import start_server
@@ -12,6 +16,7 @@ from pdserve.process import announce_ready, wait_for_shutdown_signal
 from pdserve.router.completions import Completions
 from pdserve.router.dispatch import Dispatcher
 from pdserve.router.health_monitor import HealthMonitor
+from pdserve.router.openai_api import create_app, http_port, serve_http
 from pdserve.router.policy import make_policy
 from pdserve.router.servicer import RouterService
 from pdserve.router.tokenizer import RouterTokenizer
@@ -23,30 +28,53 @@ log = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 5.0
 
 
-async def serve(settings: RouterSettings, model: str | None, cache_dir: str | None = None) -> None:
+def served_name(model_dir: str, override: str | None) -> str:
+    """The model name clients use: --served-model-name, else the folder name without the
+    converted-cache suffix (SmolLM2-135M-Instruct.Q4_1-b179c9523d0e -> SmolLM2-135M-Instruct)."""
+    if override:
+        return override
+    name = re.sub(r"-[0-9a-f]{12}$", "", model_dir.rstrip("/").rsplit("/", 1)[-1])
+    return re.sub(r"\.(Q\d\w*|F16|F32|BF16)$", "", name, flags=re.IGNORECASE)
+
+
+async def serve(settings: RouterSettings) -> None:
     decode = RouterSettings.split(settings.decode_workers)
     prefill = RouterSettings.split(settings.prefill_workers)
     if not decode:
         raise ValueError("the router needs at least one decode worker (--decode-workers host:port,...)")
-    model_dir = await asyncio.to_thread(resolve_model, model, cache_dir)
+    model_dir = await asyncio.to_thread(resolve_model, settings.model, settings.cache_dir)
     tokenizer = await asyncio.to_thread(RouterTokenizer, model_dir)
     registry = WorkerRegistry.connect(prefill, decode)
-    completions = Completions(tokenizer, Dispatcher(registry, make_policy(settings.policy)), settings.request_timeout_s)
+    dispatcher = Dispatcher(registry, make_policy(settings.policy), max_attempts=1 + settings.max_migrations)
+    completions = Completions(tokenizer, dispatcher, settings.request_timeout_s, settings.max_inflight_requests)
     service = RouterService(completions)
     monitor = HealthMonitor(registry)
     await monitor.probe_all()
     monitor.start()
+
     server = await start_server(
         [lambda s: pdserve_pb2_grpc.add_RouterServicer_to_server(service, s)], ["Router"], settings.host, settings.port
     )
     address = f"{settings.host}:{server.port}"
-    metrics_address = f"{settings.host}:{serve_metrics(settings.host, settings.metrics_port)}" if settings.metrics_port is not None else None
+    http_server = http_task = http_address = None
+    if settings.http_port is not None:
+        app = create_app(completions, served_name(str(model_dir), settings.served_model_name),
+                         extra_routes=[Mount("/metrics", make_asgi_app())])
+        http_server, http_task = await serve_http(app, settings.host, settings.http_port)
+        http_address = f"{settings.host}:{http_port(http_server)}"
+    metrics_address = None
+    if settings.metrics_port is not None:
+        metrics_address = f"{settings.host}:{serve_metrics(settings.host, settings.metrics_port)}"
     mode = "disaggregated" if prefill else "colocated"
-    log.info("router serving on %s (%s: %d prefill, %d decode workers)", address, mode, len(prefill), len(decode))
-    announce_ready("router", grpc=address, metrics=metrics_address)
+    log.info("router serving gRPC on %s%s (%s, policy %s)", address,
+             f", HTTP on {http_address}" if http_address else "", mode, settings.policy)
+    announce_ready("router", grpc=address, http=http_address, metrics=metrics_address)
 
     signal_name = await wait_for_shutdown_signal()
     log.info("%s: shutting down", signal_name)
+    if http_server is not None:
+        http_server.should_exit = True
+        await http_task
     await server.stop(SHUTDOWN_GRACE_S)
     await monitor.stop()
     await registry.close()

@@ -7,6 +7,7 @@ from typing import AsyncIterator
 
 import grpc
 
+from pdserve.grpc_server import RETRY_AFTER_KEY
 from pdserve.router.completions import Completions
 from pdserve.router.dispatch import DispatchError
 from pdserve.router.validation import InvalidRequest
@@ -32,7 +33,8 @@ class RouterService(pdserve_pb2_grpc.RouterServicer):
                     finish_reason=chunk.finish_reason or "", usage=chunk.usage.to_proto() if chunk.usage else None,
                 )
         except DispatchError as e:
-            await context.abort(e.code, e.message)
+            hint = ((RETRY_AFTER_KEY, str(e.retry_after_ms)),) if e.retry_after_ms else ()
+            await context.abort(e.code, e.message, trailing_metadata=hint)
 
     async def GetClusterStats(self, request: pb.ClusterStatsRequest, context: grpc.aio.ServicerContext) -> pb.ClusterStats:
         dispatcher = self.completions.dispatcher

@@ -6,8 +6,9 @@ Every rejection names the offending field, so a client sees exactly what to fix.
 from __future__ import annotations
 
 import math
+import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.engine.sampling_params import (
     DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, MAX_SEED, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
@@ -36,6 +37,7 @@ class ValidatedRequest:
     sampling: SamplingParams
     priority: int = 0
     ttft_budget_ms: float | None = None
+    arrival: float = field(default_factory=time.monotonic)
 
 
 def validate(req: pb.GenerateRequest, tokenizer: RouterTokenizer) -> ValidatedRequest:

@@ -138,20 +138,22 @@ class KvTarget(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., kv_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., skip_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "num_prior_output_tokens", "priority", "target")
+    __slots__ = ("request_id", "token_ids", "sampling", "num_prior_output_tokens", "priority", "target", "ttft_budget_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     NUM_PRIOR_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
+    TTFT_BUDGET_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: ResolvedSampling
     num_prior_output_tokens: int
     priority: int
     target: KvTarget
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ..., num_prior_output_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., target: _Optional[_Union[KvTarget, _Mapping]] = ...) -> None: ...
+    ttft_budget_ms: float
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ..., num_prior_output_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., target: _Optional[_Union[KvTarget, _Mapping]] = ..., ttft_budget_ms: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "finish_reason", "num_cached_tokens", "transport", "prefill_ms", "transfer_ms")
@@ -170,20 +172,22 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., transport: _Optional[str] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "num_prior_output_tokens", "priority", "prefill_locally")
+    __slots__ = ("request_id", "token_ids", "sampling", "num_prior_output_tokens", "priority", "prefill_locally", "ttft_budget_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     NUM_PRIOR_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     PREFILL_LOCALLY_FIELD_NUMBER: _ClassVar[int]
+    TTFT_BUDGET_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: ResolvedSampling
     num_prior_output_tokens: int
     priority: int
     prefill_locally: bool
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ..., num_prior_output_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., prefill_locally: _Optional[bool] = ...) -> None: ...
+    ttft_budget_ms: float
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ..., num_prior_output_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., prefill_locally: _Optional[bool] = ..., ttft_budget_ms: _Optional[float] = ...) -> None: ...
 
 class Reservation(_message.Message):
     __slots__ = ("target",)
@@ -214,7 +218,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("address", "role", "healthy", "blocks_total", "blocks_free", "running", "waiting", "reserved_transfers", "counters", "block_size", "cached_block_hashes", "queued_prefill_tokens", "max_num_seqs")
+    __slots__ = ("address", "role", "healthy", "blocks_total", "blocks_free", "running", "waiting", "reserved_transfers", "counters", "block_size", "cached_block_hashes", "queued_prefill_tokens", "max_num_seqs", "prefill_tokens_per_s")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -235,6 +239,7 @@ class WorkerStats(_message.Message):
     CACHED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     address: str
     role: str
     healthy: bool
@@ -248,4 +253,5 @@ class WorkerStats(_message.Message):
     cached_block_hashes: _containers.RepeatedScalarFieldContainer[int]
     queued_prefill_tokens: int
     max_num_seqs: int
-    def __init__(self, address: _Optional[str] = ..., role: _Optional[str] = ..., healthy: _Optional[bool] = ..., blocks_total: _Optional[int] = ..., blocks_free: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., reserved_transfers: _Optional[int] = ..., counters: _Optional[_Mapping[str, float]] = ..., block_size: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[int]] = ..., queued_prefill_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...
+    prefill_tokens_per_s: float
+    def __init__(self, address: _Optional[str] = ..., role: _Optional[str] = ..., healthy: _Optional[bool] = ..., blocks_total: _Optional[int] = ..., blocks_free: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., reserved_transfers: _Optional[int] = ..., counters: _Optional[_Mapping[str, float]] = ..., block_size: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[int]] = ..., queued_prefill_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ...) -> None: ...

@@ -24,6 +24,7 @@ from pdserve.kvtransfer.server import KVServer
 from pdserve.kvtransfer.shm import SharedKVPool, remove_stale_segments
 from pdserve.kvtransfer.ucx import UcxWorkerThread
 from pdserve.process import announce_ready, wait_for_shutdown_signal
+from pdserve.security import SecuritySettings, TokenAuth
 from pdserve.settings import WorkerSettings
 from pdserve.v1 import pdserve_pb2_grpc
 
@@ -56,7 +57,7 @@ class _PoolFactory:
             self.pool.close()
 
 
-async def serve(engine_config: EngineConfig, settings: WorkerSettings) -> None:
+async def serve(engine_config: EngineConfig, settings: WorkerSettings, security: SecuritySettings) -> None:
     device = pick_device(engine_config.device)
     transports = local_transports(settings.kv_transport, device)
     pools = _PoolFactory(transports, device)
@@ -73,7 +74,8 @@ async def serve(engine_config: EngineConfig, settings: WorkerSettings) -> None:
     )
     ucx = UcxWorkerThread() if "ucx" in transports else None
     extra = {**pools.describe(), **({"ucx_address": ucx.address.hex()} if ucx else {})}
-    peer = local_peer_info(engine.model_dir, engine.kv_layout, role=role, transports=transports, extra=extra)
+    peer = local_peer_info(engine.model_dir, engine.kv_layout, role=role, transports=transports, extra=extra,
+                           auth_token=security.cluster_token or "")
     kv_server = KVServer(receiver, peer, settings.host, settings.kv_port, max_tokens=engine.max_model_len, ucx=ucx)
     kv_server.start()
     kv_address = f"{public_host}:{kv_server.port}"
@@ -81,7 +83,8 @@ async def serve(engine_config: EngineConfig, settings: WorkerSettings) -> None:
     service = DecodeService(loop, receiver, kv_address, role, address="", max_queued_requests=settings.max_queued_requests)
     server = await start_server(
         [lambda s: pdserve_pb2_grpc.add_DecodeWorkerServicer_to_server(service, s)], ["DecodeWorker"],
-        settings.host, settings.port,
+        settings.host, settings.port, credentials=security.server_credentials(),
+        interceptors=[TokenAuth(security.cluster_token, ["pdserve.v1.DecodeWorker"])],
     )
     service.address = f"{public_host}:{server.port}"
     reaper = asyncio.create_task(_reap(receiver))

@@ -13,6 +13,7 @@ import sys
 from pdserve.config import add_arguments, as_dict, load_file, resolve, unknown_file_keys
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.process import setup_logging
+from pdserve.security import SecuritySettings
 from pdserve.settings import ClusterSettings, RouterSettings, WorkerSettings
 
 log = logging.getLogger("pdserve")
@@ -29,6 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     add_arguments(up, ClusterSettings)
     add_arguments(up, EngineConfig)
     add_arguments(up, WorkerSettings, skip=UP_WORKER_FIELDS)
+    add_arguments(up, SecuritySettings)
 
     gen = sub.add_parser("generate", help="stream a completion from a running router")
     gen.add_argument("prompt", help="the prompt text")
@@ -42,14 +44,20 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     gen.add_argument("--json", action="store_true", help="print one JSON object per streamed message")
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    gen.add_argument("--tls-ca", default=None, help="CA bundle: connect with TLS")
+    gen.add_argument("--tls-cert", default=None, help="client certificate (mTLS)")
+    gen.add_argument("--tls-key", default=None, help="client key (mTLS)")
+    gen.add_argument("--api-token", default=os.environ.get("PDSERVE_API_TOKEN"), help="bearer token (env PDSERVE_API_TOKEN)")
 
     router = sub.add_parser("router", help="run the router alone")
     add_arguments(router, RouterSettings)
+    add_arguments(router, SecuritySettings)
 
     for role in ("prefill", "decode"):
         worker = sub.add_parser(role, help=f"run one {role} worker")
         add_arguments(worker, EngineConfig)
         add_arguments(worker, WorkerSettings)
+        add_arguments(worker, SecuritySettings, skip=("api_token",))
 
     health = sub.add_parser("health", help="exit 0 if a pdserve server reports SERVING (for healthchecks)")
     health.add_argument("--addr", default="127.0.0.1:50051")
@@ -92,18 +100,19 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace, file: dict) -> int:
     if args.command == "config":
-        classes = (EngineConfig, WorkerSettings, RouterSettings, ClusterSettings)
+        classes = (EngineConfig, WorkerSettings, RouterSettings, ClusterSettings, SecuritySettings)
         unknown = unknown_file_keys(file, *classes)
         if unknown:
             raise ValueError(f"unknown settings in {args.config}: {', '.join(unknown)}")
         settings = [resolve(cls, None, file=file) for cls in classes]
-        print(json.dumps(as_dict(*settings), indent=2))
+        shown = {k: ("***" if "token" in k and v else v) for k, v in as_dict(*settings).items()}  # never print secrets
+        print(json.dumps(shown, indent=2))
         return 0
     if args.command == "router":
         from pdserve.router.main import serve
 
         settings = resolve(RouterSettings, args, file=file)
-        asyncio.run(serve(settings))
+        asyncio.run(serve(settings, resolve(SecuritySettings, args, file=file)))
         return 0
     if args.command in ("prefill", "decode"):
         engine = resolve(EngineConfig, args, file=file)
@@ -114,7 +123,7 @@ def _run(args: argparse.Namespace, file: dict) -> int:
             from pdserve.prefill_worker.main import serve
         else:
             from pdserve.decode_worker.main import serve
-        asyncio.run(serve(engine, worker))
+        asyncio.run(serve(engine, worker, resolve(SecuritySettings, args, file=file, api_token=None)))
         return 0
     return _up(args, file)
 
@@ -128,6 +137,7 @@ def _up(args: argparse.Namespace, file: dict) -> int:
         resolve(WorkerSettings, args, file=file),
         router,
         resolve(ClusterSettings, args, file=file),
+        resolve(SecuritySettings, args, file=file),
     )
     stop = {"signal": None}
 

@@ -20,7 +20,12 @@ def run_generate(args: argparse.Namespace) -> int:
         request = build_request(messages=[{"role": "user", "content": args.prompt}], **sampling)
     else:
         request = build_request(args.prompt, **sampling)
-    with Client(args.addr) as client:
+    credentials = None
+    if args.tls_ca:
+        read = lambda path: open(path, "rb").read() if path else None  # noqa: E731
+        credentials = grpc.ssl_channel_credentials(read(args.tls_ca), read(args.tls_key), read(args.tls_cert))
+    metadata = (("authorization", f"Bearer {args.api_token}"),) if args.api_token else ()
+    with Client(args.addr, credentials=credentials, metadata=metadata) as client:
         try:
             for msg in client.stream(request, timeout=args.timeout):
                 if args.json:

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import os
 import queue
+import secrets
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pdserve.config import to_args
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.process import parse_ready
+from pdserve.security import SecuritySettings
 from pdserve.settings import ClusterSettings, RouterSettings, WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -45,12 +47,17 @@ class Child:
 class Cluster:
     def __init__(
         self, engine: EngineConfig, worker: WorkerSettings, router: RouterSettings, cluster: ClusterSettings,
+        security: SecuritySettings | None = None,
     ) -> None:
         self.engine = engine
         self.worker = worker
         self.router = router
         self.cluster = cluster
+        # Internal ports always require a cluster credential; make one up if none was given.
+        security = security or SecuritySettings()
+        self.security = dataclasses.replace(security, cluster_token=security.cluster_token or secrets.token_urlsafe(24))
         self.children: list[Child] = []
+        self.router_info: dict = {}
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> str:
@@ -59,7 +66,7 @@ class Cluster:
         roles = self._worker_roles()
         cpu_plan = self._cpu_plan(len(roles))
         workers = [
-            self._spawn(f"{role}-{i}", [role, *self._worker_args(role, cpu_plan[n])])
+            self._spawn(f"{role}-{i}", [role, *self._worker_args(role, cpu_plan[n]), *self._tls_args()])
             for n, (role, i) in enumerate(roles)
         ]
         for child in workers:
@@ -71,7 +78,7 @@ class Cluster:
             model=self.engine.model, cache_dir=self.engine.cache_dir,
             metrics_port=0 if self.cluster.metrics and self.router.metrics_port is None else self.router.metrics_port,
         )
-        router = self._spawn("router", ["router", *to_args(router_settings)])
+        router = self._spawn("router", ["router", *to_args(router_settings), *self._tls_args()], router=True)
         self._wait_ready(router, deadline)
         self.router_info = router.info
         return router.info["grpc"]
@@ -130,9 +137,17 @@ class Cluster:
         )
         return [*to_args(engine), *to_args(worker)]
 
-    def _spawn(self, name: str, args: list[str]) -> Child:
+    def _tls_args(self) -> list[str]:
+        """TLS settings travel as flags; tokens never do (argv is visible to every user)."""
+        return to_args(dataclasses.replace(self.security, cluster_token=None, api_token=None))
+
+    def _spawn(self, name: str, args: list[str], router: bool = False) -> Child:
         cmd = [sys.executable, "-m", "pdserve.cli", *args]
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
+               "PDSERVE_CLUSTER_TOKEN": self.security.cluster_token}
+        env.pop("PDSERVE_API_TOKEN", None)
+        if router and self.security.api_token:
+            env["PDSERVE_API_TOKEN"] = self.security.api_token
         process = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, preexec_fn=_die_with_parent)
         child = Child(name, process, queue.Queue())
         threading.Thread(target=_pump, args=(child,), name=f"stdout-{name}", daemon=True).start()

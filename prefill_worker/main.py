@@ -19,6 +19,7 @@ from pdserve.kvtransfer.ucx import UcxWorkerThread
 from pdserve.prefill_worker.kv_shipper import KVShipper
 from pdserve.prefill_worker.servicer import PrefillService
 from pdserve.process import announce_ready, wait_for_shutdown_signal
+from pdserve.security import SecuritySettings, TokenAuth
 from pdserve.settings import WorkerSettings
 from pdserve.v1 import pdserve_pb2_grpc
 
@@ -26,7 +27,7 @@ log = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 5.0
 
 
-async def serve(engine_config: EngineConfig, settings: WorkerSettings) -> None:
+async def serve(engine_config: EngineConfig, settings: WorkerSettings, security: SecuritySettings) -> None:
     transports = local_transports(settings.kv_transport, pick_device(engine_config.device))
     engine = await asyncio.to_thread(LLMEngine, engine_config)
     shipper = KVShipper()
@@ -35,13 +36,15 @@ async def serve(engine_config: EngineConfig, settings: WorkerSettings) -> None:
     loop.start()
 
     ucx = UcxWorkerThread() if "ucx" in transports else None
-    peer = local_peer_info(engine.model_dir, engine.kv_layout, role="prefill", transports=transports)
+    peer = local_peer_info(engine.model_dir, engine.kv_layout, role="prefill", transports=transports,
+                           auth_token=security.cluster_token or "")
     connections = KVConnections(peer, CacheLayers(engine.kv_cache.layers, engine.config.block_size), ucx=ucx)
     service = PrefillService(loop, connections, shipper, ack_timeout_s=settings.kv_lease_s,
                              max_queued_requests=settings.max_queued_requests)
     server = await start_server(
         [lambda s: pdserve_pb2_grpc.add_PrefillWorkerServicer_to_server(service, s)], ["PrefillWorker"],
-        settings.host, settings.port,
+        settings.host, settings.port, credentials=security.server_credentials(),
+        interceptors=[TokenAuth(security.cluster_token, ["pdserve.v1.PrefillWorker"])],
     )
     public_host = settings.public_host()
     service.address = f"{public_host}:{server.port}"

@@ -142,7 +142,8 @@ class Dispatcher:
             )
 
     async def _colocated(self, attempt: Attempt, decode: Worker, deadline: float) -> AsyncIterator[TokenEvent]:
-        call = decode.decode_stub.Decode(_decode_request(attempt, prefill_locally=True), timeout=_left(deadline))
+        call = decode.decode_stub.Decode(_decode_request(attempt, prefill_locally=True), timeout=_left(deadline),
+                                        metadata=self.registry.metadata)
         decode.inflight += 1
         try:
             while (event := await call.read()) is not grpc.aio.EOF:
@@ -156,7 +157,8 @@ class Dispatcher:
     async def _disaggregated(
         self, attempt: Attempt, prefill: Worker, decode: Worker, deadline: float
     ) -> AsyncIterator[TokenEvent]:
-        call = decode.decode_stub.Decode(_decode_request(attempt, prefill_locally=False), timeout=_left(deadline))
+        call = decode.decode_stub.Decode(_decode_request(attempt, prefill_locally=False), timeout=_left(deadline),
+                                        metadata=self.registry.metadata)
         decode.inflight += 1
         try:
             try:
@@ -169,7 +171,8 @@ class Dispatcher:
             prefill.inflight += 1
             prefill.inflight_tokens += len(attempt.token_ids)
             try:
-                response = await prefill.prefill_stub.Prefill(_prefill_request(attempt, first.reservation.target), timeout=_left(deadline))
+                response = await prefill.prefill_stub.Prefill(
+                    _prefill_request(attempt, first.reservation.target), timeout=_left(deadline), metadata=self.registry.metadata)
             except grpc.aio.AioRpcError as e:
                 raise _worker_error(prefill, e) from None
             finally:

@@ -55,7 +55,7 @@ class HealthMonitor:
             if health.status != health_pb2.HealthCheckResponse.SERVING:
                 raise ConnectionError(f"health status {health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)}")
             stub = worker.prefill_stub or worker.decode_stub
-            worker.update_stats(await stub.GetStats(pb.StatsRequest(), timeout=PROBE_TIMEOUT_S))
+            worker.update_stats(await stub.GetStats(pb.StatsRequest(), timeout=PROBE_TIMEOUT_S, metadata=self.registry.metadata))
         except (grpc.aio.AioRpcError, ConnectionError) as e:
             if worker.healthy:
                 log.info("probe of %s worker %s failed: %s", worker.role.value, worker.address,

@@ -21,6 +21,7 @@ from pdserve.router.policy import make_policy
 from pdserve.router.servicer import RouterService
 from pdserve.router.tokenizer import RouterTokenizer
 from pdserve.router.workers import WorkerRegistry
+from pdserve.security import SecuritySettings, TokenAuth
 from pdserve.settings import RouterSettings
 from pdserve.v1 import pdserve_pb2_grpc
 
@@ -37,14 +38,14 @@ def served_name(model_dir: str, override: str | None) -> str:
     return re.sub(r"\.(Q\d\w*|F16|F32|BF16)$", "", name, flags=re.IGNORECASE)
 
 
-async def serve(settings: RouterSettings) -> None:
+async def serve(settings: RouterSettings, security: SecuritySettings) -> None:
     decode = RouterSettings.split(settings.decode_workers)
     prefill = RouterSettings.split(settings.prefill_workers)
     if not decode:
         raise ValueError("the router needs at least one decode worker (--decode-workers host:port,...)")
     model_dir = await asyncio.to_thread(resolve_model, settings.model, settings.cache_dir)
     tokenizer = await asyncio.to_thread(RouterTokenizer, model_dir)
-    registry = WorkerRegistry.connect(prefill, decode)
+    registry = WorkerRegistry.connect(prefill, decode, security.channel_credentials(), security.cluster_metadata())
     dispatcher = Dispatcher(registry, make_policy(settings.policy), max_attempts=1 + settings.max_migrations)
     completions = Completions(tokenizer, dispatcher, settings.request_timeout_s, settings.max_inflight_requests)
     service = RouterService(completions)
@@ -53,13 +54,14 @@ async def serve(settings: RouterSettings) -> None:
     monitor.start()
 
     server = await start_server(
-        [lambda s: pdserve_pb2_grpc.add_RouterServicer_to_server(service, s)], ["Router"], settings.host, settings.port
+        [lambda s: pdserve_pb2_grpc.add_RouterServicer_to_server(service, s)], ["Router"], settings.host, settings.port,
+        credentials=security.server_credentials(), interceptors=[TokenAuth(security.api_token, ["pdserve.v1.Router"])],
     )
     address = f"{settings.host}:{server.port}"
     http_server = http_task = http_address = None
     if settings.http_port is not None:
         app = create_app(completions, served_name(str(model_dir), settings.served_model_name),
-                         extra_routes=[Mount("/metrics", make_asgi_app())])
+                         extra_routes=[Mount("/metrics", make_asgi_app())], api_token=security.api_token)
         http_server, http_task = await serve_http(app, settings.host, settings.http_port)
         http_address = f"{settings.host}:{http_port(http_server)}"
     metrics_address = None

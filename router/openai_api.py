@@ -42,6 +42,7 @@ from pdserve.client import build_request
 from pdserve.router.completions import Chunk, Completions, Usage
 from pdserve.router.dispatch import DispatchError
 from pdserve.router.validation import ValidatedRequest
+from pdserve.security import bearer_ok
 from pdserve.v1 import pdserve_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -570,12 +571,21 @@ class _OpenAI:
         return _EventStream(body(), headers={**SSE_HEADERS, **headers})
 
 
-def create_app(completions: Completions, model_name: str, extra_routes: Iterable[BaseRoute] | None = None) -> FastAPI:
+def create_app(completions: Completions, model_name: str, extra_routes: Iterable[BaseRoute] | None = None,
+               api_token: str | None = None) -> FastAPI:
     """The OpenAI-compatible app. ``extra_routes``: Starlette routes to add (e.g. a
-    ``Mount("/metrics", prometheus_client.make_asgi_app())``)."""
+    ``Mount("/metrics", prometheus_client.make_asgi_app())``). ``api_token``: the bearer token
+    every /v1 call must carry."""
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
     api = _OpenAI(completions, model_name)
     app.state.openai = api
+
+    @app.middleware("http")
+    async def require_token(request: Request, call_next):
+        if api_token and request.url.path.startswith("/v1/") and not bearer_ok(api_token, request.headers.get("authorization")):
+            return APIError(401, "missing or wrong bearer token", code="invalid_api_key").response(
+                headers={"WWW-Authenticate": "Bearer"})
+        return await call_next(request)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:

@@ -43,7 +43,7 @@ class RouterService(pdserve_pb2_grpc.RouterServicer):
         for worker in dispatcher.registry.all():
             try:
                 stub = worker.prefill_stub or worker.decode_stub
-                ws = await stub.GetStats(pb.StatsRequest(), timeout=2.0)
+                ws = await stub.GetStats(pb.StatsRequest(), timeout=2.0, metadata=dispatcher.registry.metadata)
             except grpc.aio.AioRpcError:
                 ws = pb.WorkerStats(address=worker.address, role=worker.role.value, healthy=False)
             stats.workers.append(ws)

@@ -88,13 +88,16 @@ class WorkerRegistry:
     prefill: list[Worker] = field(default_factory=list)
     decode: list[Worker] = field(default_factory=list)
     specs: dict[Role, list[str]] = field(default_factory=dict)
-    credentials: grpc.ChannelCredentials | None = None
+    credentials: grpc.ChannelCredentials | None = None  # TLS to the workers
+    metadata: tuple[tuple[str, str], ...] = ()  # the cluster credential, sent with every call
 
     @classmethod
-    def connect(cls, prefill: list[str], decode: list[str], credentials: grpc.ChannelCredentials | None = None) -> "WorkerRegistry":
+    def connect(cls, prefill: list[str], decode: list[str], credentials: grpc.ChannelCredentials | None = None,
+                metadata: tuple[tuple[str, str], ...] = ()) -> "WorkerRegistry":
         for spec in (*prefill, *decode):
             parse_spec(spec)  # fail at start on a malformed address
-        registry = cls(specs={Role.PREFILL: list(prefill), Role.DECODE: list(decode)}, credentials=credentials)
+        registry = cls(specs={Role.PREFILL: list(prefill), Role.DECODE: list(decode)}, credentials=credentials,
+                       metadata=metadata)
         for role in Role:
             registry._pool(role).extend(
                 _connect(f"{host}:{port}", role, credentials)

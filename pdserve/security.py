@@ -1,0 +1,108 @@
+"""TLS/mTLS for every gRPC port, a cluster credential for internal ports, a bearer token for
+the public API.
+
+Internal services (the workers' gRPC and the KV-transfer port) require the cluster token:
+gRPC calls carry it as ``authorization: Bearer <token>``, the KV handshake carries it in the
+peer info, and both are checked before anything is reserved or written. Health checking and
+reflection stay open so orchestrators can probe. ``pdserve up`` makes up a random cluster
+token for its children when none is given.
+"""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import grpc
+
+from pdserve.config import setting
+
+AUTH_KEY = "authorization"
+
+
+@dataclass(frozen=True)
+class SecuritySettings:
+    tls_cert: str | None = setting(None, "PEM certificate of this process (enables TLS on its gRPC ports)")
+    tls_key: str | None = setting(None, "PEM private key for --tls-cert")
+    tls_ca: str | None = setting(None, "PEM CA bundle: verifies peers' certificates (and clients' with --tls-client-auth)")
+    tls_client_auth: bool = setting(False, "mTLS: require client certificates signed by --tls-ca")
+    cluster_token: str | None = setting(None, "shared secret every internal port requires (worker RPCs, KV transfer)")
+    api_token: str | None = setting(None, "bearer token the public API requires (router)")
+
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key go together")
+        if self.tls_client_auth and not (self.tls_ca and self.tls_cert):
+            raise ValueError("tls_client_auth needs tls_ca, tls_cert and tls_key")
+        for name in ("tls_cert", "tls_key", "tls_ca"):
+            path = getattr(self, name)
+            if path and not Path(path).is_file():
+                raise ValueError(f"{name}: {path} is not a file")
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert)
+
+    def server_credentials(self) -> grpc.ServerCredentials | None:
+        if not self.tls:
+            return None
+        ca = Path(self.tls_ca).read_bytes() if self.tls_ca else None
+        return grpc.ssl_server_credentials(
+            [(Path(self.tls_key).read_bytes(), Path(self.tls_cert).read_bytes())],
+            root_certificates=ca if self.tls_client_auth else None,
+            require_client_auth=self.tls_client_auth,
+        )
+
+    def channel_credentials(self) -> grpc.ChannelCredentials | None:
+        """For calls to other pdserve servers (TLS when a CA is configured; our cert for mTLS)."""
+        if not self.tls_ca:
+            return None
+        return grpc.ssl_channel_credentials(
+            root_certificates=Path(self.tls_ca).read_bytes(),
+            private_key=Path(self.tls_key).read_bytes() if self.tls_key else None,
+            certificate_chain=Path(self.tls_cert).read_bytes() if self.tls_cert else None,
+        )
+
+    def cluster_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((AUTH_KEY, f"Bearer {self.cluster_token}"),) if self.cluster_token else ()
+
+
+def bearer_ok(expected: str | None, header: str | None) -> bool:
+    if not expected:
+        return True
+    if not header or not header.startswith("Bearer "):
+        return False
+    return hmac.compare_digest(header[len("Bearer "):].encode(), expected.encode())
+
+
+class TokenAuth(grpc.aio.ServerInterceptor):
+    """Rejects calls to ``services`` (full names) without the bearer token: UNAUTHENTICATED."""
+
+    def __init__(self, token: str | None, services: Sequence[str]) -> None:
+        self.token = token
+        self.prefixes = tuple(f"/{s}/" for s in services)
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        handler = await continuation(details)
+        if not self.token or handler is None or not details.method.startswith(self.prefixes):
+            return handler
+        header = next((v for k, v in details.invocation_metadata or () if k == AUTH_KEY), None)
+        if bearer_ok(self.token, header):
+            return handler
+        return _deny(handler, "missing or wrong bearer token" if header else "this server requires a bearer token")
+
+
+def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    async def unary(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def streaming(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # makes this an async generator, as streaming handlers are
+
+    kwargs = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(streaming, **kwargs)
+    return grpc.unary_unary_rpc_method_handler(unary, **kwargs)

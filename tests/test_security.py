@@ -1,0 +1,137 @@
+"""TLS and mTLS on every gRPC port, the cluster credential on internal ports (worker RPCs and
+the KV-transfer handshake), and the bearer token on the public API (gRPC and HTTP)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from conftest import PROMPTS
+from pdserve.client import build_request
+from pdserve.kvtransfer.client import KVConnection
+from pdserve.kvtransfer.peer import HandshakeError, PeerInfo, host_id
+from pdserve.v1 import pdserve_pb2 as pb
+from pdserve.v1 import pdserve_pb2_grpc
+from processes import Stack
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "public-api-token"
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("certs")
+    subprocess.run([str(ROOT / "scripts" / "make_dev_certs.sh"), str(out)], check=True, capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def stack(certs):
+    s = Stack.up(
+        "--dtype", "float32", "--kv-cache-memory", "128MiB", "--kv-transport", "tcp", "--http-port", "0",
+        "--tls-cert", str(certs / "node.crt"), "--tls-key", str(certs / "node.key"), "--tls-ca", str(certs / "ca.crt"),
+        "--tls-client-auth", env={"PDSERVE_API_TOKEN": TOKEN},
+    )
+    yield s
+    s.down()
+
+
+def mtls(certs: Path, with_cert: bool = True) -> grpc.ChannelCredentials:
+    return grpc.ssl_channel_credentials(
+        (certs / "ca.crt").read_bytes(),
+        (certs / "node.key").read_bytes() if with_cert else None,
+        (certs / "node.crt").read_bytes() if with_cert else None,
+    )
+
+
+async def generate(address, credentials, metadata=(), max_tokens=8):
+    channel = grpc.aio.secure_channel(address, credentials) if credentials else grpc.aio.insecure_channel(address)
+    async with channel:
+        stub = pdserve_pb2_grpc.RouterStub(channel)
+        return [m async for m in stub.Generate(build_request(PROMPTS[0], max_tokens=max_tokens, temperature=0),
+                                                timeout=60, metadata=metadata)]
+
+
+def process(stack: Stack, role: str) -> dict:
+    return next(p for p in stack.processes if p["role"] == role)
+
+
+async def test_mtls_and_token_serve(stack, certs, hf_reference):
+    messages = await generate(stack.address, mtls(certs), (("authorization", f"Bearer {TOKEN}"),))
+    ids = [t for m in messages for t in m.token_ids]
+    assert ids == hf_reference.greedy(hf_reference.tokenizer(PROMPTS[0]).input_ids, 8)
+
+
+@pytest.mark.parametrize("how", ["plaintext", "tls-without-client-cert"])
+async def test_clients_without_tls_or_client_cert_are_refused(stack, certs, how):
+    credentials = None if how == "plaintext" else mtls(certs, with_cert=False)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await generate(stack.address, credentials, (("authorization", f"Bearer {TOKEN}"),))
+    assert err.value.code() is grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.parametrize("token", [None, "wrong"])
+async def test_public_api_requires_the_bearer_token(stack, certs, token):
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await generate(stack.address, mtls(certs), metadata)
+    assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_http_api_requires_the_bearer_token(stack):
+    http = process(stack, "router")["http"]
+    body = json.dumps({"prompt": "Hello", "max_tokens": 2, "temperature": 0}).encode()
+    request = urllib.request.Request(f"http://{http}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=30)
+    assert err.value.code == 401 and json.loads(err.value.read())["error"]["code"] == "invalid_api_key"
+    request.add_header("Authorization", f"Bearer {TOKEN}")
+    reply = json.loads(urllib.request.urlopen(request, timeout=60).read())
+    assert reply["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+async def test_internal_grpc_ports_refuse_peers_without_the_cluster_credential(stack, certs, role):
+    address = process(stack, role)["grpc"]
+    async with grpc.aio.secure_channel(address, mtls(certs)) as channel:
+        health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING  # probes stay open
+        stub_cls = pdserve_pb2_grpc.PrefillWorkerStub if role == "prefill" else pdserve_pb2_grpc.DecodeWorkerStub
+        stub = stub_cls(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.GetStats(pb.StatsRequest(), timeout=10, metadata=(("authorization", "Bearer guess"),))
+        assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED
+        if role == "decode":
+            call = stub.Decode(pb.DecodeRequest(request_id="x", token_ids=[1, 2, 3]), timeout=10)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call.read()
+            assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_kv_port_refuses_an_unauthenticated_peer(stack):
+    kv_address = process(stack, "decode")["kv"]
+    stats = await cluster_stats_with_token(stack)
+    decode = next(w for w in stats.workers if w.role == "decode")
+    fake = PeerInfo(model_fingerprint="x", dtype="float32", num_layers=30, num_kv_heads=3, head_dim=64, block_size=16,
+                    transports=("tcp",), host_id=host_id(), auth_token="not-the-cluster-token")
+    with pytest.raises(HandshakeError, match="unauthenticated"):
+        KVConnection(kv_address, fake, cache=None)  # refused in the handshake, before the cache is touched
+    after = await cluster_stats_with_token(stack)
+    decode_after = next(w for w in after.workers if w.role == "decode")
+    assert decode_after.counters["kv_handshakes_refused"] == decode.counters.get("kv_handshakes_refused", 0) + 1
+    assert decode_after.blocks_free == decode_after.blocks_total and decode_after.reserved_transfers == 0
+
+
+async def cluster_stats_with_token(stack: Stack) -> pb.ClusterStats:
+    certs = Path(stack.proc.args[stack.proc.args.index("--tls-ca") + 1]).parent
+    async with grpc.aio.secure_channel(stack.address, mtls(certs)) as channel:
+        return await pdserve_pb2_grpc.RouterStub(channel).GetClusterStats(
+            pb.ClusterStatsRequest(), timeout=10, metadata=(("authorization", f"Bearer {TOKEN}"),))

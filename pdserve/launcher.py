@@ -41,7 +41,10 @@ class Child:
     name: str
     process: subprocess.Popen
     ready: queue.Queue
+    args: list[str]
+    router: bool = False
     info: dict | None = None
+    restarts: int = 0
 
 
 class Cluster:
@@ -88,14 +91,37 @@ class Cluster:
         return [{"name": c.name, "pid": c.process.pid, **(c.info or {})} for c in self.children]
 
     def wait(self) -> int | None:
-        """Blocks until a child exits (returns its code) or the launcher is signalled (None)."""
+        """Supervises until the router exits (returns its code) or the launcher is signalled.
+
+        A worker that dies is restarted on the same ports, so the router's health checks bring
+        it back into rotation; meanwhile the router routes around it (and migrates its requests).
+        """
         while True:
-            for child in self.children:
+            for i, child in enumerate(self.children):
                 code = child.process.poll()
-                if code is not None:
+                if code is None:
+                    continue
+                if child.router or child.restarts >= self.cluster.max_worker_restarts:
                     log.error("%s exited with code %s; stopping the cluster", child.name, code)
-                    return code
+                    return code or 1
+                log.warning("%s exited with code %s; restarting it (restart %d of %d)", child.name, code,
+                            child.restarts + 1, self.cluster.max_worker_restarts)
+                self.children[i] = self._restart(child)
             time.sleep(0.5)
+
+    def _restart(self, child: Child) -> Child:
+        ports = {"--port": child.info["grpc"].rsplit(":", 1)[1]}
+        if child.info.get("kv"):
+            ports["--kv-port"] = child.info["kv"].rsplit(":", 1)[1]
+        if child.info.get("metrics"):
+            ports["--metrics-port"] = child.info["metrics"].rsplit(":", 1)[1]
+        args = list(child.args)
+        for flag, value in ports.items():
+            args += [flag, value]
+        fresh = self._spawn(child.name, args, register=False)
+        fresh.restarts = child.restarts + 1
+        fresh.info = child.info  # same addresses; the ready line will confirm them
+        return fresh
 
     def stop(self) -> None:
         # The router first, so no new work reaches workers that are going away.
@@ -141,7 +167,7 @@ class Cluster:
         """TLS settings travel as flags; tokens never do (argv is visible to every user)."""
         return to_args(dataclasses.replace(self.security, cluster_token=None, api_token=None))
 
-    def _spawn(self, name: str, args: list[str], router: bool = False) -> Child:
+    def _spawn(self, name: str, args: list[str], router: bool = False, register: bool = True) -> Child:
         cmd = [sys.executable, "-m", "pdserve.cli", *args]
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
                "PDSERVE_CLUSTER_TOKEN": self.security.cluster_token}
@@ -149,9 +175,10 @@ class Cluster:
         if router and self.security.api_token:
             env["PDSERVE_API_TOKEN"] = self.security.api_token
         process = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, preexec_fn=_die_with_parent)
-        child = Child(name, process, queue.Queue())
+        child = Child(name, process, queue.Queue(), args, router)
         threading.Thread(target=_pump, args=(child,), name=f"stdout-{name}", daemon=True).start()
-        self.children.append(child)
+        if register:
+            self.children.append(child)
         return child
 
     def _wait_ready(self, child: Child, deadline: float) -> None:

@@ -87,6 +87,7 @@ class ClusterSettings:
     pin_cores: bool = setting(False, "pin each worker process to its own CPU core(s)")
     startup_timeout_s: float = setting(300.0, "seconds to wait for every process to become ready")
     metrics: bool = setting(False, "Prometheus /metrics on every process (free ports, listed when ready)")
+    max_worker_restarts: int = setting(10, "times pdserve up restarts a worker that died, before giving up")
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 1:

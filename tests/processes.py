@@ -123,7 +123,8 @@ class Stack:
         return cls(proc, f"127.0.0.1:{port}", descendants(proc.process.pid), processes)
 
     def down(self, sig: int = signal.SIGTERM) -> None:
-        """Stops the stack and checks that no process it started survives."""
+        """Stops the stack and checks that no process it started (or restarted) survives."""
+        self.children |= descendants(self.proc.process.pid)
         code = self.proc.stop(sig)
         assert code == 0, f"pdserve up exited with {code}:\n{self.proc.log_tail()}"
         deadline = time.monotonic() + 10

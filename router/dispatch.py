@@ -15,6 +15,7 @@ decode worker.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.wire import sampling_to_proto
 
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.ABORTED}
-DEFAULT_MAX_ATTEMPTS = 3
+DEFAULT_MAX_ATTEMPTS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +78,8 @@ def _worker_error(worker: Worker, error: grpc.aio.AioRpcError) -> DispatchError:
 
 class Dispatcher:
     def __init__(self, registry: WorkerRegistry, policy: RoutingPolicy, max_attempts: int = DEFAULT_MAX_ATTEMPTS,
-                 failure_threshold: int = 2) -> None:
+                 failure_threshold: int = 2, worker_wait_s: float = 5.0) -> None:
+        self.worker_wait_s = worker_wait_s
         self.registry = registry
         self.policy = policy
         self.max_attempts = max_attempts  # 1 + retries/migrations per request
@@ -108,16 +110,28 @@ class Dispatcher:
                 metrics.MIGRATIONS.labels(kind).inc()
                 if e.code is grpc.StatusCode.DATA_LOSS:
                     self.counters["reprefills_after_corruption"] += 1
+                # Back off a little: a worker that just died takes its peers' health checks a moment to notice.
+                await asyncio.sleep(min(0.2 * 2 ** (attempt - 1), 2.0, max(0.0, deadline - time.monotonic())))
+
+    async def _pick(self, attempt: Attempt, deadline: float, failed: set[str]) -> tuple[Worker, Worker | None]:
+        """(decode, prefill) workers; while every worker of a role is down (restarting), waits
+        up to ``worker_wait_s`` for one to come back before giving up with UNAVAILABLE."""
+        give_up = min(deadline, time.monotonic() + self.worker_wait_s)
+        while True:
+            try:
+                decode = self.policy.pick_decode(attempt.request, self.registry.decode, exclude=failed)
+                prefill = (
+                    self.policy.pick_prefill(attempt.request, self.registry.prefill, exclude=failed)
+                    if self.registry.disaggregated else None
+                )
+                return decode, prefill
+            except NoWorkerAvailable as e:
+                if time.monotonic() >= give_up:
+                    raise DispatchError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+            await asyncio.sleep(0.1)
 
     async def _attempt(self, attempt: Attempt, deadline: float, failed: set[str]) -> AsyncIterator[TokenEvent]:
-        try:
-            decode = self.policy.pick_decode(attempt.request, self.registry.decode, exclude=failed)
-            prefill = (
-                self.policy.pick_prefill(attempt.request, self.registry.prefill, exclude=failed)
-                if self.registry.disaggregated else None
-            )
-        except NoWorkerAvailable as e:
-            raise DispatchError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+        decode, prefill = await self._pick(attempt, deadline, failed)
         if attempt.request.ttft_budget_ms is not None and not attempt.prior:
             self._check_ttft_budget(attempt, prefill or decode)
         stream = self._disaggregated(attempt, prefill, decode, deadline) if prefill else self._colocated(attempt, decode, deadline)

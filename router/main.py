@@ -46,7 +46,8 @@ async def serve(settings: RouterSettings, security: SecuritySettings) -> None:
     model_dir = await asyncio.to_thread(resolve_model, settings.model, settings.cache_dir)
     tokenizer = await asyncio.to_thread(RouterTokenizer, model_dir)
     registry = WorkerRegistry.connect(prefill, decode, security.channel_credentials(), security.cluster_metadata())
-    dispatcher = Dispatcher(registry, make_policy(settings.policy), max_attempts=1 + settings.max_migrations)
+    dispatcher = Dispatcher(registry, make_policy(settings.policy), max_attempts=1 + settings.max_migrations,
+                            worker_wait_s=settings.worker_wait_s)
     completions = Completions(tokenizer, dispatcher, settings.request_timeout_s, settings.max_inflight_requests)
     service = RouterService(completions)
     monitor = HealthMonitor(registry)

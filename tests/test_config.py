@@ -1,0 +1,64 @@
+"""One configuration schema: flag > environment > file > default, for every setting."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pdserve.config import add_arguments, load_file, resolve, to_args
+from pdserve.engine.engine_config import EngineConfig
+from pdserve.settings import RouterSettings, WorkerSettings
+
+
+def parse(cls, argv):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, cls)
+    return parser.parse_args(argv)
+
+
+def test_precedence_flag_over_env_over_file_over_default(tmp_path):
+    file = tmp_path / "pdserve.yaml"
+    file.write_text("block_size: 32\nmax_num_seqs: 8\nkv_cache_memory: 1GiB\nenable_prefix_caching: false\n")
+    values = load_file(file)
+    env = {"PDSERVE_BLOCK_SIZE": "64", "PDSERVE_MAX_NUM_SEQS": "12"}
+    config = resolve(EngineConfig, parse(EngineConfig, ["--block-size", "128"]), env=env, file=values)
+    assert config.block_size == 128  # flag
+    assert config.max_num_seqs == 12  # env beats file
+    assert config.kv_cache_memory == "1GiB" and config.enable_prefix_caching is False  # file
+    assert config.max_num_batched_tokens == EngineConfig().max_num_batched_tokens  # default
+
+
+def test_booleans_optionals_and_bad_values():
+    assert resolve(EngineConfig, parse(EngineConfig, ["--no-enable-chunked-prefill"]), env={}).enable_chunked_prefill is False
+    assert resolve(WorkerSettings, None, env={"PDSERVE_METRICS_PORT": "9400"}).metrics_port == 9400
+    with pytest.raises(ValueError, match="PDSERVE_BLOCK_SIZE"):
+        resolve(EngineConfig, None, env={"PDSERVE_BLOCK_SIZE": "lots"})
+    with pytest.raises(ValueError, match="policy must be one of"):
+        resolve(RouterSettings, None, env={"PDSERVE_POLICY": "random"})
+    with pytest.raises(ValueError, match="block_size"):
+        resolve(EngineConfig, None, env={}, file={"block_size": 0})
+
+
+def test_to_args_round_trips():
+    original = EngineConfig(block_size=32, enable_prefix_caching=False, kv_cache_memory="512MiB")
+    assert resolve(EngineConfig, parse(EngineConfig, to_args(original)), env={}) == original
+
+
+def test_config_show_prints_the_effective_configuration_without_secrets(tmp_path):
+    file = tmp_path / "c.yaml"
+    file.write_text("dtype: bfloat16\nport: 6000\n")
+    env = {"PDSERVE_BLOCK_SIZE": "48", "PDSERVE_API_TOKEN": "hunter2", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "config", "--show", "--config", str(file)],
+                         capture_output=True, text=True, env=env, check=True)
+    shown = json.loads(out.stdout)
+    assert shown["dtype"] == "bfloat16" and shown["port"] == 6000 and shown["block_size"] == 48
+    assert shown["api_token"] == "***" and "hunter2" not in out.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("no_such_setting: 1\n")
+    result = subprocess.run([sys.executable, "-m", "pdserve.cli", "config", "--show", "--config", str(bad)],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and "no_such_setting" in result.stderr

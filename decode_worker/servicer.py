@@ -36,7 +36,8 @@ class DecodeService(pdserve_pb2_grpc.DecodeWorkerServicer):
         self.role = role
         self.address = address
         self.max_queued_requests = max_queued_requests
-        self.waiting_reservations = 0
+        self.waiting_reservations = 0  # disaggregated requests waiting for free KV blocks
+        self.queued = 0  # colocated requests accepted but not yet started
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DecodeEvent]:
         rid = request.request_id
@@ -50,7 +51,7 @@ class DecodeService(pdserve_pb2_grpc.DecodeWorkerServicer):
         budget_s = request.ttft_budget_ms / 1e3 if request.ttft_budget_ms > 0 else None
 
         if request.prefill_locally:
-            if len(self.engine.scheduler.waiting) >= self.max_queued_requests:
+            if self.queued >= self.max_queued_requests:
                 await abort_overloaded(context, f"{self.role} worker queue is full ({self.max_queued_requests} waiting)")
             start = lambda e: e.add_request(  # noqa: E731
                 rid, token_ids, sampling, priority=request.priority, num_prior_output_tokens=prior, ttft_budget_s=budget_s)
@@ -75,8 +76,12 @@ class DecodeService(pdserve_pb2_grpc.DecodeWorkerServicer):
                 rid, token_ids + [first], len(token_ids), sampling, blocks, priority=request.priority,
                 num_prior_output_tokens=prior, num_cached_tokens=cached)
 
+        waiting = request.prefill_locally  # counts against the queue bound until its first token
+        self.queued += waiting
         try:
             async for out in self.loop.generate(rid, start):
+                if waiting:
+                    self.queued, waiting = self.queued - 1, False
                 if out.finish_reason is FinishReason.REJECTED:
                     await abort_overloaded(context, "request could not start within its ttft_budget_ms")
                 yield token_event(out.new_token_ids, out.finish_reason, out.num_cached_tokens)
@@ -86,6 +91,8 @@ class DecodeService(pdserve_pb2_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "decode worker is out of KV blocks")
         except EngineError as e:
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
+        finally:
+            self.queued -= waiting
 
     async def _reserve(self, token_ids: list[int], context: grpc.aio.ServicerContext, wait_s: float) -> tuple[list[int], int]:
         """Admission control lives here: the decode worker knows its own free blocks. A request
@@ -111,5 +118,5 @@ class DecodeService(pdserve_pb2_grpc.DecodeWorkerServicer):
     async def GetStats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.WorkerStats:
         stats = worker_stats(self.engine.stats(with_digest=True), self.role, self.address, self.receiver.num_active,
                              self.receiver.counters, self.engine.config.block_size, self.engine.config.max_num_seqs)
-        stats.waiting += self.waiting_reservations
+        stats.waiting = max(stats.waiting, self.queued) + self.waiting_reservations
         return stats

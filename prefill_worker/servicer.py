@@ -30,6 +30,7 @@ class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, loop: EngineLoop, connections: KVConnections, shipper: KVShipper, address: str = "",
                  ack_timeout_s: float = 30.0, max_queued_requests: int = 256) -> None:
         self.max_queued_requests = max_queued_requests
+        self.queued = 0  # requests accepted and not yet answered
         self.loop = loop
         self.ack_timeout_s = ack_timeout_s  # the decode side's lease: past it our copy is useless
         self.engine: LLMEngine = loop.engine
@@ -52,9 +53,15 @@ class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
                 raise ValueError(f"target.skip_tokens: {target.skip_tokens} is outside [0, {target.num_tokens}]")
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if len(self.engine.scheduler.waiting) >= self.max_queued_requests:
+        if self.queued >= self.max_queued_requests:
             await abort_overloaded(context, f"prefill worker queue is full ({self.max_queued_requests} waiting)")
+        self.queued += 1
+        try:
+            return await self._serve(request, context, rid, token_ids, sampling, target, transfer_id)
+        finally:
+            self.queued -= 1
 
+    async def _serve(self, request, context, rid, token_ids, sampling, target, transfer_id) -> pb.PrefillResponse:
         try:
             conn = await asyncio.to_thread(self.connections.get, target.kv_address)
         except HandshakeError as e:

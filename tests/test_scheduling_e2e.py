@@ -1,0 +1,67 @@
+"""Scheduling across the cluster: KV-aware routing sends a shared prefix where it is cached,
+prefix hits are counted and change nothing in the output, a decode worker that holds a
+prefix receives only the rest, and a full worker queue rejects at once and recovers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from pdserve.client import build_request
+from processes import Stack
+from test_stack_e2e import assert_blocks_all_free, cluster_stats, collect
+
+pytestmark = pytest.mark.e2e
+SYSTEM = "You are a meticulous assistant for a shipping company. " * 12  # ~130 tokens, 8 full blocks
+ARGS = ("--dtype", "float32", "--kv-cache-memory", "128MiB", "--kv-transport", "tcp")
+
+
+def by_role(stats, role):
+    return [w for w in stats.workers if w.role == role]
+
+
+async def test_kv_aware_routes_a_shared_prefix_to_the_worker_that_caches_it(hf_reference):
+    stack = Stack.up("--prefill", "2", "--decode", "1", "--policy", "kv_aware", *ARGS)
+    try:
+        first, _, msgs = await collect(stack.address, build_request(SYSTEM + "Question 1: where is my parcel?", max_tokens=8, temperature=0))
+        assert msgs[-1].usage.cached_prompt_tokens == 0
+        await asyncio.sleep(2.5)  # let the router's health probes fetch fresh cache digests
+        for i in range(2, 6):
+            prompt = SYSTEM + f"Question {i}: when does the store open?"
+            ids, _, msgs = await collect(stack.address, build_request(prompt, max_tokens=8, temperature=0))
+            assert ids == hf_reference.greedy(hf_reference.tokenizer(prompt).input_ids, 8)  # hits change nothing
+            assert msgs[-1].usage.cached_prompt_tokens >= 96
+        prefill = by_role(await cluster_stats(stack.address), "prefill")
+        hits = sorted(w.counters["prefix_hits"] for w in prefill)
+        assert hits[0] == 0 and hits[1] >= 4 * 6, f"every follow-up should hit one worker's cache: {hits}"
+        decode = by_role(await cluster_stats(stack.address), "decode")[0]
+        assert decode.counters["prefix_hits"] >= 4 * 6  # the decode worker kept the prefix: fewer blocks moved
+        await assert_blocks_all_free(stack.address)
+    finally:
+        stack.down()
+
+
+async def test_full_worker_queue_rejects_fast_and_recovers(hf_reference):
+    stack = Stack.up("--colocated", "--max-queued-requests", "2", "--max-num-seqs", "2", *ARGS)
+    try:
+        async def one(i):
+            started = time.perf_counter()
+            try:
+                ids, _, _ = await collect(stack.address, build_request(f"Count to {i}:", max_tokens=24, temperature=0, ignore_eos=True))
+                return "ok", time.perf_counter() - started, ids
+            except grpc.aio.AioRpcError as e:
+                return e.code(), time.perf_counter() - started, None
+
+        outcomes = await asyncio.gather(*(one(i) for i in range(16)))
+        rejected = [o for o in outcomes if o[0] is grpc.StatusCode.RESOURCE_EXHAUSTED]
+        assert rejected and all(o[1] < 5 for o in rejected)
+        assert sum(1 for o in outcomes if o[0] == "ok") >= 2  # the bounded queue admitted some
+        # Recovered: the queue drained, new requests are served.
+        ids, _, _ = await collect(stack.address, build_request("The capital of France is", max_tokens=8, temperature=0))
+        assert ids == hf_reference.greedy(hf_reference.tokenizer("The capital of France is").input_ids, 8)
+        await assert_blocks_all_free(stack.address)
+    finally:
+        stack.down()

@@ -28,17 +28,18 @@ def gather_kv(kv: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> t
     return tokens[:, 0], tokens[:, 1]
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal self-attention over fresh tokens: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, **mask) -> torch.Tensor:
+    """SDPA on token-major tensors: q [Tq, Hq, D], k/v [Tk, Hkv, D] -> [Tq, Hq, D]."""
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0),
-        k.transpose(0, 1).unsqueeze(0),
-        v.transpose(0, 1).unsqueeze(0),
-        is_causal=True,
-        scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1],
+        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+        scale=scale, enable_gqa=q.shape[1] != k.shape[1], **mask,
     )
     return out.squeeze(0).transpose(0, 1)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal self-attention over fresh tokens: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+    return _attention(q, k, v, scale, is_causal=True)
 
 
 def paged_prefill_attention(
@@ -53,15 +54,7 @@ def paged_prefill_attention(
     # Query i sits at position context_len - num_q + i and sees keys up to that position.
     q_pos = torch.arange(context_len - num_q, context_len, device=q.device)
     mask = q_pos[:, None] >= torch.arange(context_len, device=q.device)[None, :]
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0),
-        k.transpose(0, 1).unsqueeze(0),
-        v.transpose(0, 1).unsqueeze(0),
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1],
-    )
-    return out.squeeze(0).transpose(0, 1)
+    return _attention(q, k, v, scale, attn_mask=mask)
 
 
 def paged_decode_attention(

@@ -20,7 +20,7 @@ from pdserve.kvtransfer.layout import CacheLayers
 from pdserve.kvtransfer.paths import CudaIpcPath, DataPath, ShmPath, TcpPath, Unit, UcxPath
 from pdserve.kvtransfer.peer import HandshakeError, PeerInfo
 from pdserve.kvtransfer.protocol import HEADER_SIZE, AckStatus, FrameHeader, FrameKind, ProtocolError
-from pdserve.kvtransfer.sockets import recv_header, recv_payload, send_frame, split_address
+from pdserve.kvtransfer.sockets import recv_header, recv_payload, send_frame, shutdown, split_address
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ class KVConnection:
 
     def close(self) -> None:
         self._queue.put(None)
-        _shutdown(self.sock)
+        shutdown(self.sock)
 
     # -- threads --------------------------------------------------------------------------------
     def _send_loop(self) -> None:
@@ -197,12 +197,5 @@ class KVConnection:
         for future in pending.values():
             if not future.done():
                 future.set_exception(ConnectionError(f"KV connection to {self.address} lost: {error}"))
-        _shutdown(self.sock)
+        shutdown(self.sock)
 
-
-def _shutdown(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    sock.close()

@@ -23,7 +23,9 @@ from pdserve.kvtransfer.negotiate import choose
 from pdserve.kvtransfer.peer import HandshakeError, PeerInfo
 from pdserve.kvtransfer.protocol import HEADER_SIZE, AckStatus, FrameHeader, FrameKind, ProtocolError
 from pdserve.kvtransfer.receiver import Grant, KVReceiver
-from pdserve.kvtransfer.sockets import discard, recv_header, recv_into_exact, recv_payload, send_frame, wait_readable
+from pdserve.kvtransfer.sockets import (
+    discard, recv_header, recv_into_exact, recv_payload, send_frame, shutdown, wait_readable,
+)
 from pdserve.kvtransfer.ucx import UcxWorkerThread
 
 log = logging.getLogger(__name__)
@@ -57,7 +59,7 @@ class KVServer:
         self._stopped.set()
         self._listener.close()
         for conn in list(self._conns):
-            _shutdown(conn)
+            shutdown(conn)
 
     def _accept_loop(self) -> None:
         while not self._stopped.is_set():
@@ -94,7 +96,7 @@ class _Connection:
             self.receiver.counters["protocol_errors"] += 1
         finally:
             self.server._conns.discard(self.sock)
-            _shutdown(self.sock)
+            shutdown(self.sock)
 
     def _handshake(self) -> bool:
         self.sock.settimeout(HANDSHAKE_TIMEOUT_S)
@@ -224,10 +226,3 @@ class _Connection:
         except OSError as e:
             log.info("could not acknowledge transfer %016x: %s", transfer_id, e)
 
-
-def _shutdown(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    sock.close()

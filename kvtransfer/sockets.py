@@ -69,3 +69,12 @@ def split_address(address: str) -> tuple[str, int]:
     if not host or not port.isdigit():
         raise ValueError(f"address must be host:port, got {address!r}")
     return host.strip("[]"), int(port)
+
+
+def shutdown(sock: socket.socket) -> None:
+    """Closes a socket so a thread blocked reading it wakes up."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()

@@ -6,14 +6,12 @@ from __future__ import annotations
 import asyncio
 import os
 
-import grpc
 import pytest
 
 from conftest import PROMPTS
 from pdserve.client import build_request
 from pdserve.kvtransfer.ucx import ucx_available
 from pdserve.v1 import pdserve_pb2 as pb
-from pdserve.v1 import pdserve_pb2_grpc
 from processes import Proc, Stack
 from test_stack_e2e import assert_blocks_all_free, cluster_stats, collect
 

@@ -16,7 +16,7 @@ from pdserve.kvtransfer.client import KVConnection
 from pdserve.kvtransfer.faults import FaultPlan
 from pdserve.kvtransfer.layout import CacheLayers
 from pdserve.kvtransfer.peer import HandshakeError, PeerInfo, host_id
-from pdserve.kvtransfer.protocol import HEADER_SIZE, AckStatus, FrameHeader, FrameKind
+from pdserve.kvtransfer.protocol import AckStatus, FrameHeader, FrameKind
 from pdserve.kvtransfer.receiver import KVReceiver, TransferFailed
 from pdserve.kvtransfer.server import KVServer
 from pdserve.kvtransfer.shm import SharedKVPool

@@ -1,0 +1,366 @@
+"""OpenAI request bodies and response shapes: parsing a /v1 request into a
+``pb.GenerateRequest`` (so the router's one validation applies), the error type and its
+mapping from gRPC status codes, and the JSON objects and SSE frames sent back."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Iterable
+
+import grpc
+from fastapi import Request
+from starlette.responses import JSONResponse
+
+from pdserve.router.completions import Chunk, Usage
+from pdserve.router.dispatch import DispatchError
+from pdserve.router.validation import ValidatedRequest
+
+INT64 = (-(2**63), 2**63 - 1)
+INT32 = (-(2**31), 2**31 - 1)
+FINISH_REASONS = ("stop", "length")
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+DONE = b"data: [DONE]\n\n"
+
+# gRPC status of a failed generation -> (HTTP status, OpenAI error type).
+_GRPC_TO_HTTP = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
+}
+_HTTP_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
+               413: "invalid_request_error", 415: "invalid_request_error"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------
+class APIError(Exception):
+    """An error answered in OpenAI's JSON shape."""
+
+    def __init__(self, status: int, message: str, *, type: str | None = None, param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or _HTTP_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+    @classmethod
+    def from_dispatch(cls, error: DispatchError) -> "APIError":
+        status, kind = _GRPC_TO_HTTP.get(error.code, (500, "server_error"))
+        return cls(status, error.message, type=kind, code=error.code.name.lower())
+
+
+def invalid(param: str | None, problem: str) -> APIError:
+    """A 400 naming the parameter, in the project's ``field: problem`` style."""
+    return APIError(400, f"{param}: {problem}" if param else problem, param=param)
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was ready."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Request bodies
+# ---------------------------------------------------------------------------------------------
+async def json_body(request: Request) -> "Params":
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"We could not parse the JSON body of your request: {e}. "
+                            "The body must be a JSON object (Content-Type: application/json).") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"The request body must be a JSON object, got {type(data).__name__}.")
+    return Params(data)
+
+
+class Params:
+    """Typed, null-tolerant access to an OpenAI request body (null means "not given")."""
+
+    def __init__(self, data: dict[str, Any]) -> None:
+        self.data = data
+
+    def given(self, name: str) -> bool:
+        return self.data.get(name) is not None
+
+    def raw(self, name: str) -> Any:
+        return self.data.get(name)
+
+    def get_int(self, name: str) -> int | None:
+        value = self.data.get(name)
+        if value is None:
+            return None
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise invalid(name, f"must be an integer, got {json.dumps(value)}")
+        if not INT64[0] <= value <= INT64[1]:
+            raise invalid(name, f"{value} is out of range")
+        return value
+
+    def get_number(self, name: str) -> float | None:
+        value = self.data.get(name)
+        if value is None:
+            return None
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise invalid(name, f"must be a number, got {json.dumps(value)}")
+        return float(value)
+
+    def get_bool(self, name: str, default: bool = False) -> bool:
+        value = self.data.get(name)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise invalid(name, f"must be a boolean, got {json.dumps(value)}")
+        return value
+
+    def get_str(self, name: str) -> str | None:
+        value = self.data.get(name)
+        if value is None:
+            return None
+        if not isinstance(value, str):
+            raise invalid(name, f"must be a string, got {json.dumps(value)}")
+        return value
+
+    def stop(self) -> tuple[list[str] | None, bool]:
+        """``stop``: a string or a list of strings; returns (strings, whether a single string was given)."""
+        value = self.data.get("stop")
+        if value is None:
+            return None, False
+        if isinstance(value, str):
+            return [value], True
+        if isinstance(value, list) and all(isinstance(s, str) for s in value):
+            return value, False
+        raise invalid("stop", "must be a string or a list of strings")
+
+    def token_ids(self, name: str, value: Any) -> list[int]:
+        if not (isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)):
+            raise invalid(name, "must be a list of integer token ids")
+        bad = next((t for t in value if not INT64[0] <= t <= INT64[1]), None)
+        if bad is not None:
+            raise invalid(name, f"token id {bad} is out of range")
+        return value
+
+
+def _token_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def prompt_input(p: Params) -> dict[str, Any]:
+    """/v1/completions ``prompt``: a string, a list of token ids, or a list holding one of those."""
+    value = p.raw("prompt")
+    if value is None:
+        raise invalid("prompt", "is required")
+    if isinstance(value, list) and len(value) == 1 and (isinstance(value[0], str) or _token_list(value[0])):
+        value = value[0]  # a batch of one prompt
+    if isinstance(value, str):
+        if not value:
+            raise invalid("prompt", "must not be empty")
+        return {"prompt": value}
+    if isinstance(value, list) and value and _token_list(value):
+        return {"prompt_token_ids": p.token_ids("prompt", value)}
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(v, str) or _token_list(v) for v in value):
+        raise invalid("prompt", f"a batch of {len(value)} prompts is not supported; send one request per prompt")
+    if value == []:
+        raise invalid("prompt", "must not be empty")
+    raise invalid("prompt", "must be a string, a list of token ids, or a list holding one of those")
+
+
+def chat_messages(p: Params) -> list[dict[str, str]]:
+    """/v1/chat/completions ``messages``: roles system/developer/user/assistant/tool, text content."""
+    value = p.raw("messages")
+    if value is None:
+        raise invalid("messages", "is required")
+    if not isinstance(value, list) or not value:
+        raise invalid("messages", "must be a non-empty list of messages")
+    out = []
+    for i, message in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise invalid(where, "must be an object with a role and content")
+        role = message.get("role")
+        if not isinstance(role, str):
+            raise invalid(f"{where}.role", "is required and must be a string")
+        if role == "developer":  # OpenAI's newer name for the system role
+            role = "system"
+        out.append({"role": role, "content": _content(message.get("content"), f"{where}.content")})
+    return out
+
+
+def _content(content: Any, where: str) -> str:
+    if content is None:  # e.g. an assistant message that only called tools
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid(where, "must be a string or a list of content parts")
+    texts = []
+    for j, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif isinstance(part, dict) and part.get("type") not in (None, "text"):
+            raise invalid(f"{where}[{j}]", f"content parts of type {part.get('type')!r} are not supported; only text")
+        else:
+            raise invalid(f"{where}[{j}]", 'must be a text part: {"type": "text", "text": "..."}')
+    return "\n".join(texts)  # as vLLM joins text parts
+
+
+def reject_unsupported(p: Params, chat: bool) -> None:
+    n = p.get_int("n")
+    if n is not None and n != 1:
+        raise invalid("n", f"only n=1 is supported, got {n}")
+    if chat:
+        if p.get_bool("logprobs"):
+            raise invalid("logprobs", "log probabilities are not supported")
+        if p.get_int("top_logprobs"):
+            raise invalid("top_logprobs", "log probabilities are not supported")
+        for name in ("tools", "functions"):
+            if p.raw(name):
+                raise invalid(name, "tool calling is not supported")
+        fmt = p.raw("response_format")
+        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+            raise invalid("response_format", "only the text response format is supported")
+    else:
+        if p.given("logprobs"):
+            raise invalid("logprobs", "log probabilities are not supported")
+        if p.get_bool("echo"):
+            raise invalid("echo", "echoing the prompt is not supported")
+        if p.get_str("suffix"):
+            raise invalid("suffix", "suffixes (insertion) are not supported")
+        best_of = p.get_int("best_of")
+        if best_of is not None and best_of != 1:
+            raise invalid("best_of", f"only best_of=1 is supported, got {best_of}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if p.get_number(name):
+            raise invalid(name, "penalties are not supported (only 0)")
+    if p.raw("logit_bias"):
+        raise invalid("logit_bias", "logit_bias is not supported")
+
+
+def stream_options(p: Params, stream: bool) -> bool:
+    """Returns stream_options.include_usage."""
+    options = p.raw("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise invalid("stream_options", "is only allowed when stream is true")
+    if not isinstance(options, dict):
+        raise invalid("stream_options", "must be an object")
+    include = options.get("include_usage")
+    if include is not None and not isinstance(include, bool):
+        raise invalid("stream_options.include_usage", "must be a boolean")
+    return bool(include)
+
+
+def sampling_fields(p: Params, max_tokens_param: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """The sampling keyword arguments of ``build_request``, and how validation's field names
+    map back to the parameters the client used."""
+    top_k = p.get_int("top_k")
+    if top_k == -1:  # vLLM's "off"
+        top_k = 0
+    stop, single_stop = p.stop()
+    stop_token_ids = p.raw("stop_token_ids")
+    sampling = {
+        "max_tokens": p.get_int(max_tokens_param),
+        "temperature": p.get_number("temperature"),
+        "top_p": p.get_number("top_p"),
+        "top_k": top_k,
+        "seed": p.get_int("seed"),
+        "stop": stop,
+        "stop_token_ids": None if stop_token_ids is None else p.token_ids("stop_token_ids", stop_token_ids),
+        "ignore_eos": p.get_bool("ignore_eos"),
+    }
+    names = {"sampling.max_tokens": max_tokens_param, "prompt_token_ids": "prompt"}
+    if single_stop:
+        names["sampling.stop[0]"] = "stop"
+    return sampling, names
+
+
+def param_name(field: str, names: dict[str, str]) -> str:
+    if field in names:
+        return names[field]
+    return field.removeprefix("sampling.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Response shapes
+# ---------------------------------------------------------------------------------------------
+def _usage(usage: Usage | None) -> dict[str, Any] | None:
+    if usage is None:
+        return None
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
+    }
+
+
+def openai_finish_reason(reason: str | None) -> str | None:
+    if reason is None or reason in FINISH_REASONS:
+        return reason
+    raise DispatchError(grpc.StatusCode.INTERNAL, f"the generation ended with {reason!r}")
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+class Job:
+    """One request on its way through the API: its id, shapes and generation."""
+
+    def __init__(self, model_name: str, chat: bool, validated: ValidatedRequest, include_usage: bool) -> None:
+        self.model_name = model_name
+        self.chat = chat
+        self.validated = validated
+        self.id = validated.request_id
+        self.created = int(time.time())
+        self.include_usage = include_usage
+        self.object = "chat.completion.chunk" if chat else "text_completion"
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model_name,
+                "system_fingerprint": None}
+
+    # -- non-streaming -------------------------------------------------------------------------
+    def full(self, text: str, finish: str, usage: Usage | None) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None, "annotations": []},
+                      "logprobs": None, "finish_reason": finish}
+            return {**self._head("chat.completion"), "choices": [choice], "usage": _usage(usage)}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return {**self._head("text_completion"), "choices": [choice], "usage": _usage(usage)}
+
+    # -- streaming -----------------------------------------------------------------------------
+    def _chunk(self, choices: list[dict[str, Any]], usage: Usage | None = None, last: bool = False) -> bytes:
+        payload = {**self._head(self.object), "choices": choices}
+        if self.include_usage:
+            payload["usage"] = _usage(usage) if last else None
+        return sse(payload)
+
+    def events(self, chunk: Chunk, first: bool) -> Iterable[bytes]:
+        finish = openai_finish_reason(chunk.finish_reason)
+        if self.chat:
+            if first:
+                yield self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                    "finish_reason": None}])
+            if chunk.text:
+                yield self._chunk([{"index": 0, "delta": {"content": chunk.text}, "logprobs": None, "finish_reason": None}])
+            if finish:
+                yield self._chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish}])
+        elif chunk.text or finish:
+            yield self._chunk([{"index": 0, "text": chunk.text, "logprobs": None, "finish_reason": finish}])
+        if finish and self.include_usage:
+            yield self._chunk([], chunk.usage, last=True)

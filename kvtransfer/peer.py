@@ -38,11 +38,26 @@ class PeerInfo:
 
     @classmethod
     def from_json(cls, data: bytes) -> "PeerInfo":
+        """Parses a peer's announcement, checking every field's type (it comes off the network)."""
         try:
             raw = json.loads(data)
-            raw["transports"] = tuple(raw.get("transports", ()))
+        except (ValueError, RecursionError) as e:
+            raise HandshakeError(f"malformed handshake: {type(e).__name__}") from None
+        if not isinstance(raw, dict):
+            raise HandshakeError("malformed handshake: expected a JSON object")
+        unknown = set(raw) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise HandshakeError(f"malformed handshake: unknown fields {sorted(map(ascii, unknown))}")
+        transports = raw.get("transports", ())
+        if not isinstance(transports, list) or not all(isinstance(t, str) for t in transports):
+            raise HandshakeError("malformed handshake: transports must be a list of strings")
+        raw["transports"] = tuple(transports)
+        for name, kind in _FIELD_TYPES.items():
+            if name in raw and not (isinstance(raw[name], kind) and not isinstance(raw[name], bool)):
+                raise HandshakeError(f"malformed handshake: {name} must be {kind.__name__}")
+        try:
             return cls(**raw)
-        except (ValueError, TypeError) as e:
+        except TypeError as e:
             raise HandshakeError(f"malformed handshake: {e}") from None
 
     def check_compatible(self, other: "PeerInfo") -> None:
@@ -51,6 +66,12 @@ class PeerInfo:
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
                 raise HandshakeError(f"KV layout mismatch: {name} is {theirs!r} on the peer but {mine!r} here")
+
+
+_FIELD_TYPES = {
+    "model_fingerprint": str, "dtype": str, "num_layers": int, "num_kv_heads": int, "head_dim": int,
+    "block_size": int, "host_id": str, "role": str, "auth_token": str, "extra": dict,
+}
 
 
 def local_peer_info(model_dir: str | Path, layout: KVLayout, *, role: str, transports: tuple[str, ...],

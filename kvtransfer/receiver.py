@@ -131,6 +131,11 @@ class KVReceiver:
             if grant.state is not GrantState.ACTIVE:
                 return
             grant.state = GrantState.FAILED
+        self._cleanup_failed(grant, reason, status)
+
+    def _cleanup_failed(self, grant: Grant, reason: str, status: AckStatus) -> None:
+        """After a grant turned FAILED: free its blocks (now, or by the last writer) and tell the waiter."""
+        with grant.lock:
             release = grant.owns_blocks and grant.writers == 0
             grant.free_when_idle = grant.owns_blocks and grant.writers > 0
             if release:
@@ -222,7 +227,8 @@ class KVReceiver:
                 log.debug("transfer %s complete over %s (%d bytes)", grant.transfer_key, transport, grant.nbytes)
                 self._resolve(grant, TransferResult(first_token_id, transport, grant.nbytes))
                 return AckStatus.OK
-        self.loop.call_soon_threadsafe(self.fail, grant, reason, status)
+            grant.state = GrantState.FAILED  # final now: no later DONE may complete it
+        self.loop.call_soon_threadsafe(self._cleanup_failed, grant, reason, status)
         return status
 
     # -- internals ----------------------------------------------------------------------------

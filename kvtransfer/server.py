@@ -35,7 +35,9 @@ IO_TIMEOUT_S = 10.0  # once a frame (or a UCX unit) has started, the rest must a
 
 
 def check_auth(local: PeerInfo, peer: PeerInfo) -> None:
-    if local.auth_token and not hmac.compare_digest(local.auth_token.encode(), peer.auth_token.encode()):
+    if local.auth_token and not hmac.compare_digest(
+        local.auth_token.encode(errors="surrogatepass"), str(peer.auth_token).encode(errors="surrogatepass")
+    ):
         raise HandshakeError("unauthenticated peer: cluster credential missing or wrong")
 
 
@@ -94,6 +96,9 @@ class _Connection:
         except ProtocolError as e:
             log.warning("KV connection from %s dropped: protocol error: %s", self.peer, e)
             self.receiver.counters["protocol_errors"] += 1
+        except Exception as e:  # noqa: BLE001 - whatever a peer sends, only its connection ends
+            log.warning("KV connection from %s dropped: %s: %s", self.peer, type(e).__name__, e)
+            self.receiver.counters["protocol_errors"] += 1
         finally:
             self.server._conns.discard(self.sock)
             shutdown(self.sock)
@@ -112,7 +117,7 @@ class _Connection:
         except HandshakeError as e:
             log.warning("KV handshake from %s refused: %s", self.peer, e)
             self.receiver.counters["handshakes_refused"] += 1
-            reason = str(e).encode()
+            reason = str(e).encode("utf-8", "backslashreplace")
             send_frame(self.sock, FrameHeader(FrameKind.REJECT, payload_len=len(reason)), reason)
             return False
         self.ucx_tag = secrets.randbits(23) + 1

@@ -18,12 +18,11 @@ from pdserve.router.dispatch import Dispatcher
 from pdserve.router.health_monitor import HealthMonitor
 from pdserve.router.openai_api import create_app, http_port, serve_http
 from pdserve.router.policy import make_policy
-from pdserve.router.servicer import RouterService
+from pdserve.router.servicer import RouterService, add_router_service
 from pdserve.router.tokenizer import RouterTokenizer
 from pdserve.router.workers import WorkerRegistry
 from pdserve.security import SecuritySettings, TokenAuth
 from pdserve.settings import RouterSettings
-from pdserve.v1 import pdserve_pb2_grpc
 
 log = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 5.0
@@ -55,7 +54,7 @@ async def serve(settings: RouterSettings, security: SecuritySettings) -> None:
     monitor.start()
 
     server = await start_server(
-        [lambda s: pdserve_pb2_grpc.add_RouterServicer_to_server(service, s)], ["Router"], settings.host, settings.port,
+        [lambda s: add_router_service(service, s)], ["Router"], settings.host, settings.port,
         credentials=security.server_credentials(), interceptors=[TokenAuth(security.api_token, ["pdserve.v1.Router"])],
     )
     address = f"{settings.host}:{server.port}"

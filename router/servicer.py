@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import AsyncIterator
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from pdserve.grpc_server import RETRY_AFTER_KEY
 from pdserve.router.completions import Completions
@@ -21,9 +23,12 @@ class RouterService(pdserve_pb2_grpc.RouterServicer):
     def __init__(self, completions: Completions) -> None:
         self.completions = completions
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+    async def Generate(self, request: pb.GenerateRequest | None, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        if request is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request: not a valid GenerateRequest (wire format or UTF-8)")
         try:
-            req = self.completions.validate(request)
+            # Off the event loop: tokenizing a large prompt must not stall every other stream.
+            req = await asyncio.to_thread(self.completions.validate, request)
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
@@ -48,3 +53,27 @@ class RouterService(pdserve_pb2_grpc.RouterServicer):
                 ws = pb.WorkerStats(address=worker.address, role=worker.role.value, healthy=False)
             stats.workers.append(ws)
         return stats
+
+
+def _tolerant(message_cls):
+    """A deserializer that yields None for bytes that do not parse (grpc would answer UNKNOWN)."""
+    def parse(data: bytes):
+        try:
+            return message_cls.FromString(data)
+        except DecodeError:
+            return None
+    return parse
+
+
+def add_router_service(service: RouterService, server: grpc.aio.Server) -> None:
+    """Registers the Router service like the generated helper, but malformed requests reach the
+    handler (as None) and get INVALID_ARGUMENT."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            service.Generate, request_deserializer=_tolerant(pb.GenerateRequest),
+            response_serializer=pb.GenerateResponse.SerializeToString),
+        "GetClusterStats": grpc.unary_unary_rpc_method_handler(
+            service.GetClusterStats, request_deserializer=_tolerant(pb.ClusterStatsRequest),
+            response_serializer=pb.ClusterStats.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("pdserve.v1.Router", handlers),))

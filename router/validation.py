@@ -73,6 +73,7 @@ def _prompt_ids(req: pb.GenerateRequest, tokenizer: RouterTokenizer) -> list[int
             raise InvalidRequest("prompt", "must not be empty")
         if len(req.prompt) > MAX_PROMPT_CHARS:
             raise InvalidRequest("prompt", f"{len(req.prompt)} characters exceed the limit of {MAX_PROMPT_CHARS}")
+        _refuse_if_prefix_fills_context(req.prompt, tokenizer)
         ids = tokenizer.encode(req.prompt)
         field = "prompt"
     elif given[0] == "prompt_token_ids":
@@ -82,7 +83,14 @@ def _prompt_ids(req: pb.GenerateRequest, tokenizer: RouterTokenizer) -> list[int
             raise InvalidRequest("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {tokenizer.vocab_size})")
         field = "prompt_token_ids"
     else:
-        ids = tokenizer.encode_chat(_messages(req.messages))
+        messages = _messages(req.messages)
+        if not tokenizer.has_chat_template:
+            raise InvalidRequest("messages", "this model has no chat template; send a prompt instead")
+        _refuse_if_prefix_fills_context("".join(m["content"] for m in messages), tokenizer, field="messages")
+        try:
+            ids = tokenizer.encode_chat(messages)
+        except Exception as e:  # noqa: BLE001 - the model's own template refused these messages
+            raise InvalidRequest("messages", f"the chat template cannot render them: {e}") from None
         field = "messages"
 
     if not ids:
@@ -90,6 +98,19 @@ def _prompt_ids(req: pb.GenerateRequest, tokenizer: RouterTokenizer) -> list[int
     if len(ids) >= tokenizer.max_model_len:
         raise InvalidRequest(field, f"{len(ids)} tokens leave no room in the model's context of {tokenizer.max_model_len}")
     return ids
+
+
+def _refuse_if_prefix_fills_context(text: str, tokenizer: RouterTokenizer, field: str = "prompt") -> None:
+    """Tokenizing a huge text costs seconds; if a bounded prefix already overflows the
+    context, the whole text does too (tokens of a prefix are a prefix of the tokens, up to
+    the last few at the cut), so refuse without tokenizing the rest."""
+    limit = tokenizer.max_model_len
+    cut = limit * 8  # characters: plenty for any text that could fit
+    if len(text) <= cut:
+        return
+    count = len(tokenizer.encode(text[:cut]))
+    if count > limit + 16:
+        raise InvalidRequest(field, f"more than {limit} tokens: no room in the model's context of {limit}")
 
 
 def _messages(messages) -> list[dict[str, str]]:

@@ -43,8 +43,10 @@ class TokenEvent:
 
 
 class DispatchError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str, worker: Worker | None = None, retry_after_ms: int | None = None) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, worker: Worker | None = None,
+                 retry_after_ms: int | None = None, final: bool = False) -> None:
         super().__init__(message)
+        self.final = final  # retrying cannot help (e.g. we already waited for a worker to come back)
         self.code = code
         self.message = message
         self.worker = worker
@@ -52,7 +54,7 @@ class DispatchError(Exception):
 
     @property
     def retryable(self) -> bool:
-        return self.code in RETRYABLE
+        return not self.final and self.code in RETRYABLE
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +129,7 @@ class Dispatcher:
                 return decode, prefill
             except NoWorkerAvailable as e:
                 if time.monotonic() >= give_up:
-                    raise DispatchError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+                    raise DispatchError(grpc.StatusCode.UNAVAILABLE, str(e), final=True) from None
             await asyncio.sleep(0.1)
 
     async def _attempt(self, attempt: Attempt, deadline: float, failed: set[str]) -> AsyncIterator[TokenEvent]:

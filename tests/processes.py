@@ -87,6 +87,16 @@ class Proc:
                 return line
         raise TimeoutError(f"pdserve {self.args[0]} not ready in {timeout} s:\n{self.log_tail()}")
 
+    def saw(self, predicate, timeout: float = 30.0) -> bool:
+        """Whether some output line matches, waiting up to ``timeout`` for it (stderr of children
+        and the launcher's own stdout reach us in no fixed order)."""
+        deadline = time.monotonic() + timeout
+        while not any(predicate(line) for line in list(self.output)):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return True
+
     def wait_ready(self) -> dict:
         return parse_ready(self.wait_for(lambda line: parse_ready(line) is not None))
 

@@ -50,9 +50,11 @@ async def test_without_ucxx_auto_falls_back_and_says_so(tmp_path, hf_reference):
     env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     stack = Stack.up(*ARGS, env=env)
     try:
-        assert any("UCX unavailable" in line and "pip install 'pdserve[ucx]'" in line for line in stack.proc.output)
+        assert stack.proc.saw(lambda line: "UCX unavailable" in line and "pip install 'pdserve[ucx]'" in line), \
+            stack.proc.log_tail()
         await check_greedy(stack.address, hf_reference, prompts=(PROMPTS[0],))
-        assert worker_counters(await cluster_stats(stack.address), "decode")["kv_transfers_shm"] >= 1
+        counters = worker_counters(await cluster_stats(stack.address), "decode")
+        assert counters.get("kv_transfers_shm", 0) >= 1, counters
     finally:
         stack.down()
 

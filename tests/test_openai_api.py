@@ -31,17 +31,19 @@ from pdserve.router.openai_api import create_app, http_port, serve_http
 from pdserve.router.policy import make_policy
 from pdserve.router.tokenizer import RouterTokenizer
 from pdserve.router.workers import WorkerRegistry
+from pdserve.security import SecuritySettings
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc
 from processes import Stack
 
 pytestmark = pytest.mark.e2e
 MAX_NEW = 12
+CLUSTER_TOKEN = "openai-api-test"  # our own router talks to the stack's workers, which require it
 
 
 @pytest.fixture(scope="module")
 def stack():
-    s = Stack.up("--dtype", "float32", "--kv-cache-memory", "128MiB")
+    s = Stack.up("--dtype", "float32", "--kv-cache-memory", "128MiB", env={"PDSERVE_CLUSTER_TOKEN": CLUSTER_TOKEN})
     yield s
     s.down()
 
@@ -61,7 +63,8 @@ async def api(stack, tokenizer):
     """The HTTP app on a free loopback port, in front of the stack's workers."""
     workers = (await cluster_stats(stack.address)).workers
     registry = WorkerRegistry.connect(
-        [w.address for w in workers if w.role == "prefill"], [w.address for w in workers if w.role != "prefill"])
+        [w.address for w in workers if w.role == "prefill"], [w.address for w in workers if w.role != "prefill"],
+        metadata=SecuritySettings(cluster_token=CLUSTER_TOKEN).cluster_metadata())
     assert registry.prefill and registry.decode
     completions = Completions(tokenizer, Dispatcher(registry, make_policy("round_robin")), 600)
     server, task = await serve_http(create_app(completions, tokenizer.model_name), "127.0.0.1", 0)

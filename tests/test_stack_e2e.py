@@ -53,16 +53,17 @@ async def cluster_stats(address: str) -> pb.ClusterStats:
         return await pdserve_pb2_grpc.RouterStub(channel).GetClusterStats(pb.ClusterStatsRequest(), timeout=10)
 
 
-async def assert_blocks_all_free(address: str, timeout: float = 15.0) -> None:
+async def assert_blocks_all_free(address: str, timeout: float = 30.0) -> None:
+    """Every worker is healthy (a restarted one included) and holds no block, reservation or request."""
     deadline = time.monotonic() + timeout
     while True:
         stats = await cluster_stats(address)
-        busy = [(w.address, w.blocks_total - w.blocks_free, w.reserved_transfers) for w in stats.workers
-                if w.blocks_free != w.blocks_total or w.reserved_transfers or w.running or w.waiting]
+        busy = [(w.address, w.healthy, w.blocks_total - w.blocks_free, w.reserved_transfers) for w in stats.workers
+                if not w.healthy or w.blocks_total == 0 or w.blocks_free != w.blocks_total
+                or w.reserved_transfers or w.running or w.waiting]
         if not busy:
-            assert all(w.healthy and w.blocks_total > 0 for w in stats.workers)
             return
-        assert time.monotonic() < deadline, f"blocks still in use: {busy}"
+        assert time.monotonic() < deadline, f"workers still busy or unhealthy (address, healthy, blocks, reserved): {busy}"
         await asyncio.sleep(0.2)
 
 

@@ -19,10 +19,11 @@ import grpc
 from tqdm import tqdm
 
 from pdserve.bench.arrivals import arrival_offsets
-from pdserve.bench.metrics import Timeline
+from pdserve.bench.metrics import Timeline, cluster_snapshot
 from pdserve.bench.workloads import RequestSpec
 from pdserve.client import build_request
 from pdserve.grpc_server import channel_options
+from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc
 
 FAILED_FINISH = ("error", "cancelled")
@@ -58,6 +59,17 @@ async def check_reachable(address: str, timeout_s: float = 10.0) -> None:
             await asyncio.wait_for(channel.channel_ready(), timeout_s)
         except asyncio.TimeoutError:
             raise Unreachable(f"cannot reach a router at {address} (no connection within {timeout_s:.0f} s)") from None
+
+
+async def fetch_cluster_stats(address: str, timeout_s: float = 10.0) -> dict | None:
+    """The router's ``GetClusterStats`` as a plain dict (``metrics.cluster_snapshot``), or None
+    when the router does not answer it (the caller says so; the run itself goes on)."""
+    async with grpc.aio.insecure_channel(address, options=channel_options()) as channel:
+        try:
+            stats = await pdserve_pb2_grpc.RouterStub(channel).GetClusterStats(pb.ClusterStatsRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError:
+            return None
+    return cluster_snapshot(stats)
 
 
 async def _send(stub: pdserve_pb2_grpc.RouterStub, spec: RequestSpec, request_id: str, timeout_s: float) -> Timeline:

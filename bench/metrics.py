@@ -178,3 +178,83 @@ def _peaks(ok: list[Timeline]) -> tuple[float, int]:
             tokens[min(int(at - t0), buckets - 1)] += n
         active[int(t.send_time - t0): int((t.end_time or t0) - t0) + 1] += 1
     return float(tokens.max()), int(active.max())
+
+
+# -- TTFT by prompt length -----------------------------------------------------------------
+
+DEFAULT_SHORT_THRESHOLD = 256
+
+
+def ttft_by_length(timelines: list[Timeline], short_threshold: int = DEFAULT_SHORT_THRESHOLD) -> dict:
+    """TTFT percentiles (ms) of the successful requests whose prompt is shorter than
+    ``short_threshold`` tokens ("short") and of the rest ("long"); None for an empty class."""
+    ok = [t for t in timelines if t.success]
+    out: dict = {"short_threshold": short_threshold}
+    for name, group in (("short", [t for t in ok if t.prompt_len < short_threshold]),
+                        ("long", [t for t in ok if t.prompt_len >= short_threshold])):
+        out[f"num_{name}"] = len(group)
+        a = np.asarray([t.ttft for t in group], dtype=float) * 1e3
+        for p in (50, 99):
+            out[f"{name}_ttft_p{p}_ms"] = float(np.percentile(a, p)) if len(a) else None
+    return out
+
+
+# -- cluster counters ----------------------------------------------------------------------
+
+PREFIX_COUNTERS = ("prefix_hits", "prefix_queries")
+ROUTER_COUNTERS = ("migrations", "retries")
+
+
+def cluster_snapshot(stats) -> dict:
+    """A plain copy of a ``ClusterStats`` message: the router counters and, per worker, its
+    address, role, health and counters."""
+    return {
+        "counters": dict(stats.counters),
+        "workers": [
+            {"address": w.address, "role": w.role, "healthy": w.healthy, "counters": dict(w.counters)}
+            for w in stats.workers
+        ],
+    }
+
+
+def _delta(after: float, before: float) -> float:
+    # A counter that went down belongs to a restarted process: it counted from 0 since.
+    return after - before if after >= before else after
+
+
+def cluster_delta(before: dict, after: dict) -> dict:
+    """What changed between two ``cluster_snapshot``s (taken around one measured run).
+
+    ``prefix_hit_rate``: prompt blocks found in the prefix cache / blocks looked up, summed
+    over the workers that prefill: the prefill workers, or (no prefill worker: colocated
+    mode) the colocated/decode workers; None when none were looked up. ``prefix_cache`` has
+    hits, queries and hit_rate per role (decode workers of a 1PnD stack look up the prompt
+    too, to skip transferring blocks they hold). ``migrations``/``retries``: router counters;
+    ``router_counters``: every router counter that changed. ``incomplete``: a worker did not
+    answer in the second snapshot, so its part is missing.
+    """
+    old = {w["address"]: w for w in before.get("workers", [])}
+    by_role: dict[str, dict[str, float]] = {}
+    incomplete = False
+    for w in after.get("workers", []):
+        if not w["healthy"] or not w["counters"]:
+            incomplete = True
+            continue
+        prev = old.get(w["address"], {}).get("counters", {})
+        role = by_role.setdefault(w["role"], {"hits": 0.0, "queries": 0.0})
+        role["hits"] += _delta(w["counters"].get("prefix_hits", 0.0), prev.get("prefix_hits", 0.0))
+        role["queries"] += _delta(w["counters"].get("prefix_queries", 0.0), prev.get("prefix_queries", 0.0))
+    for role in by_role.values():
+        role["hit_rate"] = role["hits"] / role["queries"] if role["queries"] else None
+    prefilling = ["prefill"] if "prefill" in by_role else [r for r in by_role if r != "prefill"]
+    hits = sum(by_role[r]["hits"] for r in prefilling)
+    queries = sum(by_role[r]["queries"] for r in prefilling)
+    rc_before, rc_after = before.get("counters", {}), after.get("counters", {})
+    changed = {k: _delta(v, rc_before.get(k, 0.0)) for k, v in rc_after.items()}
+    return {
+        "prefix_hit_rate": hits / queries if queries else None,
+        "prefix_cache": dict(sorted(by_role.items())),
+        **{k: changed.get(k, 0.0) for k in ROUTER_COUNTERS},
+        "router_counters": {k: v for k, v in sorted(changed.items()) if v},
+        "incomplete": incomplete,
+    }

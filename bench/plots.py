@@ -1,10 +1,11 @@
 """PNG plots from result dicts (the same dicts that go to the JSON files).
 
-- ttft_cdf.png, itl_cdf.png: one panel per mode side by side (shared axes), a CDF per rate.
+- ttft_cdf.png, itl_cdf.png: one panel per mode (shared axes; at most 4 a row), a CDF per rate.
 - latency_vs_rate.png: rows TTFT/TPOT/ITL/E2EL, columns median/p90/p99, a line per mode.
 - throughput_vs_rate.png: request and output-token throughput per mode.
 Rates are categories on the x axis (finite rates ascending, then ``inf``), since ``inf``
-(and fixed-concurrency runs) have no place on a numeric axis.
+(and fixed-concurrency runs) have no place on a numeric axis. Modes are whatever labels the
+results carry (``2p1d-kv_aware``, ...), in the order they first appear.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np  # noqa: E402
 
 from pdserve.bench.results import LATENCY_METRICS  # noqa: E402
 
+CDF_COLUMNS = 4
 PLOT_FILES = ("ttft_cdf.png", "itl_cdf.png", "latency_vs_rate.png", "throughput_vs_rate.png")
 
 
@@ -43,8 +45,12 @@ def _ok(r: dict, values: list) -> list:
 
 def _cdf(results: list[dict], samples, title: str, xlabel: str, path: Path) -> None:
     modes = _modes(results)
-    fig, axes = plt.subplots(1, len(modes), figsize=(5 * len(modes), 4), sharex=True, sharey=True, squeeze=False)
-    for ax, mode in zip(axes[0], modes):
+    cols = min(CDF_COLUMNS, len(modes))
+    rows = math.ceil(len(modes) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 4 * rows), sharex=True, sharey=True, squeeze=False)
+    for ax in axes.flat[len(modes):]:
+        ax.set_visible(False)
+    for ax, mode in zip(axes.flat, modes):
         for r in sorted((r for r in results if r["mode"] == mode), key=_rate_key):
             x = np.sort(np.asarray(samples(r), dtype=float) * 1e3)
             if len(x):  # the curve starts at 0 just left of the smallest sample
@@ -55,7 +61,8 @@ def _cdf(results: list[dict], samples, title: str, xlabel: str, path: Path) -> N
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    axes[0][0].set_ylabel("fraction of samples")
+    for row in axes:
+        row[0].set_ylabel("fraction of samples")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -75,10 +82,11 @@ def _vs_rate(results: list[dict], fig, axes, series) -> None:
     """series: list of (axes, value(result) -> float, ylabel, title)."""
     cats = _categories(results)
     for ax, value, ylabel, title in series:
-        for mode in _modes(results):
+        for i, mode in enumerate(_modes(results)):
             runs = sorted((r for r in results if r["mode"] == mode), key=_rate_key)
             xs = [cats.index(_rate_key(r)) for r in runs]
-            ax.plot(xs, [value(r) for r in runs], marker="o", label=mode)
+            # The colour cycle has 10 colours; past that, the line style tells modes apart.
+            ax.plot(xs, [value(r) for r in runs], marker="o", label=mode, linestyle=("-", "--", ":", "-.")[i // 10 % 4])
         ax.set_xticks(range(len(cats)), [_tick(c) for c in cats])
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel(ylabel)

@@ -2,8 +2,14 @@
 
 A result is a flat dict that uses the key names of ``vllm bench serve`` result files (with
 ``--save-detailed``) wherever the metric exists there, so tools written for those files read
-these; the few additions (mode, workload, seed, goodput_slos_ms, p90_*) are new keys. Latency
-statistics are in ms; the per-request ``ttfts`` and ``itls`` are in seconds, as in vLLM.
+these; the additions are new keys: mode, workload, seed, goodput_slos_ms, p90_*, stack (the
+topology a started stack had: workers, policy, chunked prefill, pinning; None for live and
+hf), prompt_variant (``workloads.variant``), the TTFT split by prompt length
+(short_threshold, num_short/num_long, short_ttft_p50_ms/p99, long_ttft_p50_ms/p99: None for
+an empty class) and the router's counters over the run (prefix_hit_rate, prefix_cache per
+role, migrations, retries, router_counters, cluster_stats_incomplete: None where the stats
+could not be read, e.g. hf). Latency statistics are in ms; the per-request ``ttfts`` and
+``itls`` are in seconds, as in vLLM.
 """
 
 from __future__ import annotations
@@ -16,14 +22,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import TextIO
 
-from pdserve.bench.metrics import Goodput, RunMetrics, Timeline
+from pdserve.bench.metrics import DEFAULT_SHORT_THRESHOLD, Goodput, RunMetrics, Timeline, ttft_by_length
 
 LATENCY_METRICS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL"))
 
 
 @dataclass(frozen=True, slots=True)
 class RunInfo:
-    mode: str  # 1p1d, colocated, live, hf
+    mode: str  # the --modes label: live, hf, colocated[-...], NpMd[-policy][-nochunk]
     backend: str  # pdserve-grpc or hf-generate
     model_id: str
     workload: str
@@ -33,9 +39,16 @@ class RunInfo:
     max_concurrency: int | None
     seed: int
     goodput: Goodput
+    short_threshold: int = DEFAULT_SHORT_THRESHOLD
+    stack: dict | None = None  # a started stack's topology and settings
+    prompt_variant: int = 0
 
 
-def to_result(info: RunInfo, m: RunMetrics, timelines: list[Timeline]) -> dict:
+CLUSTER_KEYS = ("prefix_hit_rate", "prefix_cache", "migrations", "retries", "router_counters")
+
+
+def to_result(info: RunInfo, m: RunMetrics, timelines: list[Timeline], cluster: dict | None = None) -> dict:
+    """``cluster``: ``metrics.cluster_delta`` over the run, or None when there is none."""
     result: dict = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
         "endpoint_type": info.backend,
@@ -51,6 +64,8 @@ def to_result(info: RunInfo, m: RunMetrics, timelines: list[Timeline]) -> dict:
         "workload": info.workload,
         "seed": info.seed,
         "goodput_slos_ms": info.goodput.as_dict() or None,
+        "stack": info.stack,
+        "prompt_variant": info.prompt_variant,
         "duration": m.duration,
         "completed": m.completed,
         "failed": m.failed,
@@ -67,6 +82,9 @@ def to_result(info: RunInfo, m: RunMetrics, timelines: list[Timeline]) -> dict:
         "ttfts": [t.ttft if t.success else 0.0 for t in timelines],
         "itls": [t.itls if t.success else [] for t in timelines],
         "errors": [t.error for t in timelines],
+        **ttft_by_length(timelines, info.short_threshold),
+        **{k: (cluster or {}).get(k) for k in CLUSTER_KEYS},
+        "cluster_stats_incomplete": None if cluster is None else cluster["incomplete"],
     }
     for key, _ in LATENCY_METRICS:
         for stat, value in asdict(getattr(m, key)).items():
@@ -101,6 +119,14 @@ def _rate(r: dict) -> str:
     return rate + (f" c{r['max_concurrency']}" if r.get("max_concurrency") else "")
 
 
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
 def print_tables(results: list[dict], out: TextIO | None = None) -> None:
     out = out or sys.stdout  # looked up per call, so redirected stdout (tests, callers) is honoured
     if not results:
@@ -113,8 +139,20 @@ def print_tables(results: list[dict], out: TextIO | None = None) -> None:
             r["mode"], _rate(r), str(r["completed"]), str(r["failed"]), f"{r['duration']:.2f}",
             str(r["total_input_tokens"]), str(r["total_output_tokens"]),
             f"{r['request_throughput']:.2f}", good, f"{r['output_throughput']:.1f}", f"{r['total_token_throughput']:.1f}",
+            _pct(r.get("prefix_hit_rate")),
         ])
-    _table(["mode", "rate", "ok", "failed", "time s", "in tok", "out tok", "req/s", "goodput", "out tok/s", "tot tok/s"], rows, out)
+    _table(["mode", "rate", "ok", "failed", "time s", "in tok", "out tok", "req/s", "goodput", "out tok/s", "tot tok/s",
+            "prefix hit"], rows, out)
+    _cluster_table(results, out)
+    if any(r.get("workload") == "mixed" for r in results):
+        threshold = results[0].get("short_threshold", DEFAULT_SHORT_THRESHOLD)
+        print(f"\n== TTFT by prompt length (ms; short: < {threshold} tokens) ==", file=out)
+        rows = [
+            [r["mode"], _rate(r), str(r.get("num_short", 0)), _ms(r.get("short_ttft_p50_ms")), _ms(r.get("short_ttft_p99_ms")),
+             str(r.get("num_long", 0)), _ms(r.get("long_ttft_p50_ms")), _ms(r.get("long_ttft_p99_ms"))]
+            for r in results
+        ]
+        _table(["mode", "rate", "short n", "short p50", "short p99", "long n", "long p50", "long p99"], rows, out)
     for key, name in LATENCY_METRICS:
         print(f"\n== {name} (ms) ==", file=out)
         rows = [
@@ -127,3 +165,23 @@ def print_tables(results: list[dict], out: TextIO | None = None) -> None:
         print(f"\n{len(errors)} failed requests; first reasons:", file=out)
         for mode, rate, e in errors[:5]:
             print(f"  {mode} @ {rate}: {e}", file=out)
+
+
+def _cluster_table(results: list[dict], out: TextIO) -> None:
+    """Prefix cache hits/lookups per worker role and the router's migrations/retries, for the
+    runs whose cluster stats were read."""
+    with_stats = [r for r in results if r.get("prefix_cache") is not None]
+    if not with_stats:
+        return
+    roles = sorted({role for r in with_stats for role in r["prefix_cache"]})
+    print("\n== Cluster (over each run; prefix cache: blocks hit/looked up) ==", file=out)
+    rows = []
+    for r in with_stats:
+        cells = []
+        for role in roles:
+            c = r["prefix_cache"].get(role)
+            cells.append("-" if c is None else f"{c['hits']:.0f}/{c['queries']:.0f} {_pct(c['hit_rate'])}")
+        incomplete = " (incomplete)" if r.get("cluster_stats_incomplete") else ""
+        rows.append([r["mode"], _rate(r), _pct(r["prefix_hit_rate"]) + incomplete, *cells,
+                     f"{r.get('migrations') or 0:.0f}", f"{r.get('retries') or 0:.0f}"])
+    _table(["mode", "rate", "prefix hit", *roles, "migrations", "retries"], rows, out)

@@ -1,9 +1,25 @@
 """TTFT/ITL serving benchmark: ``python bench/serve.py ...`` (``main(argv)`` for ``pdserve bench``).
 
 Runs a workload against a live router (``--addr``), or starts each stack of ``--modes``
-itself (1p1d, colocated; one at a time: start, warm up, sweep the rates, stop), and/or runs
-the Hugging Face ``generate`` baseline (hf) on the same requests. Writes one vLLM-style JSON
-per mode and rate and the PNG plots to ``--result-dir`` and prints tables.
+itself (one at a time: start, warm up, sweep the rates, stop), and/or runs the Hugging Face
+``generate`` baseline (hf) on the same requests. Writes one vLLM-style JSON per mode and rate
+and the PNG plots to ``--result-dir`` and prints tables.
+
+Modes (the mode string is the label in tables, plots and file names):
+- ``live``: the router at ``--addr``; ``hf``: the Hugging Face baseline.
+- ``NpMd``: a started stack of N prefill and M decode workers (``1p1d``, ``2p1d``, ...).
+- ``colocated``: a started stack of one worker that prefills and decodes.
+- A started stack's name may be followed by ``-<policy>`` (round_robin, least_loaded,
+  kv_aware; default ``--policy``, else kv_aware) and/or ``-nochunk`` (chunked prefill off in
+  every worker), e.g. ``2p1d-kv_aware``, ``2p1d-round_robin``, ``1p1d-nochunk``,
+  ``colocated-nochunk``. ``--pin-cores`` pins the workers of every started stack (1p1d on 2
+  cores: one core each; colocated: its one worker gets both).
+
+Each rate of a sweep sends a variant of the workload (``workloads.variant``: same lengths,
+same sharing, no prompt block in common with the other rates), so a later rate does not
+find the earlier rate's prompts in the prefix cache. Around each run on a started or live
+stack the router's ``GetClusterStats`` is read, and the prefix-cache hit rate and the
+migrations/retries over the run go into the results.
 Bad input exits with code 2 and a one-line message; a stack that fails to start exits 1.
 """
 
@@ -20,26 +36,85 @@ import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import contextlib  # noqa: E402
 import math  # noqa: E402
+import dataclasses  # noqa: E402
 import os  # noqa: E402
+import re  # noqa: E402
 import socket  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from typing import Iterator  # noqa: E402
 
 from pdserve.bench import plots, results, workloads  # noqa: E402
 from pdserve.bench.arrivals import parse_rates, validate as validate_arrivals  # noqa: E402
-from pdserve.bench.client_load import LoadConfig, Unreachable, check_reachable, run_load, warm_up  # noqa: E402
-from pdserve.bench.metrics import Goodput, compute  # noqa: E402
+from pdserve.bench.client_load import (  # noqa: E402
+    LoadConfig, Unreachable, check_reachable, fetch_cluster_stats, run_load, warm_up,
+)
+from pdserve.bench.metrics import DEFAULT_SHORT_THRESHOLD, Goodput, cluster_delta, compute  # noqa: E402
 from pdserve.config import add_arguments, resolve  # noqa: E402
 from pdserve.engine.engine_config import EngineConfig  # noqa: E402
-from pdserve.settings import KV_TRANSPORTS, ClusterSettings, RouterSettings, WorkerSettings  # noqa: E402
+from pdserve.settings import KV_TRANSPORTS, ROUTING_POLICIES, ClusterSettings, RouterSettings, WorkerSettings  # noqa: E402
 
-MODES = ("live", "1p1d", "colocated", "hf")
+MODES = ("live", "1p1d", "colocated", "hf")  # the fixed names; see parse_mode for the rest
+MODE_SYNTAX = "live, hf, colocated or NpMd (e.g. 1p1d, 2p1d), the last two optionally followed by " \
+    f"-POLICY ({', '.join(ROUTING_POLICIES)}) and/or -nochunk"
+MAX_WORKERS_PER_ROLE = 16
 PROG = "pdserve bench"
+_TOPOLOGY = re.compile(r"(\d+)p(\d+)d")
+
+
+@dataclass(frozen=True, slots=True)
+class Mode:
+    """One entry of ``--modes``."""
+
+    label: str
+    kind: str  # live, hf or stack (started by the benchmark)
+    prefill: int = 0
+    decode: int = 1
+    colocated: bool = False
+    policy: str | None = None  # None: --policy, else the router's default
+    chunked_prefill: bool = True  # False: -nochunk
+
+
+def parse_mode(text: str) -> Mode:
+    """'2p1d-round_robin-nochunk' -> Mode; raises ValueError naming the mode and the syntax."""
+    label = text.strip()
+    base, *suffixes = label.split("-")
+    if base in ("live", "hf"):
+        if suffixes:
+            raise ValueError(f"mode {label}: {base} takes no suffix; modes are {MODE_SYNTAX}")
+        return Mode(label, base)
+    if base == "colocated":
+        mode = Mode(label, "stack", prefill=0, decode=1, colocated=True)
+    elif m := _TOPOLOGY.fullmatch(base):
+        prefill, decode = int(m[1]), int(m[2])
+        if not (1 <= prefill <= MAX_WORKERS_PER_ROLE and 1 <= decode <= MAX_WORKERS_PER_ROLE):
+            raise ValueError(f"mode {label}: need 1 to {MAX_WORKERS_PER_ROLE} prefill and decode workers")
+        mode = Mode(label, "stack", prefill=prefill, decode=decode)
+    else:
+        raise ValueError(f"unknown mode {label or '(empty)'}; modes are {MODE_SYNTAX}")
+    for suffix in suffixes:
+        if suffix in ROUTING_POLICIES and mode.policy is None:
+            mode = dataclasses.replace(mode, policy=suffix)
+        elif suffix == "nochunk" and mode.chunked_prefill:
+            mode = dataclasses.replace(mode, chunked_prefill=False)
+        else:
+            raise ValueError(f"unknown mode {label}: bad or repeated suffix -{suffix}; modes are {MODE_SYNTAX}")
+    return mode
+
+
+def parse_modes(text: str) -> tuple[Mode, ...]:
+    modes = tuple(parse_mode(m) for m in text.split(",") if m.strip())
+    if not modes:
+        raise ValueError(f"no mode given; modes are {MODE_SYNTAX}")
+    labels = [m.label for m in modes]
+    dup = sorted({x for x in labels if labels.count(x) > 1})
+    if dup:
+        raise ValueError(f"mode {', '.join(dup)} given twice (the mode is the label of its results)")
+    return modes
 
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    modes: tuple[str, ...]
+    modes: tuple[Mode, ...]
     address: str
     rates: tuple[float, ...]
     burstiness: float
@@ -55,6 +130,8 @@ class Plan:
     progress: bool
     plots: bool
     workload: workloads.WorkloadConfig
+    short_threshold: int
+    policy: str | None
     engine: EngineConfig
     worker: WorkerSettings
     cluster: ClusterSettings
@@ -65,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     load = p.add_argument_group("load")
     load.add_argument("--addr", default="127.0.0.1:50051", help="router of a live stack, for mode live (default: %(default)s)")
     load.add_argument("--modes", default="live",
-                      help=f"comma-separated, from {', '.join(MODES)}; all but live start their own stack (default: live)")
+                      help=f"comma-separated: {MODE_SYNTAX}; all but live and hf start their own stack (default: live)")
     load.add_argument("--request-rates", "--request-rate", dest="request_rates", default="inf",
                       help="comma-separated req/s to sweep, or inf = all at once (default: inf)")
     load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps: 1 = Poisson, <1 burstier")
@@ -90,9 +167,19 @@ def build_parser() -> argparse.ArgumentParser:
     wl.add_argument("--output-len", default=None, help="output tokens, N or LO:HI (per-workload default)")
     wl.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: distinct system prompts (default: 4)")
     wl.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: tokens per system prompt (default: 256)")
+    wl.add_argument("--long-fraction", type=float, default=workloads.MIXED_LONG_FRACTION,
+                    help="mixed: share of long requests (default: %(default)s); --input-len/--output-len set the short ones")
+    wl.add_argument("--long-input-len", default=None,
+                    help="mixed: input tokens of the long requests, N or LO:HI (default: %d:%d)" % workloads.MIXED_LONG_INPUT)
+    wl.add_argument("--long-output-len", default=None,
+                    help="mixed: output tokens of the long requests, N or LO:HI (default: %d:%d)" % workloads.MIXED_LONG_OUTPUT)
+    wl.add_argument("--short-threshold", type=int, default=DEFAULT_SHORT_THRESHOLD,
+                    help="prompts shorter than this many tokens are 'short' in the TTFT split (default: %(default)s)")
     stack = p.add_argument_group("stacks started by the benchmark (and the hf baseline)")
     add_arguments(stack, EngineConfig)
-    stack.add_argument("--kv-transport", default=None, choices=KV_TRANSPORTS, help="KV transport of the 1p1d stack")
+    stack.add_argument("--kv-transport", default=None, choices=KV_TRANSPORTS, help="KV transport of the started stacks")
+    stack.add_argument("--policy", default=None, choices=ROUTING_POLICIES,
+                       help="routing policy of a started stack whose mode names none (default: kv_aware)")
     stack.add_argument("--pin-cores", action=argparse.BooleanOptionalAction, default=None, help="pin each worker to its own cores")
     stack.add_argument("--startup-timeout-s", type=float, default=None, help="wait for a started stack (default: 300)")
     return p
@@ -100,13 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def make_plan(args: argparse.Namespace) -> Plan:
     """Validates every input up front; raises ValueError with the message for the user."""
-    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
-    unknown = [m for m in modes if m not in MODES]
-    if not modes or unknown:
-        raise ValueError(f"unknown mode {', '.join(unknown) or '(none)'}; choose from {', '.join(MODES)}")
+    modes = parse_modes(args.modes)
     rates = tuple(parse_rates(args.request_rates))
     validate_arrivals(math.inf, args.burstiness)
-    counts = (("--num-prompts", args.num_prompts, 1), ("--warmup", args.warmup, 0), ("--hf-batch-size", args.hf_batch_size, 1))
+    counts = (("--num-prompts", args.num_prompts, 1), ("--warmup", args.warmup, 0), ("--hf-batch-size", args.hf_batch_size, 1),
+              ("--short-threshold", args.short_threshold, 1))
     for name, value, low in counts:
         if value < low:
             raise ValueError(f"{name} must be >= {low}, got {value}")
@@ -120,12 +205,16 @@ def make_plan(args: argparse.Namespace) -> Plan:
         input_len=workloads.parse_range(args.input_len) if args.input_len else None,
         output_len=workloads.parse_range(args.output_len) if args.output_len else None,
         num_prefixes=args.num_prefixes, prefix_len=args.prefix_len, path=args.dataset_path,
+        long_fraction=args.long_fraction,
+        long_input_len=workloads.parse_range(args.long_input_len) if args.long_input_len else workloads.MIXED_LONG_INPUT,
+        long_output_len=workloads.parse_range(args.long_output_len) if args.long_output_len else workloads.MIXED_LONG_OUTPUT,
     )
     return Plan(
         modes=modes, address=args.addr, rates=rates, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
         seed=args.seed, warmup=args.warmup, goodput=Goodput.parse(args.goodput), result_dir=Path(args.result_dir),
         time_limit_s=args.time_limit_s, request_timeout_s=args.request_timeout_s, connect_timeout_s=args.connect_timeout_s,
         hf_batch_size=args.hf_batch_size, progress=not args.disable_tqdm, plots=not args.no_plots, workload=wl,
+        short_threshold=args.short_threshold, policy=args.policy,
         engine=resolve(EngineConfig, args),
         worker=resolve(WorkerSettings, args, env={}),
         cluster=resolve(ClusterSettings, args, env={}),
@@ -146,62 +235,89 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _stack_config(mode: Mode, plan: Plan, port: int = 0) -> tuple[EngineConfig, RouterSettings, ClusterSettings]:
+    """The settings of the stack a mode starts: --flags, then what the mode name says."""
+    engine = plan.engine if mode.chunked_prefill else dataclasses.replace(plan.engine, enable_chunked_prefill=False)
+    router = RouterSettings(host="127.0.0.1", port=port, policy=mode.policy or plan.policy or RouterSettings.policy)
+    cluster = ClusterSettings(
+        prefill=mode.prefill, decode=mode.decode, colocated=mode.colocated,
+        pin_cores=plan.cluster.pin_cores, startup_timeout_s=plan.cluster.startup_timeout_s,
+    )
+    return engine, router, cluster
+
+
+def _stack_info(mode: Mode, plan: Plan) -> dict | None:
+    if mode.kind != "stack":
+        return None
+    engine, router, cluster = _stack_config(mode, plan)
+    return {
+        "prefill_workers": cluster.prefill, "decode_workers": cluster.decode, "colocated": cluster.colocated,
+        "policy": router.policy, "chunked_prefill": engine.enable_chunked_prefill,
+        "max_num_batched_tokens": engine.max_num_batched_tokens, "pin_cores": cluster.pin_cores,
+    }
+
+
 @contextlib.contextmanager
-def _stack(mode: str, plan: Plan) -> Iterator[str]:
+def _stack(mode: Mode, plan: Plan) -> Iterator[str]:
     """The router address for ``mode``; a started stack is stopped on the way out, always."""
-    if mode == "live":
+    if mode.kind == "live":
         yield plan.address
         return
     from pdserve.launcher import Cluster
 
     os.environ.setdefault("PDSERVE_LOG_LEVEL", "WARNING")  # keep worker logs out of the tables
-    colocated = mode == "colocated"
-    cluster_settings = ClusterSettings(
-        prefill=0 if colocated else 1, decode=1, colocated=colocated,
-        pin_cores=plan.cluster.pin_cores, startup_timeout_s=plan.cluster.startup_timeout_s,
-    )
-    cluster = Cluster(plan.engine, plan.worker, RouterSettings(host="127.0.0.1", port=_free_port()), cluster_settings)
-    print(f"[{mode}] starting the stack ...", file=sys.stderr, flush=True)
+    engine, router, cluster_settings = _stack_config(mode, plan, _free_port())
+    cluster = Cluster(engine, plan.worker, router, cluster_settings)
+    print(f"[{mode.label}] starting the stack ...", file=sys.stderr, flush=True)
     try:
         yield cluster.start()
     finally:
         cluster.stop()
-        print(f"[{mode}] stack stopped", file=sys.stderr, flush=True)
+        print(f"[{mode.label}] stack stopped", file=sys.stderr, flush=True)
 
 
-def _info(plan: Plan, mode: str, rate: float, backend: str = "pdserve-grpc") -> results.RunInfo:
+def _info(plan: Plan, mode: Mode, rate: float, variant: int = 0) -> results.RunInfo:
+    backend = "hf-generate" if mode.kind == "hf" else "pdserve-grpc"
     return results.RunInfo(
-        mode=mode, backend=backend, model_id=plan.engine.model or "default", workload=plan.workload.name,
+        mode=mode.label, backend=backend, model_id=plan.engine.model or "default", workload=plan.workload.name,
         num_prompts=plan.workload.num_prompts, request_rate=rate, burstiness=plan.burstiness,
         max_concurrency=None if backend != "pdserve-grpc" else plan.max_concurrency, seed=plan.seed, goodput=plan.goodput,
+        short_threshold=plan.short_threshold, stack=_stack_info(mode, plan), prompt_variant=variant,
     )
 
 
-def _record(plan: Plan, info: results.RunInfo, timelines, duration: float) -> dict:
+def _record(plan: Plan, info: results.RunInfo, timelines, duration: float, cluster: dict | None = None) -> dict:
     metrics = compute(timelines, duration, plan.goodput)
-    result = results.to_result(info, metrics, timelines)
+    result = results.to_result(info, metrics, timelines, cluster)
     path = results.write(plan.result_dir, info, result)
+    hit = "" if result["prefix_hit_rate"] is None else f", prefix hit {result['prefix_hit_rate']:.1%}"
     print(f"[{info.mode} @ {result['request_rate']}] {metrics.completed} ok, {metrics.failed} failed, "
-          f"{duration:.2f} s -> {path}", file=sys.stderr, flush=True)
+          f"{duration:.2f} s{hit} -> {path}", file=sys.stderr, flush=True)
     return result
 
 
-async def _sweep(plan: Plan, mode: str, address: str, specs: list[workloads.RequestSpec]) -> list[dict]:
+async def _sweep(plan: Plan, mode: Mode, address: str, specs: list[workloads.RequestSpec]) -> list[dict]:
     await check_reachable(address, plan.connect_timeout_s)
     if plan.warmup:
         warm = await warm_up(address, workloads.warmup_specs(specs, plan.warmup, plan.seed), plan.request_timeout_s)
         bad = [t.error for t in warm if not t.success]
         if bad:
-            print(f"[{mode}] warning: {len(bad)} of {len(warm)} warm-up requests failed: {bad[0]}", file=sys.stderr)
+            print(f"[{mode.label}] warning: {len(bad)} of {len(warm)} warm-up requests failed: {bad[0]}", file=sys.stderr)
     out = []
-    for rate in plan.rates:
+    for k, rate in enumerate(plan.rates):
         cfg = LoadConfig(
             address=address, request_rate=rate, burstiness=plan.burstiness, max_concurrency=plan.max_concurrency,
             seed=plan.seed, request_timeout_s=plan.request_timeout_s, time_limit_s=plan.time_limit_s,
-            progress=plan.progress, label=f"{mode} @ {rate:g} req/s",
+            progress=plan.progress, label=f"{mode.label} @ {rate:g} req/s",
         )
-        load = await run_load(specs, cfg)
-        out.append(_record(plan, _info(plan, mode, rate), load.timelines, load.duration))
+        before = await fetch_cluster_stats(address, plan.connect_timeout_s)
+        load = await run_load(workloads.variant(specs, k), cfg)
+        after = await fetch_cluster_stats(address, plan.connect_timeout_s) if before is not None else None
+        if after is None:
+            print(f"[{mode.label}] warning: the router's cluster stats could not be read; no prefix hit rate",
+                  file=sys.stderr, flush=True)
+        cluster = cluster_delta(before, after) if before is not None and after is not None else None
+        out.append(_record(plan, _info(plan, mode, rate, k), load.timelines, load.duration, cluster))
     return out
 
 
@@ -214,26 +330,26 @@ def _run_hf(plan: Plan, specs: list[workloads.RequestSpec]) -> dict:
     )
     print("[hf] loading the model ...", file=sys.stderr, flush=True)
     res = run_hf(specs, cfg)
-    return _record(plan, _info(plan, "hf", math.inf, backend="hf-generate"), res.timelines, res.duration)
+    return _record(plan, _info(plan, Mode("hf", "hf"), math.inf), res.timelines, res.duration)
 
 
 def run(plan: Plan, specs: list[workloads.RequestSpec]) -> tuple[list[dict], list[str]]:
     """Runs every mode; a mode that fails (e.g. its stack does not start) is reported and
     skipped so the others still run. Returns the results and the failed modes' messages."""
-    if "live" in plan.modes:  # fail fast, before starting anything
+    if any(m.kind == "live" for m in plan.modes):  # fail fast, before starting anything
         asyncio.run(check_reachable(plan.address, plan.connect_timeout_s))
     collected: list[dict] = []
     failures: list[str] = []
     for mode in plan.modes:
         try:
-            if mode == "hf":
+            if mode.kind == "hf":
                 collected.append(_run_hf(plan, specs))
                 continue
             with _stack(mode, plan) as address:
                 collected += asyncio.run(_sweep(plan, mode, address, specs))
         except (RuntimeError, TimeoutError, OSError) as e:  # Unreachable is an OSError
-            failures.append(f"mode {mode}: {e}")
-            print(f"{PROG}: error: mode {mode}: {e}", file=sys.stderr, flush=True)
+            failures.append(f"mode {mode.label}: {e}")
+            print(f"{PROG}: error: mode {mode.label}: {e}", file=sys.stderr, flush=True)
     results.print_tables(collected)
     if plan.plots and collected:
         for path in plots.write_all(collected, plan.result_dir):
@@ -246,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plan = make_plan(args)
         specs = workloads.build(plan.workload, lambda: _tokenizer(plan.engine))
-        if set(plan.modes) - {"live"}:  # a bad --model is bad input, not a stack that fails later
+        if any(m.kind != "live" for m in plan.modes):  # a bad --model is bad input, not a stack that fails later
             from pdserve.engine.model_store import resolve_model
 
             resolve_model(plan.engine.model, plan.engine.cache_dir)

@@ -16,8 +16,24 @@ Workloads
   parameters give the dataset's general shape (many short turns, a long tail); they are not
   fitted to it.
 - ``shared-prefix``: ``num_prefixes`` system prompts of ``prefix_len`` tokens of (seeded,
-  English-word) text, each request = one system prompt + a user question whose length is in
-  the input range; request i uses system prompt i % num_prefixes. Exercises prefix caching.
+  English-word) text; each request = one system prompt (exactly the same ``prefix_len`` token
+  ids for every user of that prompt) + its own user question ("User i asks: ..."), whose
+  length is in the input range (default 16-64 tokens). "8 system prompts x 16 users" is
+  ``--num-prefixes 8 --num-prompts 128``: the users are split as evenly as possible (sizes
+  differ by at most one when num_prompts is not a multiple) and their order is a seeded
+  shuffle, so requests of one system prompt do not arrive at a fixed stride (with an even
+  number of prompts in strict rotation, round-robin routing over 2 workers would send every
+  system prompt to the same worker by accident and look as cache-friendly as kv_aware).
+  Exercises prefix caching and cache-aware routing.
+- ``mixed``: a bimodal mix of interactive and document-sized requests, token ids as in
+  ``random``. A fraction ``long_fraction`` (default 0.2; exactly round(fraction * N)
+  requests, at seeded random positions) are long: input uniform in ``long_input_len``
+  (default 1024-2048) and output in ``long_output_len`` (default 128-256), the input clipped
+  so input + output fit the model context (``MAX_MODEL_LEN`` = 8192, the default model's).
+  The rest are short: input in the input range (default 32-128), output in the output range
+  (default 16-64); ``--input-len``/``--output-len`` set the short class. Results split TTFT
+  by prompt length (``--short-threshold``, default 256 tokens), so keep the short input range
+  below the threshold and the long one above it.
 - ``jsonl``: the user's own prompts, one JSON object per line: ``{"prompt": "..."}`` or
   ``{"prompt_token_ids": [...]}``, optionally ``"output_len"`` (or ``"max_tokens"``); lines
   without one draw an output length from the output range.
@@ -32,13 +48,17 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-WORKLOADS = ("random", "sharegpt", "shared-prefix", "jsonl")
+WORKLOADS = ("random", "sharegpt", "shared-prefix", "mixed", "jsonl")
 TOKEN_ID_RANGE = (1000, 40000)
 SHAREGPT_INPUT = (5.0, 1.0)  # lognormal (mu, sigma) of input lengths
 SHAREGPT_OUTPUT = (4.8, 0.9)  # lognormal (mu, sigma) of output lengths
 SHAREGPT_MAX_TOTAL = 2048
-DEFAULT_INPUT_LEN = {"random": (32, 256), "sharegpt": (4, 1024), "shared-prefix": (16, 64), "jsonl": (1, 1)}
-DEFAULT_OUTPUT_LEN = {"random": (16, 64), "sharegpt": (4, 512), "shared-prefix": (16, 64), "jsonl": (16, 64)}
+DEFAULT_INPUT_LEN = {"random": (32, 256), "sharegpt": (4, 1024), "shared-prefix": (16, 64), "mixed": (32, 128), "jsonl": (1, 1)}
+DEFAULT_OUTPUT_LEN = {"random": (16, 64), "sharegpt": (4, 512), "shared-prefix": (16, 64), "mixed": (16, 64), "jsonl": (16, 64)}
+MIXED_LONG_FRACTION = 0.2
+MIXED_LONG_INPUT = (1024, 2048)
+MIXED_LONG_OUTPUT = (128, 256)
+MAX_MODEL_LEN = 8192  # context of the default model (SmolLM2-135M); long mixed prompts are clipped to fit
 
 # Word list for readable shared-prefix text (any text works for caching; words keep it realistic).
 _WORDS = (
@@ -78,15 +98,24 @@ class WorkloadConfig:
     num_prefixes: int = 4  # shared-prefix: distinct system prompts
     prefix_len: int = 256  # shared-prefix: tokens per system prompt
     path: str | None = None  # jsonl: the file
+    long_fraction: float = MIXED_LONG_FRACTION  # mixed: share of long requests
+    long_input_len: tuple[int, int] = MIXED_LONG_INPUT  # mixed: input range of the long requests
+    long_output_len: tuple[int, int] = MIXED_LONG_OUTPUT  # mixed: output range of the long requests
 
     def __post_init__(self) -> None:
         if self.name not in WORKLOADS:
             raise WorkloadError(f"unknown workload {self.name!r}; choose one of {', '.join(WORKLOADS)}")
         if self.num_prompts < 1:
             raise WorkloadError(f"--num-prompts must be >= 1, got {self.num_prompts}")
-        for label, rng in (("--input-len", self.input_len), ("--output-len", self.output_len)):
+        ranges = (("--input-len", self.input_len), ("--output-len", self.output_len),
+                  ("--long-input-len", self.long_input_len), ("--long-output-len", self.long_output_len))
+        for label, rng in ranges:
             if rng is not None and not (1 <= rng[0] <= rng[1]):
                 raise WorkloadError(f"{label} must be N or LO:HI with 1 <= LO <= HI, got {rng[0]}:{rng[1]}")
+        if not 0.0 <= self.long_fraction <= 1.0:
+            raise WorkloadError(f"--long-fraction must be in [0, 1], got {self.long_fraction}")
+        if self.long_output_len[1] >= MAX_MODEL_LEN:
+            raise WorkloadError(f"--long-output-len must leave room for a prompt in the context of {MAX_MODEL_LEN} tokens")
         if self.num_prefixes < 1 or self.prefix_len < 1:
             raise WorkloadError("--num-prefixes and --prefix-len must be >= 1")
         if self.name == "jsonl" and not self.path:
@@ -122,6 +151,8 @@ def build(cfg: WorkloadConfig, tokenizer: Callable[[], Tokenizer]) -> list[Reque
         return _sharegpt(cfg, rng)
     if cfg.name == "shared-prefix":
         return _shared_prefix(cfg, rng, tokenizer())
+    if cfg.name == "mixed":
+        return _mixed(cfg, rng)
     return load_jsonl(Path(cfg.path or ""), cfg, rng, tokenizer)
 
 
@@ -133,6 +164,34 @@ def warmup_specs(specs: list[RequestSpec], n: int, seed: int) -> list[RequestSpe
     for i in range(n):
         src = specs[i % len(specs)]
         out.append(RequestSpec(_random_ids(rng, src.prompt_len), src.max_tokens))
+    return out
+
+
+def variant(specs: list[RequestSpec], k: int) -> list[RequestSpec]:
+    """Variant ``k`` of a workload: the same lengths and the same sharing structure, but no
+    full KV block in common with any other variant, so each run of a sweep starts with a
+    cold prefix cache instead of finding the previous run's prompts cached.
+
+    In each prompt the first token whose id lies in [TOKEN_ID_RANGE[0], M] (M: the largest id
+    in the workload, so every id stays one the model knows) is shifted by k, cyclically in
+    that range. Prompts equal up to a point stay equal up to that point (a system prompt is
+    still shared by its users); block hashes chain from the first token, so when that token
+    is the first of the prompt (every synthetic workload) every full block changes; in a
+    JSONL prompt that starts with special tokens, the blocks before it stay as they were.
+    ``k = 0`` returns the workload as it is.
+    """
+    lo = TOKEN_ID_RANGE[0]
+    hi = max((t for s in specs for t in s.prompt_token_ids), default=0) + 1
+    if k == 0 or hi - lo < 2:
+        return list(specs)
+    shift = k % (hi - lo) or 1
+    out = []
+    for s in specs:
+        ids = list(s.prompt_token_ids)
+        p = next((i for i, t in enumerate(ids) if lo <= t < hi), None)
+        if p is not None:
+            ids[p] = lo + (ids[p] - lo + shift) % (hi - lo)
+        out.append(RequestSpec(tuple(ids), s.max_tokens))
     return out
 
 
@@ -170,10 +229,36 @@ def _text_ids(rng: np.random.Generator, tok: Tokenizer, head: str, n: int) -> li
 def _shared_prefix(cfg: WorkloadConfig, rng: np.random.Generator, tok: Tokenizer) -> list[RequestSpec]:
     (ilo, ihi), (olo, ohi) = cfg.input_range(), cfg.output_range()
     prefixes = [_text_ids(rng, tok, f"System: you are assistant {k}. Rules:", cfg.prefix_len) for k in range(cfg.num_prefixes)]
+    groups = rng.permutation(np.arange(cfg.num_prompts) % cfg.num_prefixes)  # even split, shuffled order
     specs = []
-    for i in range(cfg.num_prompts):
+    for i, g in enumerate(groups):
         question = _text_ids(rng, tok, f"\nUser {i} asks:", int(rng.integers(ilo, ihi + 1)))
-        specs.append(RequestSpec(tuple(prefixes[i % cfg.num_prefixes] + question), int(rng.integers(olo, ohi + 1))))
+        specs.append(RequestSpec(tuple(prefixes[int(g)] + question), int(rng.integers(olo, ohi + 1))))
+    return specs
+
+
+def prefix_groups(specs: list[RequestSpec], prefix_len: int) -> list[int]:
+    """Which system prompt each request of a shared-prefix workload uses (0, 1, ... in order of
+    first appearance)."""
+    seen: dict[tuple[int, ...], int] = {}
+    return [seen.setdefault(s.prompt_token_ids[:prefix_len], len(seen)) for s in specs]
+
+
+def _mixed(cfg: WorkloadConfig, rng: np.random.Generator) -> list[RequestSpec]:
+    (ilo, ihi), (olo, ohi) = cfg.input_range(), cfg.output_range()
+    (long_ilo, long_ihi), (long_olo, long_ohi) = cfg.long_input_len, cfg.long_output_len
+    n_long = int(round(cfg.long_fraction * cfg.num_prompts))
+    is_long = np.zeros(cfg.num_prompts, dtype=bool)
+    is_long[rng.choice(cfg.num_prompts, size=n_long, replace=False)] = True
+    specs = []
+    for long in is_long:
+        if long:
+            out = int(rng.integers(long_olo, long_ohi + 1))
+            n_in = min(int(rng.integers(long_ilo, long_ihi + 1)), MAX_MODEL_LEN - out)
+        else:
+            out = int(rng.integers(olo, ohi + 1))
+            n_in = int(rng.integers(ilo, ihi + 1))
+        specs.append(RequestSpec(_random_ids(rng, n_in), out))
     return specs
 
 

@@ -1,17 +1,19 @@
 """The serving benchmark: metrics on hand-computed timelines, arrivals, workloads, result keys,
-bad input, and one short end-to-end run against a real 1P1D stack."""
+mode names, prefix hit rates from fake cluster stats, bad input, and one short end-to-end run
+against a real 1P1D stack."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 
 import numpy as np
 import pytest
 
-from pdserve.bench import arrivals, results, workloads
-from pdserve.bench.metrics import Goodput, Timeline, compute
-from pdserve.bench.serve import main
+from pdserve.bench import arrivals, plots, results, workloads
+from pdserve.bench.metrics import Goodput, Timeline, cluster_delta, cluster_snapshot, compute, ttft_by_length
+from pdserve.bench.serve import _stack_config, build_parser, main, make_plan, parse_mode
 
 # -- metrics -------------------------------------------------------------------------------
 
@@ -119,13 +121,59 @@ def test_random_and_sharegpt_lengths():
     assert [w.prompt_len for w in warm] == [s.prompt_len for s in specs[:3]] and warm[0] != specs[0]
 
 
-def test_shared_prefix_groups_share_exactly_the_system_prompt():
+def test_shared_prefix_8_system_prompts_x_16_users():
+    cfg = workloads.WorkloadConfig("shared-prefix", num_prompts=128, num_prefixes=8, prefix_len=40, input_len=(5, 8))
+    specs = workloads.build(cfg, WordTokenizer)
+    assert all(45 <= s.prompt_len <= 48 for s in specs)
+    groups = workloads.prefix_groups(specs, 40)
+    assert sorted(groups.count(g) for g in set(groups)) == [16] * 8  # 8 system prompts x 16 users
+    # Every user of a system prompt sends exactly its token ids, then a question of its own.
+    assert len({s.prompt_token_ids[40:] for s in specs}) == 128
+    for g in range(8):
+        members = [s for s, x in zip(specs, groups) if x == g]
+        assert len({s.prompt_token_ids[:40] for s in members}) == 1
+    # Shuffled: not a fixed stride, so round-robin over 2 workers splits every system prompt.
+    assert all(len({i % 2 for i, x in enumerate(groups) if x == g}) == 2 for g in range(8))
+    assert specs == workloads.build(cfg, WordTokenizer)
+
+
+def test_mixed_workload_is_bimodal_and_seeded():
+    cfg = workloads.WorkloadConfig("mixed", num_prompts=400, seed=5)
+    specs = workloads.build(cfg, WordTokenizer)
+    assert specs == workloads.build(cfg, WordTokenizer)
+    assert specs != workloads.build(workloads.WorkloadConfig("mixed", num_prompts=400, seed=6), WordTokenizer)
+    long = [s for s in specs if s.prompt_len >= 256]
+    short = [s for s in specs if s.prompt_len < 256]
+    assert len(long) == 80  # exactly round(0.2 * 400)
+    assert all(32 <= s.prompt_len <= 128 and 16 <= s.max_tokens <= 64 for s in short)
+    assert all(1024 <= s.prompt_len <= 2048 and 128 <= s.max_tokens <= 256 for s in long)
+    positions = [i for i, s in enumerate(specs) if s.prompt_len >= 256]
+    assert positions[0] < 100 and positions[-1] > 300  # spread through the run, not bunched
+    # --input-len/--output-len set the short class; long prompts are clipped to the context.
+    cfg = workloads.WorkloadConfig("mixed", num_prompts=10, input_len=(8, 8), output_len=(2, 2), long_fraction=0.5,
+                                   long_input_len=(9000, 9000), long_output_len=(100, 100))
+    lens = sorted((s.prompt_len, s.max_tokens) for s in workloads.build(cfg, WordTokenizer))
+    assert lens == [(8, 2)] * 5 + [(workloads.MAX_MODEL_LEN - 100, 100)] * 5
+    no_long = workloads.build(workloads.WorkloadConfig("mixed", num_prompts=20, long_fraction=0), WordTokenizer)
+    assert all(s.prompt_len <= 128 for s in no_long)
+    for bad in ({"long_fraction": 1.5}, {"long_input_len": (5, 2)}, {"long_output_len": (8192, 8192)}):
+        with pytest.raises(workloads.WorkloadError):
+            workloads.WorkloadConfig("mixed", **bad)
+
+
+def test_each_rate_gets_a_workload_variant_with_nothing_cached_in_common():
     cfg = workloads.WorkloadConfig("shared-prefix", num_prompts=12, num_prefixes=3, prefix_len=40, input_len=(5, 8))
     specs = workloads.build(cfg, WordTokenizer)
-    for i, s in enumerate(specs):
-        assert 45 <= s.prompt_len <= 48
-        assert s.prompt_token_ids[:40] == specs[i % 3].prompt_token_ids[:40]
-    assert specs[0].prompt_token_ids[:40] != specs[1].prompt_token_ids[:40]
+    assert workloads.variant(specs, 0) == specs
+    variants = [workloads.variant(specs, k) for k in range(3)]
+    top = max(t for s in specs for t in s.prompt_token_ids)
+    for v in variants:
+        assert [(s.prompt_len, s.max_tokens) for s in v] == [(s.prompt_len, s.max_tokens) for s in specs]
+        assert workloads.prefix_groups(v, 40) == workloads.prefix_groups(specs, 40)  # the same sharing
+        assert all(t <= top for s in v for t in s.prompt_token_ids)  # ids the model knows
+        assert all(a.prompt_token_ids[1:] == b.prompt_token_ids[1:] for a, b in zip(v, specs))
+    firsts = [{s.prompt_token_ids[0] for s in v} for v in variants]
+    assert not (firsts[0] & firsts[1]) and not (firsts[1] & firsts[2]) and not (firsts[0] & firsts[2])
 
 
 def test_jsonl_workload(tmp_path):
@@ -160,6 +208,107 @@ def test_result_uses_vllm_key_names():
     json.dumps(r)
 
 
+def _tl(prompt_len: int, ttft: float, error: str = "") -> Timeline:
+    return Timeline(prompt_len, 2, send_time=10.0, chunk_times=[10.0 + ttft, 10.0 + ttft + 0.1], chunk_tokens=[1, 1],
+                    end_time=10.0 + ttft + 0.1, error=error)
+
+
+def test_ttft_split_by_prompt_length():
+    tls = [_tl(50, 0.1), _tl(255, 0.3), _tl(100, 0.2), _tl(256, 2.0), _tl(2000, 4.0), _tl(60, 9.0, error="UNAVAILABLE")]
+    split = ttft_by_length(tls, short_threshold=256)
+    assert (split["num_short"], split["num_long"]) == (3, 2)  # the failed one counts in neither
+    assert split["short_ttft_p50_ms"] == pytest.approx(200.0)
+    assert split["short_ttft_p99_ms"] == pytest.approx(200 + 0.98 * 100)
+    assert split["long_ttft_p50_ms"] == pytest.approx(3000.0)
+    assert split["long_ttft_p99_ms"] == pytest.approx(2000 + 0.99 * 2000)
+    none_long = ttft_by_length(tls[:3], short_threshold=256)
+    assert none_long["num_long"] == 0 and none_long["long_ttft_p99_ms"] is None
+    assert ttft_by_length(tls, short_threshold=100)["num_short"] == 1
+
+
+def _stats(workers, counters=None):
+    from pdserve.v1 import pdserve_pb2 as pb
+
+    return pb.ClusterStats(counters=counters or {}, workers=[
+        pb.WorkerStats(address=a, role=role, healthy=healthy, counters={"prefix_hits": h, "prefix_queries": q} if healthy else {})
+        for a, role, h, q, healthy in workers
+    ])
+
+
+def test_prefix_hit_rate_from_cluster_stats_before_and_after():
+    before = cluster_snapshot(_stats([("p0", "prefill", 10, 20, True), ("p1", "prefill", 0, 4, True), ("d0", "decode", 1, 2, True)],
+                                     {"retries": 1.0}))
+    after = cluster_snapshot(_stats([("p0", "prefill", 40, 60, True), ("p1", "prefill", 20, 44, True), ("d0", "decode", 3, 102, True)],
+                                    {"retries": 1.0, "migrations": 2.0, "finished_length": 8.0}))
+    d = cluster_delta(before, after)
+    assert d["prefix_hit_rate"] == pytest.approx(50 / 80)  # prefill workers only: (30 + 20) / (40 + 40)
+    assert d["prefix_cache"]["prefill"] == {"hits": 50, "queries": 80, "hit_rate": pytest.approx(0.625)}
+    assert d["prefix_cache"]["decode"]["hit_rate"] == pytest.approx(0.02)
+    assert (d["migrations"], d["retries"], d["router_counters"]) == (2.0, 0.0, {"finished_length": 8.0, "migrations": 2.0})
+    assert d["incomplete"] is False
+    # Colocated: no prefill worker, so the colocated worker's lookups count.
+    co = cluster_delta(cluster_snapshot(_stats([("c0", "colocated", 0, 0, True)])),
+                       cluster_snapshot(_stats([("c0", "colocated", 9, 12, True)])))
+    assert co["prefix_hit_rate"] == pytest.approx(0.75) and co["migrations"] == 0.0
+    # A restarted worker counts from 0; one that did not answer is left out and flagged.
+    odd = cluster_delta(before, cluster_snapshot(_stats([("p0", "prefill", 3, 6, True), ("p1", "prefill", 0, 0, False)])))
+    assert odd["prefix_hit_rate"] == pytest.approx(0.5) and odd["incomplete"] is True
+    nothing = cluster_delta(before, before)
+    assert nothing["prefix_hit_rate"] is None and nothing["router_counters"] == {}
+
+
+def test_results_and_tables_carry_prefix_hits_and_the_ttft_split(tmp_path):
+    tls = [_tl(50, 0.1), _tl(1500, 2.0)]
+    cluster = cluster_delta(cluster_snapshot(_stats([("p0", "prefill", 0, 0, True)])),
+                            cluster_snapshot(_stats([("p0", "prefill", 3, 4, True)])))
+    runs = []
+    for label in ("2p1d-kv_aware", "2p1d-round_robin-nochunk", "colocated", "hf"):
+        info = results.RunInfo(label, "pdserve-grpc", "default", "mixed", 2, 1.0, 1.0, None, 0, Goodput())
+        runs.append(results.to_result(info, compute(tls, 3.0), tls, None if label == "hf" else cluster))
+    assert runs[0]["prefix_hit_rate"] == 0.75 and runs[3]["prefix_hit_rate"] is None and runs[3]["migrations"] is None
+    assert runs[0]["short_ttft_p99_ms"] == pytest.approx(100.0) and runs[0]["long_ttft_p99_ms"] == pytest.approx(2000.0)
+    json.dumps(runs)
+    out = io.StringIO()
+    results.print_tables(runs, out)
+    text = out.getvalue()
+    assert "prefix hit" in text and "75.0%" in text and "3/4" in text
+    assert "== TTFT by prompt length (ms; short: < 256 tokens) ==" in text and "2p1d-round_robin-nochunk" in text
+    for r in runs:
+        r["workload"] = "random"
+    out = io.StringIO()
+    results.print_tables(runs, out)
+    assert "TTFT by prompt length" not in out.getvalue()
+    # Plots take any labels, more than fit in one row.
+    more = [dict(runs[0], mode=f"{n}p1d-least_loaded") for n in range(1, 4)]
+    for path in plots.write_all(runs + more, tmp_path):
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "modes, expected",
+    [
+        ("1p1d", [("1p1d", 1, 1, False, "kv_aware", True)]),
+        ("colocated,colocated-nochunk", [("colocated", 0, 1, True, "kv_aware", True),
+                                         ("colocated-nochunk", 0, 1, True, "kv_aware", False)]),
+        ("2p1d-kv_aware,2p1d-round_robin", [("2p1d-kv_aware", 2, 1, False, "kv_aware", True),
+                                            ("2p1d-round_robin", 2, 1, False, "round_robin", True)]),
+        ("1p1d, 1p1d-nochunk", [("1p1d", 1, 1, False, "kv_aware", True), ("1p1d-nochunk", 1, 1, False, "kv_aware", False)]),
+        ("3p2d-nochunk-least_loaded", [("3p2d-nochunk-least_loaded", 3, 2, False, "least_loaded", False)]),
+    ],
+)
+def test_modes_name_the_stack_they_start(modes, expected):
+    plan = make_plan(build_parser().parse_args(["--modes", modes]))
+    got = []
+    for mode in plan.modes:
+        engine, router, cluster = _stack_config(mode, plan)
+        got.append((mode.label, cluster.prefill, cluster.decode, cluster.colocated, router.policy, engine.enable_chunked_prefill))
+    assert got == expected
+    assert [parse_mode(m).kind for m in ("live", "hf", "1p1d")] == ["live", "hf", "stack"]
+    # --policy is the default of modes that name none.
+    plan = make_plan(build_parser().parse_args(["--modes", "1p1d,1p1d-kv_aware", "--policy", "least_loaded"]))
+    assert [_stack_config(m, plan)[1].policy for m in plan.modes] == ["least_loaded", "kv_aware"]
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -167,6 +316,15 @@ def test_result_uses_vllm_key_names():
         (["--request-rates", "0"], "request rate must be > 0"),
         (["--request-rates=-2,1"], "request rate must be > 0"),
         (["--modes", "1p1d,turbo"], "unknown mode turbo"),
+        (["--modes", "2p1d-fast"], "unknown mode 2p1d-fast: bad or repeated suffix -fast"),
+        (["--modes", "1p1d-nochunk-nochunk"], "bad or repeated suffix -nochunk"),
+        (["--modes", "1p1d-kv_aware-round_robin"], "bad or repeated suffix -round_robin"),
+        (["--modes", "live-nochunk"], "live takes no suffix"),
+        (["--modes", "0p1d"], "need 1 to 16 prefill and decode workers"),
+        (["--modes", "1p1d,1p1d"], "mode 1p1d given twice"),
+        (["--modes", ","], "no mode given"),
+        (["--workload", "mixed", "--long-fraction", "2"], "--long-fraction must be in [0, 1]"),
+        (["--short-threshold", "0"], "--short-threshold must be >= 1"),
         (["--input-len", "9:3"], "LO:HI"),
         (["--goodput", "ttft:abc"], "not a number"),
         (["--addr", "127.0.0.1:9", "--connect-timeout-s", "1"], "cannot reach a router at 127.0.0.1:9"),

@@ -1,0 +1,111 @@
+"""What the router adds to TTFT: the first token through Router.Generate vs the same two
+worker calls (Decode reservation, then Prefill) made directly, interleaved in one run.
+
+    python bench/router_overhead.py --requests 60
+
+Both paths run the same prompt on the same 1P1D cluster (prefix caching off, so every
+request really prefills); the difference of the medians is the router's cost: validation,
+tokenization, routing, its two extra gRPC hops and detokenization.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+
+import grpc
+
+from pdserve.client import build_request
+from pdserve.engine.engine_config import EngineConfig
+from pdserve.engine.model_store import resolve_model
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.launcher import Cluster
+from pdserve.router.tokenizer import RouterTokenizer
+from pdserve.security import SecuritySettings
+from pdserve.settings import ClusterSettings, RouterSettings, WorkerSettings
+from pdserve.v1 import pdserve_pb2 as pb
+from pdserve.v1 import pdserve_pb2_grpc
+from pdserve.wire import sampling_to_proto
+
+TOKEN = "bench-cluster-token"
+
+
+async def through_router(stub, prompt: str) -> float:
+    started = time.perf_counter()
+    call = stub.Generate(build_request(prompt, max_tokens=1, temperature=0), timeout=60)
+    await call.read()
+    elapsed = time.perf_counter() - started
+    call.cancel()
+    return elapsed
+
+
+async def direct(prefill, decode, token_ids: list[int]) -> float:
+    metadata = (("authorization", f"Bearer {TOKEN}"),)
+    sampling = sampling_to_proto(SamplingParams(max_tokens=2, temperature=0))
+    started = time.perf_counter()
+    call = decode.Decode(pb.DecodeRequest(request_id=f"d{started}", token_ids=token_ids, sampling=sampling), timeout=60,
+                         metadata=metadata)
+    reservation = (await call.read()).reservation
+    await prefill.Prefill(pb.PrefillRequest(request_id=f"d{started}", token_ids=token_ids, sampling=sampling,
+                                            target=reservation.target), timeout=60, metadata=metadata)
+    elapsed = time.perf_counter() - started
+    call.cancel()
+    return elapsed
+
+
+async def run(args: argparse.Namespace) -> dict:
+    engine = EngineConfig(dtype=args.dtype, kv_cache_memory="256MiB", enable_prefix_caching=False)
+    cluster = Cluster(engine, WorkerSettings(kv_transport=args.kv_transport), RouterSettings(port=0),
+                      ClusterSettings(prefill=1, decode=1), SecuritySettings(cluster_token=TOKEN))
+    address = cluster.start()
+    try:
+        stats_channel = grpc.aio.insecure_channel(address)
+        stats = await pdserve_pb2_grpc.RouterStub(stats_channel).GetClusterStats(pb.ClusterStatsRequest(), timeout=10)
+        workers = {w.role: w.address for w in stats.workers}
+        token_ids = RouterTokenizer(resolve_model(None)).encode(args.prompt)
+        async with grpc.aio.insecure_channel(address) as r, grpc.aio.insecure_channel(workers["prefill"]) as p, \
+                grpc.aio.insecure_channel(workers["decode"]) as d:
+            router, prefill, decode = pdserve_pb2_grpc.RouterStub(r), pdserve_pb2_grpc.PrefillWorkerStub(p), pdserve_pb2_grpc.DecodeWorkerStub(d)
+            for _ in range(3):  # warm up both paths
+                await through_router(router, args.prompt)
+                await direct(prefill, decode, token_ids)
+            routed, straight = [], []
+            for i in range(args.requests):
+                if i % 2:
+                    straight.append(await direct(prefill, decode, token_ids))
+                    routed.append(await through_router(router, args.prompt))
+                else:
+                    routed.append(await through_router(router, args.prompt))
+                    straight.append(await direct(prefill, decode, token_ids))
+        await stats_channel.close()
+    finally:
+        cluster.stop()
+    ms = lambda xs, q: statistics.quantiles(xs, n=100)[q - 1] * 1e3  # noqa: E731
+    return {
+        "requests": args.requests, "prompt_tokens": len(token_ids), "kv_transport": args.kv_transport,
+        "ttft_router_p50_ms": round(statistics.median(routed) * 1e3, 2),
+        "ttft_direct_p50_ms": round(statistics.median(straight) * 1e3, 2),
+        "router_added_p50_ms": round((statistics.median(routed) - statistics.median(straight)) * 1e3, 2),
+        "ttft_router_p90_ms": round(ms(routed, 90), 2), "ttft_direct_p90_ms": round(ms(straight, 90), 2),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=60)
+    parser.add_argument("--prompt", default="Summarize the history of the printing press in one paragraph.")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--kv-transport", default="auto")
+    args = parser.parse_args(argv)
+    if args.requests < 2:
+        parser.error("--requests must be >= 2")
+    print(json.dumps(asyncio.run(run(args)), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -265,9 +265,10 @@ def _stack(mode: Mode, plan: Plan) -> Iterator[str]:
         return
     from pdserve.launcher import Cluster
 
-    os.environ.setdefault("PDSERVE_LOG_LEVEL", "WARNING")  # keep worker logs out of the tables
     engine, router, cluster_settings = _stack_config(mode, plan, _free_port())
-    cluster = Cluster(engine, plan.worker, router, cluster_settings)
+    # Keep worker logs out of the tables (unless the caller asked for a level).
+    quiet = {"PDSERVE_LOG_LEVEL": os.environ.get("PDSERVE_LOG_LEVEL", "WARNING")}
+    cluster = Cluster(engine, plan.worker, router, cluster_settings, env=quiet)
     print(f"[{mode.label}] starting the stack ...", file=sys.stderr, flush=True)
     try:
         yield cluster.start()

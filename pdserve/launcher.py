@@ -50,9 +50,10 @@ class Child:
 class Cluster:
     def __init__(
         self, engine: EngineConfig, worker: WorkerSettings, router: RouterSettings, cluster: ClusterSettings,
-        security: SecuritySettings | None = None,
+        security: SecuritySettings | None = None, env: dict[str, str] | None = None,
     ) -> None:
         self.engine = engine
+        self.env = dict(env or {})  # extra environment for every child (e.g. PDSERVE_LOG_LEVEL)
         self.worker = worker
         self.router = router
         self.cluster = cluster
@@ -169,7 +170,7 @@ class Cluster:
 
     def _spawn(self, name: str, args: list[str], router: bool = False, register: bool = True) -> Child:
         cmd = [sys.executable, "-m", "pdserve.cli", *args]
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", **self.env,
                "PDSERVE_CLUSTER_TOKEN": self.security.cluster_token}
         env.pop("PDSERVE_API_TOKEN", None)
         if router and self.security.api_token:

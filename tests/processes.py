@@ -62,7 +62,9 @@ class Proc:
     output: list[str] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", **self.env}
+        # Some tests read log lines: INFO whatever the outer environment says.
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", "PDSERVE_LOG_LEVEL": "INFO",
+               **self.env}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "pdserve.cli", *self.args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True, env=env,

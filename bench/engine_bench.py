@@ -3,6 +3,7 @@
     python bench/engine_bench.py throughput --dtype bfloat16     # 64 requests vs HF static batches of 8
     python bench/engine_bench.py overhead --dtype bfloat16       # decode step vs bare forward
     python bench/engine_bench.py roofline --dtype bfloat16       # batch-1 decode and prefill vs machine limits
+    python bench/engine_bench.py roofline --compile              # ... and batch-1 decode under torch.compile
 
 Every figure of one invocation is measured in the same process, side by side.
 """
@@ -117,16 +118,23 @@ def roofline(args: argparse.Namespace) -> dict:
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     bandwidth = _memory_bandwidth()
     peak = _matmul_peak(engine.dtype)
-    # Batch-1 decode at a short context.
-    engine.add_request("b1", list(range(1000, 1064)), SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True))
-    engine.step()
-    decode_s = statistics.median(_timed(engine.step) for _ in range(args.repeats))
-    engine.abort("b1")
+    decode_s = _batch1_decode_s(engine, args.repeats)
     # Prefill: one 512-token prompt per step.
     prompt_s = []
     for i in range(max(3, args.repeats // 5)):
         engine.add_request(f"p{i}", [1000 + (i * 7 + j) % 30000 for j in range(512)], SamplingParams(max_tokens=1, temperature=0))
         prompt_s.append(_timed(engine.step))
+    compiled = {}
+    if args.compile:
+        # Python dispatch between the small ops is what torch.compile could remove: fuse each
+        # layer's norms and MLP with inductor (attention stays the paged kernel).
+        started = time.perf_counter()
+        for layer in engine.model.model.layers:
+            for name in ("input_layernorm", "post_attention_layernorm", "mlp"):
+                setattr(layer, name, torch.compile(getattr(layer, name), dynamic=True))
+        _batch1_decode_s(engine, 1)  # compiles
+        compiled = {"compile_s": round(time.perf_counter() - started, 1),
+                    "decode_ms_compiled": round(_batch1_decode_s(engine, args.repeats) * 1e3, 2)}
     flops_per_token = 2 * (weight_bytes / engine.dtype.itemsize)
     floor_s = weight_bytes / bandwidth
     prefill_tps = 512 / statistics.median(prompt_s)
@@ -136,8 +144,18 @@ def roofline(args: argparse.Namespace) -> dict:
         "decode_ms": round(decode_s * 1e3, 2), "decode_floor_ms": round(floor_s * 1e3, 2),
         "decode_fraction_of_limit": round(floor_s / decode_s, 3),
         "prefill_tok_s": round(prefill_tps, 1), "prefill_limit_tok_s": round(peak / flops_per_token, 1),
-        "prefill_fraction_of_peak": round(prefill_tps * flops_per_token / peak, 3),
+        "prefill_fraction_of_peak": round(prefill_tps * flops_per_token / peak, 3), **compiled,
     }
+
+
+def _batch1_decode_s(engine: LLMEngine, repeats: int) -> float:
+    """Median step time of one sequence decoding at a short context."""
+    engine.add_request("b1", list(range(1000, 1064)), SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    decode_s = statistics.median(_timed(engine.step) for _ in range(repeats))
+    engine.abort("b1")
+    return decode_s
 
 
 def _timed(fn) -> float:
@@ -170,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compile", action="store_true", help="roofline: also batch-1 decode with torch.compile (inductor)")
     args = parser.parse_args(argv)
     result = {"throughput": throughput, "overhead": overhead, "roofline": roofline}[args.bench](args)
     print(json.dumps(result, indent=2))

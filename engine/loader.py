@@ -15,6 +15,9 @@ from pdserve.kernels import AttentionBackend
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Our stacked layers and the checkpoint layers they hold, in order.
+STACKED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+           "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 
 
 def parse_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -71,12 +74,27 @@ def load_state_dict(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]
     return state
 
 
+def stack_checkpoint(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Concatenates each layer's q/k/v and gate/up weights (and biases) into the stacked layers."""
+    for name in [n for n in state if n.endswith(".self_attn.q_proj.weight")]:
+        layer = name[: -len(".self_attn.q_proj.weight")]
+        for stacked, parts in STACKED.items():
+            for kind in ("weight", "bias"):
+                keys = [f"{layer}.{part}.{kind}" for part in parts]
+                present = [k in state for k in keys]
+                if all(present):
+                    state[f"{layer}.{stacked}.{kind}"] = torch.cat([state.pop(k) for k in keys])
+                elif any(present):
+                    raise ValueError(f"checkpoint has only some of {keys}")
+    return state
+
+
 def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device, backend: AttentionBackend) -> CausalLM:
     folder = Path(folder)
     config = ModelConfig.from_folder(folder)
     with torch.device("meta"):
         model = CausalLM(config, backend)
-    state = load_state_dict(folder, dtype)
+    state = stack_checkpoint(load_state_dict(folder, dtype))
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     expected = {k for k in model.state_dict() if not (config.tie_word_embeddings and k == "lm_head.weight")}

@@ -1,7 +1,7 @@
 """A LLaMA-family decoder (Llama, SmolLM, Qwen2, Mistral) over a paged KV cache.
 
-Module and parameter names follow Hugging Face's ``LlamaForCausalLM`` so a safetensors state
-dict loads as is. Every step runs all of its tokens (decodes and prefill chunks of many
+Module and parameter names follow Hugging Face's ``LlamaForCausalLM``, except that q/k/v and
+gate/up are stacked into one linear layer each (the loader stacks the checkpoint's tensors). Every step runs all of its tokens (decodes and prefill chunks of many
 sequences) through the linear layers as one flat [T, hidden] batch; only attention looks at
 sequence boundaries.
 """
@@ -46,9 +46,10 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
         hidden, q_dim, kv_dim = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        self.q_proj = nn.Linear(hidden, q_dim, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(hidden, kv_dim, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(hidden, kv_dim, bias=config.qkv_bias)
+        # q, k and v in one matmul (the loader stacks the checkpoint's three): one larger GEMM
+        # runs markedly faster than three small ones at decode batch sizes.
+        self.split = (q_dim, kv_dim, kv_dim)
+        self.qkv_proj = nn.Linear(hidden, q_dim + 2 * kv_dim, bias=config.qkv_bias)
         self.o_proj = nn.Linear(q_dim, hidden, bias=config.o_proj_bias)
 
     def forward(
@@ -60,9 +61,10 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.reshape(tokens, self.num_heads, self.head_dim)
+        k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
         q, k = rope(batch.positions, q, k)
         backend.write_kv(kv, k, v, batch.slot_mapping)
 
@@ -86,12 +88,13 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(h, i, bias=bias)
-        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.intermediate_size = i
+        self.gate_up_proj = nn.Linear(h, 2 * i, bias=bias)  # gate and up stacked, as q/k/v are
         self.down_proj = nn.Linear(i, h, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

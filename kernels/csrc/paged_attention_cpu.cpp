@@ -34,6 +34,13 @@ inline void load_row(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
+// Blocks sit anywhere in the pool, so the hardware prefetcher loses the stream at every block
+// boundary: ask for the next block while this one is being read.
+inline void prefetch_block(const void* start, int64_t bytes) {
+  const char* p = static_cast<const char*>(start);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 1);
+}
+
 template <typename T>
 void decode_kernel(const T* q, const T* kv, const int64_t* tables, const int64_t* lens, T* out,
                    int64_t batch, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -54,6 +61,10 @@ void decode_kernel(const T* q, const T* kv, const int64_t* tables, const int64_t
       for (int64_t t0 = 0; t0 < len; t0 += block_size) {
         const T* block = kv + table[t0 / block_size] * block_size * 2 * kv_width;
         const int64_t n = std::min(block_size, len - t0);
+        if (t0 + block_size < len) {
+          prefetch_block(kv + table[t0 / block_size + 1] * block_size * 2 * kv_width,
+                         std::min(block_size, len - t0 - block_size) * 2 * kv_width * sizeof(T));
+        }
         for (int64_t j = 0; j < n; ++j) {
           load_row(block + j * 2 * kv_width, row.data(), kv_width);
           for (int64_t hq = 0; hq < num_q_heads; ++hq) {

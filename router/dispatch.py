@@ -173,27 +173,26 @@ class Dispatcher:
     async def _disaggregated(
         self, attempt: Attempt, prefill: Worker, decode: Worker, deadline: float
     ) -> AsyncIterator[TokenEvent]:
+        # Counted on the prefill worker from the moment it is picked (before any await), so a
+        # burst of requests sees each other's work.
+        work = prefill.begin_prefill(attempt.token_ids)
         call = decode.decode_stub.Decode(_decode_request(attempt, prefill_locally=False), timeout=_left(deadline),
                                         metadata=self.registry.metadata)
         decode.inflight += 1
         try:
             try:
-                first = await call.read()
-            except grpc.aio.AioRpcError as e:
-                raise _worker_error(decode, e) from None
-            if first is grpc.aio.EOF or not first.HasField("reservation"):
-                raise DispatchError(grpc.StatusCode.UNAVAILABLE, f"decode worker {decode.address} sent no reservation", decode)
-
-            prefill.inflight += 1
-            prefill.inflight_tokens += len(attempt.token_ids)
-            try:
+                try:
+                    first = await call.read()
+                except grpc.aio.AioRpcError as e:
+                    raise _worker_error(decode, e) from None
+                if first is grpc.aio.EOF or not first.HasField("reservation"):
+                    raise DispatchError(grpc.StatusCode.UNAVAILABLE, f"decode worker {decode.address} sent no reservation", decode)
                 response = await prefill.prefill_stub.Prefill(
                     _prefill_request(attempt, first.reservation.target), timeout=_left(deadline), metadata=self.registry.metadata)
             except grpc.aio.AioRpcError as e:
                 raise _worker_error(prefill, e) from None
             finally:
-                prefill.inflight -= 1
-                prefill.inflight_tokens -= len(attempt.token_ids)
+                prefill.end_prefill(work)
             yield TokenEvent([response.first_token_id], response.finish_reason or None, response.num_cached_tokens)
             if response.finish_reason:
                 return

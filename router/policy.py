@@ -2,7 +2,7 @@
 
 ``kv_aware`` (the default) follows Dynamo's cost model: a prefill worker costs the prompt
 tokens it would have to compute (the prompt minus the longest prefix it already caches) plus
-the prefill tokens already queued on it; a decode worker costs its batch occupancy and its
+half the prefill tokens already queued on it; a decode worker costs its batch occupancy and its
 KV memory pressure. Workers publish digests of their cached block hashes through their stats,
 and the router also remembers where it just sent a prompt, so a burst of requests sharing a
 system prompt lands on the same worker before the next digest arrives.
@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 from typing import Protocol
 
-from pdserve.engine.block_manager import block_hashes
 from pdserve.router.validation import ValidatedRequest
 from pdserve.router.workers import Worker
 
@@ -73,24 +72,20 @@ class LeastLoaded:
 
 class KvAware:
     name = "kv_aware"
+    # Queued prompts weigh half a token each against the prompt's own uncached tokens: a
+    # prefill worker batches what is queued (chunked prefill), so a queue delays a newcomer by
+    # less than its token count, while computing a prefix a second time costs in full.
+    queue_weight = 0.5
 
     def pick_prefill(self, request: ValidatedRequest, workers: list[Worker], exclude: set[str] | None = None) -> Worker:
-        hashes_by_block_size: dict[int, list[int]] = {}
+        def cost(worker: Worker) -> tuple[float, int]:
+            # The worker's reported queue is a moment old and includes what this router sent;
+            # our own in-flight count is current: take the larger rather than the sum.
+            reported = worker.last_stats.queued_prefill_tokens if worker.last_stats else 0
+            queued = max(reported, worker.inflight_tokens)
+            return worker.uncached_tokens(request.prompt_token_ids) + self.queue_weight * queued, worker.inflight
 
-        def cost(worker: Worker) -> tuple[float, float]:
-            stats = worker.last_stats
-            block_size = stats.block_size if stats and stats.block_size else 16
-            if block_size not in hashes_by_block_size:
-                hashes_by_block_size[block_size] = block_hashes(request.prompt_token_ids, block_size)
-            cached = prefix_overlap(hashes_by_block_size[block_size], worker.cached_hashes) * block_size
-            queued = stats.queued_prefill_tokens if stats else 0
-            return len(request.prompt_token_ids) - cached + queued + worker.inflight_tokens, worker.inflight
-
-        chosen = min(_healthy(workers, exclude), key=cost)
-        size = chosen.last_stats.block_size if chosen.last_stats and chosen.last_stats.block_size else 16
-        # Expect the prompt's blocks there from now on (the next digest will confirm it).
-        chosen.cached_hashes.update(hashes_by_block_size.get(size) or block_hashes(request.prompt_token_ids, size))
-        return chosen
+        return min(_healthy(workers, exclude), key=cost)
 
     def pick_decode(self, request: ValidatedRequest, workers: list[Worker], exclude: set[str] | None = None) -> Worker:
         def cost(worker: Worker) -> float:
@@ -102,16 +97,6 @@ class KvAware:
             return occupancy + memory
 
         return min(_healthy(workers, exclude), key=cost)
-
-
-def prefix_overlap(request_hashes: list[int], cached: set[int]) -> int:
-    """Leading blocks of the request found in a worker's cache (chained hashes: stop at the first miss)."""
-    n = 0
-    for h in request_hashes:
-        if h not in cached:
-            break
-        n += 1
-    return n
 
 
 def make_policy(name: str) -> RoutingPolicy:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pdserve.engine.block_manager import block_hashes
 from pdserve.grpc_server import channel_options
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc
@@ -37,13 +38,34 @@ class Worker:
     healthy: bool = True
     consecutive_failures: int = 0
     inflight: int = 0  # requests this router has on the worker right now
-    inflight_tokens: int = 0  # prompt tokens this router sent it to prefill, not yet done
+    inflight_tokens: int = 0  # prompt tokens (past its cached prefix) this router sent it to prefill, not yet done
     last_stats: pb.WorkerStats | None = None
     cached_hashes: set[int] = field(default_factory=set)  # its prefix-cache digest (KV-aware routing)
 
     def update_stats(self, stats: pb.WorkerStats) -> None:
         self.last_stats = stats
         self.cached_hashes = set(stats.cached_block_hashes)
+
+    @property
+    def block_size(self) -> int:
+        return self.last_stats.block_size if self.last_stats and self.last_stats.block_size else 16
+
+    def uncached_tokens(self, token_ids: list[int]) -> int:
+        """Prompt tokens this worker would compute: all but the longest prefix it caches."""
+        return len(token_ids) - prefix_overlap(block_hashes(token_ids, self.block_size), self.cached_hashes) * self.block_size
+
+    def begin_prefill(self, token_ids: list[int]) -> int:
+        """Counts a prompt sent here to prefill and expects its blocks cached here from now on
+        (the next digest confirms it); returns the tokens to hand back to ``end_prefill``."""
+        work = self.uncached_tokens(token_ids)
+        self.cached_hashes.update(block_hashes(token_ids, self.block_size))
+        self.inflight += 1
+        self.inflight_tokens += work
+        return work
+
+    def end_prefill(self, work: int) -> None:
+        self.inflight -= 1
+        self.inflight_tokens -= work
 
     @property
     def load(self) -> float:
@@ -63,6 +85,16 @@ class Worker:
             log.info("%s worker %s is healthy again; back in rotation", self.role.value, self.address)
         self.consecutive_failures = 0
         self.healthy = True
+
+
+def prefix_overlap(request_hashes: list[int], cached: set[int]) -> int:
+    """Leading blocks of the request found in a worker's cache (chained hashes: stop at the first miss)."""
+    n = 0
+    for h in request_hashes:
+        if h not in cached:
+            break
+        n += 1
+    return n
 
 
 def _connect(address: str, role: Role, credentials: grpc.ChannelCredentials | None) -> Worker:

@@ -100,6 +100,10 @@ class BlockManager:
         reusable_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         return self.blocks_needed(num_tokens) - len(hits) <= self.num_free - reusable_free
 
+    def cached_tokens(self, seq: Sequence, num_tokens: int) -> int:
+        """Tokens of ``seq``'s first ``num_tokens`` that ``allocate`` would find cached (no side effects)."""
+        return len(self._usable_hits(seq, num_tokens)) * self.block_size
+
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Gives ``seq`` blocks for its first ``num_tokens`` tokens, reusing cached prefix blocks."""
         assert not seq.block_table, "sequence already holds blocks"

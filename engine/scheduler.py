@@ -127,7 +127,7 @@ class Scheduler:
             if budget == 0:
                 break
             if seq.is_prefilling:
-                chunk = self._chunk_size(seq, budget, nothing_scheduled=out.empty)
+                chunk = self._chunk_size(seq.num_tokens - seq.num_computed_tokens, budget, nothing_scheduled=out.empty)
                 if chunk:
                     out.prefills.append(ScheduledChunk(seq, seq.num_computed_tokens, chunk))
                     budget -= chunk
@@ -138,11 +138,13 @@ class Scheduler:
             seq = self.waiting[0]
             if not self.blocks.can_allocate(seq, seq.num_tokens):
                 break  # strict priority order: nothing overtakes the head of the queue
-            self.blocks.allocate(seq, seq.num_tokens)
-            chunk = self._chunk_size(seq, budget, nothing_scheduled=out.empty)
-            if not chunk:
-                self.blocks.free(seq)
+            # Size the first chunk before allocating, so a prompt that waits for an emptier
+            # step neither takes blocks nor counts as a prefix-cache lookup yet.
+            uncached = seq.num_tokens - self.blocks.cached_tokens(seq, seq.num_tokens)
+            if not self._chunk_size(uncached, budget, nothing_scheduled=out.empty):
                 break
+            self.blocks.allocate(seq, seq.num_tokens)
+            chunk = self._chunk_size(seq.num_tokens - seq.num_computed_tokens, budget, nothing_scheduled=out.empty)
             self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
             seq.admitted_at = self._step
@@ -152,8 +154,8 @@ class Scheduler:
             budget -= chunk
         return out
 
-    def _chunk_size(self, seq: Sequence, budget: int, nothing_scheduled: bool) -> int:
-        remaining = seq.num_tokens - seq.num_computed_tokens
+    def _chunk_size(self, remaining: int, budget: int, nothing_scheduled: bool) -> int:
+        """Prompt tokens to run this step out of ``remaining`` (0: wait for a later step)."""
         if remaining <= budget:
             return remaining
         if self.config.enable_chunked_prefill:

@@ -93,6 +93,16 @@ def test_chunked_prefill_matches_unchunked(model_dir, prompt_ids, hf_reference):
     assert_all_free(small_budget)
 
 
+def test_unchunked_prompt_waiting_for_an_empty_step_is_looked_up_once(model_dir):
+    """Without chunking, a prompt over the step's leftover budget waits for a later step; the
+    prefix cache must count its lookup once, when it is admitted, not on every step it waits."""
+    engine = make_engine(model_dir, enable_chunked_prefill=False, max_num_batched_tokens=256, kv_cache_memory="64MiB")
+    prompts = [list(range(1000, 1200)), list(range(2000, 2200))]  # each fits a step alone, not both together
+    run(engine, [(0, str(i), ids, SamplingParams(max_tokens=2, temperature=0)) for i, ids in enumerate(prompts)])
+    assert engine.blocks.prefix_queries == sum(len(ids) // engine.config.block_size for ids in prompts)
+    assert_all_free(engine)
+
+
 def test_prefix_cache_hit_gives_identical_tokens(engine, prompt_ids, hf_reference):
     long_ids = prompt_ids[-1]
     hits_before = engine.blocks.prefix_hits

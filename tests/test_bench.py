@@ -382,3 +382,15 @@ def test_end_to_end_against_a_started_1p1d_stack(tmp_path, capsys):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
     assert "== TTFT (ms) ==" in printed and "1 failed requests" in printed
+
+
+@pytest.mark.e2e
+def test_router_overhead_compares_both_paths_on_a_real_cluster(capsys):
+    from pdserve.bench import router_overhead
+
+    assert router_overhead.main(["--requests", "4", "--dtype", "float32"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["requests"] == 4 and report["prompt_tokens"] > 0
+    assert report["ttft_router_p50_ms"] > 0 and report["ttft_direct_p50_ms"] > 0
+    assert math.isclose(report["router_added_p50_ms"], report["ttft_router_p50_ms"] - report["ttft_direct_p50_ms"],
+                        abs_tol=0.02)

@@ -18,7 +18,7 @@ from pdserve.process import parse_ready
 pytestmark = pytest.mark.e2e
 
 if os.geteuid() != 0 or shutil.which("ip") is None:
-    pytest.skip("network namespaces need root and iproute2 (ip)", allow_module_level=True)
+    pytest.skip(reason="network namespaces need root and iproute2 (ip)", allow_module_level=True)
 
 SUBNET = "10.77.{}.{}"
 

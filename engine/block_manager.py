@@ -95,21 +95,19 @@ class BlockManager:
         return found
 
     # -- allocation -----------------------------------------------------------------------
-    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        hits = self._usable_hits(seq, num_tokens)
+    def can_allocate(self, seq: Sequence, num_tokens: int, hits: list[int] | None = None) -> bool:
+        """``hits``: ``usable_hits(seq, num_tokens)`` when the caller has it already."""
+        hits = self.usable_hits(seq, num_tokens) if hits is None else hits
         reusable_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         return self.blocks_needed(num_tokens) - len(hits) <= self.num_free - reusable_free
 
-    def cached_tokens(self, seq: Sequence, num_tokens: int) -> int:
-        """Tokens of ``seq``'s first ``num_tokens`` that ``allocate`` would find cached (no side effects)."""
-        return len(self._usable_hits(seq, num_tokens)) * self.block_size
-
-    def allocate(self, seq: Sequence, num_tokens: int) -> None:
-        """Gives ``seq`` blocks for its first ``num_tokens`` tokens, reusing cached prefix blocks."""
+    def allocate(self, seq: Sequence, num_tokens: int, hits: list[int] | None = None) -> None:
+        """Gives ``seq`` blocks for its first ``num_tokens`` tokens, reusing cached prefix blocks
+        (``hits``: ``usable_hits(seq, num_tokens)`` when the caller has it already)."""
         assert not seq.block_table, "sequence already holds blocks"
-        if not self.can_allocate(seq, num_tokens):
+        hits = self.usable_hits(seq, num_tokens) if hits is None else hits
+        if not self.can_allocate(seq, num_tokens, hits):
             raise MemoryError("not enough free KV blocks")
-        hits = self._usable_hits(seq, num_tokens)
         self.prefix_queries += num_tokens // self.block_size
         self.prefix_hits += len(hits)
         for block_id in hits:
@@ -181,7 +179,8 @@ class BlockManager:
         seq.num_computed_tokens = 0
 
     # -- internals ------------------------------------------------------------------------
-    def _usable_hits(self, seq: Sequence, num_tokens: int) -> list[int]:
+    def usable_hits(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """The cached blocks ``allocate`` would reuse for ``seq`` (no side effects)."""
         hits = self.cached_prefix_blocks(seq.token_ids[:num_tokens])
         # At least one token must run through the model to produce the next token's logits.
         while hits and len(hits) * self.block_size >= seq.num_tokens:

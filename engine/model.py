@@ -1,9 +1,9 @@
 """A LLaMA-family decoder (Llama, SmolLM, Qwen2, Mistral) over a paged KV cache.
 
 Module and parameter names follow Hugging Face's ``LlamaForCausalLM``, except that q/k/v and
-gate/up are stacked into one linear layer each (the loader stacks the checkpoint's tensors). Every step runs all of its tokens (decodes and prefill chunks of many
-sequences) through the linear layers as one flat [T, hidden] batch; only attention looks at
-sequence boundaries.
+gate/up are stacked into one linear layer each (the loader stacks the checkpoint's tensors).
+Every step runs all of its tokens (decodes and prefill chunks of many sequences) through the
+linear layers as one flat [T, hidden] batch; only attention looks at sequence boundaries.
 """
 
 from __future__ import annotations

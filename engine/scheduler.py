@@ -136,14 +136,15 @@ class Scheduler:
         out.expired = self._expire_waiting()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not self.swapped:
             seq = self.waiting[0]
-            if not self.blocks.can_allocate(seq, seq.num_tokens):
+            hits = self.blocks.usable_hits(seq, seq.num_tokens)
+            if not self.blocks.can_allocate(seq, seq.num_tokens, hits):
                 break  # strict priority order: nothing overtakes the head of the queue
             # Size the first chunk before allocating, so a prompt that waits for an emptier
             # step neither takes blocks nor counts as a prefix-cache lookup yet.
-            uncached = seq.num_tokens - self.blocks.cached_tokens(seq, seq.num_tokens)
+            uncached = seq.num_tokens - len(hits) * self.blocks.block_size
             if not self._chunk_size(uncached, budget, nothing_scheduled=out.empty):
                 break
-            self.blocks.allocate(seq, seq.num_tokens)
+            self.blocks.allocate(seq, seq.num_tokens, hits)
             chunk = self._chunk_size(seq.num_tokens - seq.num_computed_tokens, budget, nothing_scheduled=out.empty)
             self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING

@@ -27,7 +27,7 @@ from pdserve import metrics
 from pdserve.grpc_server import RETRY_AFTER_KEY
 from pdserve.router.policy import NoWorkerAvailable, RoutingPolicy
 from pdserve.router.validation import ValidatedRequest
-from pdserve.router.workers import Worker, WorkerRegistry
+from pdserve.router.workers import PromptBlocks, Worker, WorkerRegistry
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.wire import sampling_to_proto
 
@@ -173,22 +173,17 @@ class Dispatcher:
     async def _disaggregated(
         self, attempt: Attempt, prefill: Worker, decode: Worker, deadline: float
     ) -> AsyncIterator[TokenEvent]:
-        # Counted on the prefill worker from the moment it is picked (before any await), so a
-        # burst of requests sees each other's work.
-        work = prefill.begin_prefill(attempt.token_ids)
         call = decode.decode_stub.Decode(_decode_request(attempt, prefill_locally=False), timeout=_left(deadline),
                                         metadata=self.registry.metadata)
         decode.inflight += 1
+        # Counted on the prefill worker from the moment it is picked (no await since), so a
+        # burst of requests sees each other's work.
+        work = prefill.begin_prefill(PromptBlocks(attempt.token_ids))
         try:
             try:
-                try:
-                    first = await call.read()
-                except grpc.aio.AioRpcError as e:
-                    raise _worker_error(decode, e) from None
-                if first is grpc.aio.EOF or not first.HasField("reservation"):
-                    raise DispatchError(grpc.StatusCode.UNAVAILABLE, f"decode worker {decode.address} sent no reservation", decode)
+                target = await _reservation(call, decode)
                 response = await prefill.prefill_stub.Prefill(
-                    _prefill_request(attempt, first.reservation.target), timeout=_left(deadline), metadata=self.registry.metadata)
+                    _prefill_request(attempt, target), timeout=_left(deadline), metadata=self.registry.metadata)
             except grpc.aio.AioRpcError as e:
                 raise _worker_error(prefill, e) from None
             finally:
@@ -204,6 +199,17 @@ class Dispatcher:
         finally:
             call.cancel()
             decode.inflight -= 1
+
+
+async def _reservation(call, decode: Worker) -> pb.KvTarget:
+    """Where the decode worker wants the KV: the first message of its Decode stream."""
+    try:
+        first = await call.read()
+    except grpc.aio.AioRpcError as e:
+        raise _worker_error(decode, e) from None
+    if first is grpc.aio.EOF or not first.HasField("reservation"):
+        raise DispatchError(grpc.StatusCode.UNAVAILABLE, f"decode worker {decode.address} sent no reservation", decode)
+    return first.reservation.target
 
 
 def _remaining_budget_ms(attempt: Attempt) -> float:

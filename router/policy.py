@@ -14,7 +14,7 @@ import itertools
 from typing import Protocol
 
 from pdserve.router.validation import ValidatedRequest
-from pdserve.router.workers import Worker
+from pdserve.router.workers import PromptBlocks, Worker
 
 POLICIES = ("round_robin", "least_loaded", "kv_aware")
 
@@ -78,12 +78,14 @@ class KvAware:
     queue_weight = 0.5
 
     def pick_prefill(self, request: ValidatedRequest, workers: list[Worker], exclude: set[str] | None = None) -> Worker:
+        prompt = PromptBlocks(request.prompt_token_ids)
+
         def cost(worker: Worker) -> tuple[float, int]:
             # The worker's reported queue is a moment old and includes what this router sent;
             # our own in-flight count is current: take the larger rather than the sum.
             reported = worker.last_stats.queued_prefill_tokens if worker.last_stats else 0
             queued = max(reported, worker.inflight_tokens)
-            return worker.uncached_tokens(request.prompt_token_ids) + self.queue_weight * queued, worker.inflight
+            return worker.uncached_tokens(prompt) + self.queue_weight * queued, worker.inflight
 
         return min(_healthy(workers, exclude), key=cost)
 

@@ -50,15 +50,16 @@ class Worker:
     def block_size(self) -> int:
         return self.last_stats.block_size if self.last_stats and self.last_stats.block_size else 16
 
-    def uncached_tokens(self, token_ids: list[int]) -> int:
+    def uncached_tokens(self, prompt: "PromptBlocks") -> int:
         """Prompt tokens this worker would compute: all but the longest prefix it caches."""
-        return len(token_ids) - prefix_overlap(block_hashes(token_ids, self.block_size), self.cached_hashes) * self.block_size
+        cached = prefix_overlap(prompt.hashes(self.block_size), self.cached_hashes) * self.block_size
+        return len(prompt.token_ids) - cached
 
-    def begin_prefill(self, token_ids: list[int]) -> int:
+    def begin_prefill(self, prompt: "PromptBlocks") -> int:
         """Counts a prompt sent here to prefill and expects its blocks cached here from now on
         (the next digest confirms it); returns the tokens to hand back to ``end_prefill``."""
-        work = self.uncached_tokens(token_ids)
-        self.cached_hashes.update(block_hashes(token_ids, self.block_size))
+        work = self.uncached_tokens(prompt)
+        self.cached_hashes.update(prompt.hashes(self.block_size))
         self.inflight += 1
         self.inflight_tokens += work
         return work
@@ -85,6 +86,20 @@ class Worker:
             log.info("%s worker %s is healthy again; back in rotation", self.role.value, self.address)
         self.consecutive_failures = 0
         self.healthy = True
+
+
+class PromptBlocks:
+    """A prompt's chained block hashes, computed once per block size (workers may differ)
+    however many workers are weighed."""
+
+    def __init__(self, token_ids: list[int]) -> None:
+        self.token_ids = token_ids
+        self._hashes: dict[int, list[int]] = {}
+
+    def hashes(self, block_size: int) -> list[int]:
+        if block_size not in self._hashes:
+            self._hashes[block_size] = block_hashes(self.token_ids, block_size)
+        return self._hashes[block_size]
 
 
 def prefix_overlap(request_hashes: list[int], cached: set[int]) -> int:

@@ -8,7 +8,7 @@ from pdserve.engine.block_manager import block_hashes
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.policy import KvAware, LeastLoaded, NoWorkerAvailable, RoundRobin, make_policy
 from pdserve.router.validation import ValidatedRequest
-from pdserve.router.workers import Role, Worker, prefix_overlap
+from pdserve.router.workers import PromptBlocks, Role, Worker, prefix_overlap
 from pdserve.v1 import pdserve_pb2 as pb
 
 SYSTEM = list(range(1000, 1000 + 160))  # a 10-block shared system prompt
@@ -43,7 +43,7 @@ def test_kv_aware_keeps_a_burst_together_before_digests_arrive():
     for i in range(7):
         chosen = policy.pick_prefill(request([i]), workers)
         picked.append(chosen)
-        work.append(chosen.begin_prefill(request([i]).prompt_token_ids))
+        work.append(chosen.begin_prefill(PromptBlocks(request([i]).prompt_token_ids)))
     assert all(w is picked[0] for w in picked)
     assert work == [len(SYSTEM) + 1] + [1] * 6  # the prefix is computed once
     for chosen, done in zip(picked, work):
@@ -54,14 +54,14 @@ def test_kv_aware_keeps_a_burst_together_before_digests_arrive():
 def test_kv_aware_spreads_when_the_queue_outweighs_the_prefix():
     a, b = worker("a"), worker("b")
     for i in range(4):
-        a.begin_prefill(list(range(5000 + 400 * i, 5400 + 400 * i)))  # 1600 unrelated tokens queued on a
+        a.begin_prefill(PromptBlocks(list(range(5000 + 400 * i, 5400 + 400 * i))))  # 1600 unrelated tokens queued on a
     assert KvAware().pick_prefill(request([1]), [a, b]) is b  # 161 new tokens on b beat 800 + 161 on a
 
 
 def test_kv_aware_queue_counts_only_uncached_work():
     a, b = worker("a"), worker("b")
     for i in range(4):  # a has the prefix and four requests queued, each 1 token past it
-        a.begin_prefill(request([i]).prompt_token_ids)
+        a.begin_prefill(PromptBlocks(request([i]).prompt_token_ids))
     assert a.inflight_tokens == len(SYSTEM) + 1 + 3
     assert KvAware().pick_prefill(request([9]), [a, b]) is a
 
@@ -103,3 +103,9 @@ def test_exclusion_and_health():
 def test_unknown_policy_name():
     with pytest.raises(ValueError, match="policy must be one of"):
         make_policy("random")
+
+
+def test_a_prompt_is_hashed_once_per_block_size():
+    prompt = PromptBlocks(SYSTEM)
+    assert prompt.hashes(16) is prompt.hashes(16)
+    assert prompt.hashes(16) == block_hashes(SYSTEM, 16) and prompt.hashes(32) == block_hashes(SYSTEM, 32)

@@ -26,7 +26,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.launcher import Cluster
 from pdserve.router.tokenizer import RouterTokenizer
 from pdserve.security import SecuritySettings
-from pdserve.settings import ClusterSettings, RouterSettings, WorkerSettings
+from pdserve.settings import KV_TRANSPORTS, ClusterSettings, RouterSettings, WorkerSettings
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc
 from pdserve.wire import sampling_to_proto
@@ -37,10 +37,11 @@ TOKEN = "bench-cluster-token"
 async def through_router(stub, prompt: str) -> float:
     started = time.perf_counter()
     call = stub.Generate(build_request(prompt, max_tokens=1, temperature=0), timeout=60)
-    await call.read()
-    elapsed = time.perf_counter() - started
-    call.cancel()
-    return elapsed
+    try:
+        await call.read()
+        return time.perf_counter() - started
+    finally:
+        call.cancel()
 
 
 async def direct(prefill, decode, token_ids: list[int]) -> float:
@@ -49,12 +50,29 @@ async def direct(prefill, decode, token_ids: list[int]) -> float:
     started = time.perf_counter()
     call = decode.Decode(pb.DecodeRequest(request_id=f"d{started}", token_ids=token_ids, sampling=sampling), timeout=60,
                          metadata=metadata)
-    reservation = (await call.read()).reservation
-    await prefill.Prefill(pb.PrefillRequest(request_id=f"d{started}", token_ids=token_ids, sampling=sampling,
-                                            target=reservation.target), timeout=60, metadata=metadata)
-    elapsed = time.perf_counter() - started
-    call.cancel()
-    return elapsed
+    try:
+        reservation = (await call.read()).reservation
+        await prefill.Prefill(pb.PrefillRequest(request_id=f"d{started}", token_ids=token_ids, sampling=sampling,
+                                                target=reservation.target), timeout=60, metadata=metadata)
+        return time.perf_counter() - started
+    finally:
+        call.cancel()
+
+
+async def _interleaved(args, router, prefill, decode, token_ids: list[int]) -> tuple[list[float], list[float]]:
+    """(through the router, direct) first-token times, alternating which path goes first."""
+    for _ in range(3):  # warm up both paths
+        await through_router(router, args.prompt)
+        await direct(prefill, decode, token_ids)
+    routed, straight = [], []
+    for i in range(args.requests):
+        if i % 2:
+            straight.append(await direct(prefill, decode, token_ids))
+            routed.append(await through_router(router, args.prompt))
+        else:
+            routed.append(await through_router(router, args.prompt))
+            straight.append(await direct(prefill, decode, token_ids))
+    return routed, straight
 
 
 async def run(args: argparse.Namespace) -> dict:
@@ -63,25 +81,13 @@ async def run(args: argparse.Namespace) -> dict:
                       ClusterSettings(prefill=1, decode=1), SecuritySettings(cluster_token=TOKEN))
     address = cluster.start()
     try:
-        stats_channel = grpc.aio.insecure_channel(address)
-        stats = await pdserve_pb2_grpc.RouterStub(stats_channel).GetClusterStats(pb.ClusterStatsRequest(), timeout=10)
-        workers = {w.role: w.address for w in stats.workers}
         token_ids = RouterTokenizer(resolve_model(None)).encode(args.prompt)
-        async with grpc.aio.insecure_channel(address) as r, grpc.aio.insecure_channel(workers["prefill"]) as p, \
-                grpc.aio.insecure_channel(workers["decode"]) as d:
-            router, prefill, decode = pdserve_pb2_grpc.RouterStub(r), pdserve_pb2_grpc.PrefillWorkerStub(p), pdserve_pb2_grpc.DecodeWorkerStub(d)
-            for _ in range(3):  # warm up both paths
-                await through_router(router, args.prompt)
-                await direct(prefill, decode, token_ids)
-            routed, straight = [], []
-            for i in range(args.requests):
-                if i % 2:
-                    straight.append(await direct(prefill, decode, token_ids))
-                    routed.append(await through_router(router, args.prompt))
-                else:
-                    routed.append(await through_router(router, args.prompt))
-                    straight.append(await direct(prefill, decode, token_ids))
-        await stats_channel.close()
+        async with grpc.aio.insecure_channel(address) as r:
+            router = pdserve_pb2_grpc.RouterStub(r)
+            workers = {w.role: w.address for w in (await router.GetClusterStats(pb.ClusterStatsRequest(), timeout=10)).workers}
+            async with grpc.aio.insecure_channel(workers["prefill"]) as p, grpc.aio.insecure_channel(workers["decode"]) as d:
+                prefill, decode = pdserve_pb2_grpc.PrefillWorkerStub(p), pdserve_pb2_grpc.DecodeWorkerStub(d)
+                routed, straight = await _interleaved(args, router, prefill, decode, token_ids)
     finally:
         cluster.stop()
     ms = lambda xs, q: statistics.quantiles(xs, n=100)[q - 1] * 1e3  # noqa: E731
@@ -98,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=60)
     parser.add_argument("--prompt", default="Summarize the history of the printing press in one paragraph.")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--kv-transport", default="auto")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    parser.add_argument("--kv-transport", default="auto", choices=KV_TRANSPORTS)
     args = parser.parse_args(argv)
     if args.requests < 2:
         parser.error("--requests must be >= 2")

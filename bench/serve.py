@@ -53,7 +53,6 @@ from pdserve.config import add_arguments, resolve  # noqa: E402
 from pdserve.engine.engine_config import EngineConfig  # noqa: E402
 from pdserve.settings import KV_TRANSPORTS, ROUTING_POLICIES, ClusterSettings, RouterSettings, WorkerSettings  # noqa: E402
 
-MODES = ("live", "1p1d", "colocated", "hf")  # the fixed names; see parse_mode for the rest
 MODE_SYNTAX = "live, hf, colocated or NpMd (e.g. 1p1d, 2p1d), the last two optionally followed by " \
     f"-POLICY ({', '.join(ROUTING_POLICIES)}) and/or -nochunk"
 MAX_WORKERS_PER_ROLE = 16

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+QUANTIZATIONS = ("none", "int8", "int4")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+
 
 def _opt(default, help: str, choices: tuple | None = None):
     return field(default=default, metadata={"help": help, "choices": choices})
@@ -13,6 +16,8 @@ def _opt(default, help: str, choices: tuple | None = None):
 class EngineConfig:
     model: str | None = _opt(None, "model: a Hugging Face folder or a .gguf file (default: SmolLM2-135M-Instruct)")
     dtype: str = _opt("auto", "weights and KV cache dtype; auto: bfloat16 where the hardware has it, else float32 (CPU) / float16 (GPU)", ("auto", "float32", "bfloat16", "float16"))
+    kv_cache_dtype: str = _opt("auto", "KV cache storage: auto (the model dtype), or int8/fp8 values with per-token, per-head scales (half the memory and transfer bytes)", KV_CACHE_DTYPES)
+    quantization: str = _opt("none", "weight quantization of the linear layers: int8 (per channel), int4 (groups of 32; a GGUF's own Q4/Q8 blocks are kept)", QUANTIZATIONS)
     device: str = _opt("auto", "torch device; auto picks CUDA when present")
     block_size: int = _opt(16, "KV cache block size in tokens")
     kv_cache_memory: str = _opt("auto", "KV cache budget: '2GiB', bytes, or a fraction of free memory")
@@ -28,6 +33,10 @@ class EngineConfig:
     num_threads: int | None = _opt(None, "torch CPU threads for this process")
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
             raise ValueError(f"block_size must be an integer in [1, 1024], got {self.block_size!r}")
         if self.num_threads is not None and self.num_threads < 1:

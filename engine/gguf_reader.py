@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from pdserve.engine.quantization import QuantFormat, QuantizedWeight
+
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 _LAYER_NAMES = {
@@ -84,28 +86,76 @@ def _unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Returns (Hugging Face config dict, fp32 state dict with Hugging Face names)."""
+def _hf_name(tensor_name: str, path: str | Path) -> tuple[str, str | None]:
+    """(Hugging Face name, llama.cpp layer kind or None for global tensors)."""
+    if tensor_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[tensor_name], None
+    match = _LAYER_RE.fullmatch(tensor_name)
+    if not match or match.group(2) not in _LAYER_NAMES:
+        raise ValueError(f"unexpected tensor {tensor_name!r} in {path}")
+    layer, kind, suffix = match.groups()
+    return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}", kind
+
+
+def _rotary_heads(config: dict[str, Any], kind: str | None) -> int | None:
+    """How many heads' rows llama.cpp interleaved in this tensor (None: not permuted)."""
+    if config["model_type"] not in ("llama", "mistral"):
+        return None
+    return {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}.get(kind)
+
+
+def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, QuantizedWeight]]:
+    """Returns (Hugging Face config dict, fp32 state dict with Hugging Face names, the native
+    codes of every tensor stored in a block format a quantized kernel serves: Q4_0, Q4_1, Q8_0)."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
     reader = GGUFReader(str(path))
     config = read_config(reader)
-    permute = config["model_type"] in ("llama", "mistral")
     state: dict[str, torch.Tensor] = {}
+    native: dict[str, QuantizedWeight] = {}
     for tensor in reader.tensors:
+        name, kind = _hf_name(tensor.name, path)
+        heads = _rotary_heads(config, kind)
         weights = dequantize(tensor.data, tensor.tensor_type)
-        if tensor.name in _GLOBAL_NAMES:
-            name = _GLOBAL_NAMES[tensor.name]
-        else:
-            match = _LAYER_RE.fullmatch(tensor.name)
-            if not match or match.group(2) not in _LAYER_NAMES:
-                raise ValueError(f"unexpected tensor {tensor.name!r} in {path}")
-            layer, kind, suffix = match.groups()
-            name = f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}"
-            if permute and kind == "attn_q":
-                weights = _unpermute_rotary(weights, config["num_attention_heads"])
-            elif permute and kind == "attn_k":
-                weights = _unpermute_rotary(weights, config["num_key_value_heads"])
+        if heads:
+            weights = _unpermute_rotary(weights, heads)
         state[name] = torch.from_numpy(np.array(weights, dtype=np.float32))  # a writable copy
-    return config, state
+        codes = native_codes(tensor)
+        if codes is not None:
+            if heads:
+                rows = torch.from_numpy(_unpermute_rotary(np.arange(codes.shape[0]), heads).copy())
+                codes = codes.rows(rows)
+            native[name] = codes
+    return config, state, native
+
+
+# Block formats the quantized kernels serve: bytes per block of 32 values.
+_Q4_0, _Q4_1, _Q8_0 = 18, 20, 34
+
+
+def native_codes(tensor) -> QuantizedWeight | None:
+    """A Q4_0/Q4_1/Q8_0 tensor's codes and scales, exactly as stored (None for other types)."""
+    from gguf import GGMLQuantizationType as T
+
+    kind = tensor.tensor_type
+    block = {T.Q4_0: _Q4_0, T.Q4_1: _Q4_1, T.Q8_0: _Q8_0}.get(kind)
+    if block is None:
+        return None
+    raw = np.asarray(tensor.data, dtype=np.uint8)
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, block)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if kind == T.Q8_0:
+        codes = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        m = -128 * d
+        fmt = QuantFormat.INT8_GROUP
+    else:
+        start = 4 if kind == T.Q4_1 else 2
+        packed = blocks[..., start:]
+        # Element j of a block is the low nibble of byte j; element j + 16 its high nibble.
+        codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if kind == T.Q4_1 else -8 * d
+        fmt = QuantFormat.INT4_GROUP
+    return QuantizedWeight(torch.from_numpy(np.ascontiguousarray(codes.reshape(rows, -1))),
+                           torch.from_numpy(d), torch.from_numpy(np.ascontiguousarray(m)), fmt)

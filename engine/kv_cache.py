@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.model_config import ModelConfig
+from pdserve.kernels.kv_format import KVFormat
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -21,16 +22,25 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the model's compute dtype
+    cache_dtype: str = "auto"  # how K/V are stored: auto (= dtype), int8, fp8 (see kernels.kv_format)
 
     @classmethod
-    def for_model(cls, config: ModelConfig, block_size: int, dtype: torch.dtype) -> "KVLayout":
-        return cls(config.num_layers, config.num_kv_heads, config.head_dim, block_size, dtype)
+    def for_model(cls, config: ModelConfig, block_size: int, dtype: torch.dtype, cache_dtype: str = "auto") -> "KVLayout":
+        return cls(config.num_layers, config.num_kv_heads, config.head_dim, block_size, dtype, cache_dtype)
+
+    @property
+    def format(self) -> KVFormat:
+        return KVFormat(self.cache_dtype, self.num_kv_heads, self.head_dim, self.dtype)
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return self.format.storage_dtype
 
     @property
     def token_bytes(self) -> int:
-        """K and V of one token in one layer."""
-        return 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        """K and V of one token in one layer (with their scales, for 8-bit caches)."""
+        return self.format.token_bytes
 
     @property
     def block_bytes(self) -> int:
@@ -38,7 +48,7 @@ class KVLayout:
         return self.block_size * self.token_bytes
 
     def shape(self, num_blocks: int) -> tuple[int, ...]:
-        return (self.num_layers, num_blocks, self.block_size, 2, self.num_kv_heads, self.head_dim)
+        return (self.num_layers, num_blocks, self.block_size, *self.format.slot_shape())
 
 
 class KVCache:
@@ -47,8 +57,8 @@ class KVCache:
         self.layout = layout
         self.num_blocks = num_blocks
         if tensor is None:
-            tensor = torch.zeros(layout.shape(num_blocks), dtype=layout.dtype, device=device)
-        if tuple(tensor.shape) != layout.shape(num_blocks) or tensor.dtype != layout.dtype:
+            tensor = torch.zeros(layout.shape(num_blocks), dtype=layout.storage_dtype, device=device)
+        if tuple(tensor.shape) != layout.shape(num_blocks) or tensor.dtype != layout.storage_dtype:
             raise ValueError("KV cache storage does not match the layout")
         self.tensor = tensor
         self.layers = list(tensor.unbind(0))

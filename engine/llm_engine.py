@@ -85,9 +85,9 @@ class LLMEngine:
         self.model_config = ModelConfig.from_folder(self.model_dir)
         self.device = pick_device(config.device)
         self.dtype = parse_dtype(config.dtype, self.device)
-        backend = select_backend(self.device, config.attention_backend)
-        self.model = load_model(self.model_dir, self.dtype, self.device, backend)
-        self.kv_layout = KVLayout.for_model(self.model_config, config.block_size, self.dtype)
+        self.kv_layout = KVLayout.for_model(self.model_config, config.block_size, self.dtype, config.kv_cache_dtype)
+        backend = select_backend(self.device, config.attention_backend, self.kv_layout.format)
+        self.model = load_model(self.model_dir, self.dtype, self.device, backend, config.quantization)
         num_blocks = num_blocks_for_budget(self.kv_layout, config.kv_cache_memory, self.device)
         storage = kv_storage(self.kv_layout, num_blocks) if kv_storage else None
         self.kv_cache = KVCache(self.kv_layout, num_blocks, self.device, storage)

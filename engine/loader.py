@@ -10,7 +10,9 @@ from safetensors import safe_open
 
 from pdserve.engine.model import CausalLM
 from pdserve.engine.model_config import ModelConfig
-from pdserve.kernels import AttentionBackend
+from pdserve.engine.model_store import NATIVE_CODES
+from pdserve.engine.quantization import QuantFormat, QuantizedLinear, QuantizedWeight, load_codes, quantize
+from pdserve.kernels import AttentionBackend, select_layer_ops
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -89,11 +91,12 @@ def stack_checkpoint(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device, backend: AttentionBackend) -> CausalLM:
+def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device, backend: AttentionBackend,
+               quantization: str = "none") -> CausalLM:
     folder = Path(folder)
     config = ModelConfig.from_folder(folder)
     with torch.device("meta"):
-        model = CausalLM(config, backend)
+        model = CausalLM(config, backend, select_layer_ops(device))
     state = stack_checkpoint(load_state_dict(folder, dtype))
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -106,4 +109,40 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device, bac
         model.lm_head.weight = model.model.embed_tokens.weight
     # Buffers are not in the checkpoint: build them for real, off the meta device.
     model.rope = type(model.rope)(config)
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    if quantization != "none":
+        quantize_model(model, quantization, load_codes(folder / NATIVE_CODES), device)
+    return model
+
+
+# The GGUF block format each requested quantization keeps as is (others are re-quantized).
+_NATIVE_FORMAT = {"int4": QuantFormat.INT4_GROUP, "int8": QuantFormat.INT8_GROUP}
+_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+def quantize_model(model: CausalLM, mode: str, native: dict[str, QuantizedWeight], device: torch.device) -> None:
+    """Replaces every decoder linear layer and the lm_head by a quantized one, in place.
+
+    A GGUF's own blocks are kept where they match ``mode`` (Q4_0/Q4_1 for int4, Q8_0 for int8);
+    other weights are quantized from the loaded ones. The lm_head stays at 8 bits (the GGUF's
+    Q8_0 embedding, else int8 per channel): 4-bit logits cost more quality than the bytes they
+    save. The embedding lookup stays in the model dtype (it reads one row per token).
+    """
+    for i, layer in enumerate(model.model.layers):
+        for path in _LINEARS:
+            owner_name, attr = path.split(".")
+            owner = getattr(layer, owner_name)
+            linear = getattr(owner, attr)
+            parts = [native.get(f"model.layers.{i}.{part}.weight") for part in STACKED.get(path, (path,))]
+            if all(p is not None and p.fmt is _NATIVE_FORMAT[mode] for p in parts):
+                weight = QuantizedWeight.cat(parts)  # type: ignore[arg-type]
+            else:
+                weight = quantize(linear.weight.detach().cpu(), mode)
+            bias = linear.bias.detach() if linear.bias is not None else None
+            setattr(owner, attr, QuantizedLinear(weight, bias, device))
+    head = native.get("lm_head.weight")
+    if head is None and model.config.tie_word_embeddings:
+        head = native.get("model.embed_tokens.weight")
+    if head is None or head.fmt is not QuantFormat.INT8_GROUP:
+        head = quantize(model.lm_head.weight.detach().cpu(), "int8")
+    model.lm_head = QuantizedLinear(head, None, device, float_out=True)

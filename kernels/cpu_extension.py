@@ -1,7 +1,7 @@
-"""Builds (once, cached) and loads the C++ CPU paged-attention kernel.
+"""Builds (once, cached) and loads the C++ CPU kernels (paged attention, quantized linears, fused ops).
 
-The kernel is compiled on first use with the machine's own instruction set; the build lives
-in torch's extension cache under a name that includes the source, the torch version and the
+The kernels are compiled on first use with the machine's own instruction set; the build lives
+in torch's extension cache under a name that includes the sources, the torch version and the
 CPU's feature flags, so a cache shared between different machines never loads a foreign build.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+SOURCE_DIR = Path(__file__).parent / "csrc"
 
 
 def _cpu_flags() -> str:
@@ -28,20 +28,27 @@ def _cpu_flags() -> str:
     return ""
 
 
+def _sources() -> list[Path]:
+    return sorted(SOURCE_DIR.glob("*.cpp"))
+
+
 @functools.cache
 def load():
-    """The compiled module, or None when it cannot be built here (then the torch reference is used)."""
+    """The compiled module, or None when it cannot be built here (then torch fallbacks are used)."""
     try:
         from torch.utils import cpp_extension
 
-        digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags().encode()).hexdigest()[:12]
+        digest = hashlib.sha256()
+        for path in [*_sources(), *sorted(SOURCE_DIR.glob("*.h"))]:
+            digest.update(path.name.encode() + path.read_bytes())
+        digest.update(torch.__version__.encode() + _cpu_flags().encode())
         return cpp_extension.load(
-            name=f"pdserve_cpu_attention_{digest}",
-            sources=[str(SOURCE)],
+            name=f"pdserve_cpu_kernels_{digest.hexdigest()[:12]}",
+            sources=[str(p) for p in _sources()],
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
-    except Exception as e:  # noqa: BLE001 - any build problem means: use the reference
-        log.warning("C++ CPU attention kernel unavailable (%s); using the torch reference", str(e).splitlines()[0] if str(e) else type(e).__name__)
+    except Exception as e:  # noqa: BLE001 - any build problem means: use the torch fallbacks
+        log.warning("C++ CPU kernels unavailable (%s); using torch fallbacks", str(e).splitlines()[0] if str(e) else type(e).__name__)
         return None

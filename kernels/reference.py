@@ -1,11 +1,13 @@
-"""Paged attention and KV write/gather in plain PyTorch: the reference, and the CPU path.
+"""Paged attention and KV write/gather in plain PyTorch: the reference, and the fallback path.
 
-Cache layout, one tensor per layer: ``kv[num_blocks, block_size, 2, num_kv_heads, head_dim]``.
-A token's K and V sit next to each other, so any run of consecutive slots (a block, part of
-a block, or several blocks with consecutive ids) is one contiguous byte range: the unit the
-KV transports move without staging copies.
+Cache layout, one tensor per layer: ``kv[num_blocks, block_size, 2, num_kv_heads, head_dim]``,
+or ``uint8 [num_blocks, block_size, token_bytes]`` for 8-bit caches (``kv_format``). Either way
+a token's K and V sit next to each other, so any run of consecutive slots (a block, part of a
+block, or several blocks with consecutive ids) is one contiguous byte range: the unit the KV
+transports move without staging copies.
 
-A *slot* is ``block_id * block_size + offset``.
+A *slot* is ``block_id * block_size + offset``. ``fmt`` (a ``KVFormat``) is only needed for
+8-bit caches; without it a cache holds plain values.
 """
 
 from __future__ import annotations
@@ -13,19 +15,32 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pdserve.kernels.kv_format import KVFormat
 
-def write_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+
+def write_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+             fmt: KVFormat | None = None) -> None:
     """Store ``k``/``v`` ([T, H, D]) at ``slot_mapping`` ([T]) of one layer's cache."""
     slots = kv.view(-1, *kv.shape[2:])
-    slots.index_copy_(0, slot_mapping, torch.stack((k, v), dim=1).to(kv.dtype))
+    if fmt is not None and fmt.quantized:
+        slots.index_copy_(0, slot_mapping, fmt.encode(k, v))
+    else:
+        slots.index_copy_(0, slot_mapping, torch.stack((k, v), dim=1).to(kv.dtype))
 
 
-def gather_kv(kv: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _decode_slots(tokens: torch.Tensor, fmt: KVFormat | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if fmt is not None and fmt.quantized:
+        return fmt.decode(tokens)
+    return tokens[..., 0, :, :], tokens[..., 1, :, :]
+
+
+def gather_kv(kv: torch.Tensor, block_table: torch.Tensor, num_tokens: int,
+              fmt: KVFormat | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The first ``num_tokens`` tokens of one sequence as dense ``k, v`` ([num_tokens, H, D])."""
     block_size = kv.shape[1]
     num_blocks = -(-num_tokens // block_size)
     tokens = kv.index_select(0, block_table[:num_blocks]).flatten(0, 1)[:num_tokens]
-    return tokens[:, 0], tokens[:, 1]
+    return _decode_slots(tokens, fmt)
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, **mask) -> torch.Tensor:
@@ -43,13 +58,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 
 def paged_prefill_attention(
-    q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, context_len: int, scale: float
+    q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, context_len: int, scale: float,
+    fmt: KVFormat | None = None,
 ) -> torch.Tensor:
     """Attention for a chunk of one sequence whose K/V (earlier context included) are in the cache.
 
     q: [Tq, Hq, D], the last Tq positions of a context of ``context_len`` tokens.
     """
-    k, v = gather_kv(kv, block_table, context_len)
+    k, v = gather_kv(kv, block_table, context_len, fmt)
     num_q = q.shape[0]
     # Query i sits at position context_len - num_q + i and sees keys up to that position.
     q_pos = torch.arange(context_len - num_q, context_len, device=q.device)
@@ -58,7 +74,8 @@ def paged_prefill_attention(
 
 
 def paged_decode_attention(
-    q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float
+    q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+    fmt: KVFormat | None = None,
 ) -> torch.Tensor:
     """One query token per sequence over its cached context.
 
@@ -69,8 +86,8 @@ def paged_decode_attention(
     block_size = kv.shape[1]
     # One gather for the whole batch; positions past each context are masked out.
     tokens = kv.index_select(0, block_tables.reshape(-1)).view(batch, max_blocks * block_size, *kv.shape[2:])
-    k = tokens[:, :, 0].transpose(1, 2)  # [B, Hkv, L, D]
-    v = tokens[:, :, 1].transpose(1, 2)
+    k, v = _decode_slots(tokens, fmt)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, L, D]
     positions = torch.arange(max_blocks * block_size, device=q.device)
     mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
     out = F.scaled_dot_product_attention(

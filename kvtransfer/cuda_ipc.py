@@ -24,7 +24,7 @@ class CudaIpcPool:
             self._memory = cupy.cuda.alloc(nbytes)
             raw = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=self._memory)
             raw.fill(0)
-        self.tensor = torch.from_dlpack(raw).view(layout.dtype).view(layout.shape(num_blocks))
+        self.tensor = torch.from_dlpack(raw).view(layout.storage_dtype).view(layout.shape(num_blocks))
         self._handle = cupy.cuda.runtime.ipcGetMemHandle(self._memory.ptr)
         self._raw = raw
 

@@ -38,7 +38,7 @@ class SharedKVPool:
         self.name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
         self._shm = shared_memory.SharedMemory(name=self.name, create=True, size=nbytes)
         flat = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=nbytes)
-        self.tensor = flat.view(layout.dtype).view(layout.shape(num_blocks))
+        self.tensor = flat.view(layout.storage_dtype).view(layout.shape(num_blocks))
 
     @property
     def nbytes(self) -> int:

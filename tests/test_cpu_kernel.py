@@ -1,41 +1,180 @@
-"""The C++ CPU decode-attention kernel against the torch reference."""
+"""The C++ CPU kernels (decode attention, quantized linears, fused layer ops) against torch references."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pdserve.kernels import reference, select_backend
+from pdserve.engine.quantization import (
+    QuantFormat, QuantizedLinear, QuantizedWeight, quantize_int4_group, quantize_int8_channel,
+)
+from pdserve.engine.rope import RotaryEmbedding
+from pdserve.kernels import KVFormat, TORCH_LAYER_OPS, reference, rope_then_write, select_backend, select_layer_ops
 from pdserve.kernels.cpu_extension import load
 
 
 @pytest.fixture(scope="module")
 def kernel():
     module = load()
-    assert module is not None, "the C++ kernel must build on this machine (gcc and ninja are installed)"
+    assert module is not None, "the C++ kernels must build on this machine (gcc and ninja are installed)"
     return module
 
 
-@pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("num_q_heads, num_kv_heads", [(9, 3), (4, 4), (8, 1)])
+def _filled_cache(fmt: KVFormat, num_blocks: int, block_size: int, seed: int) -> torch.Tensor:
+    torch.manual_seed(seed)
+    kv = torch.zeros(num_blocks, block_size, *fmt.slot_shape(), dtype=fmt.storage_dtype)
+    tokens = num_blocks * block_size
+    k = torch.randn(tokens, fmt.num_kv_heads, fmt.head_dim, dtype=fmt.dtype)
+    v = torch.randn(tokens, fmt.num_kv_heads, fmt.head_dim, dtype=fmt.dtype)
+    reference.write_kv(kv, k, v, torch.arange(tokens), fmt)
+    return kv
+
+
+@pytest.mark.parametrize("cache_dtype", ["auto", "int8", "fp8"])
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim", [(9, 3, 64), (4, 4, 128), (8, 1, 64), (6, 2, 80)])
 @pytest.mark.parametrize("block_size", [8, 16])
-def test_matches_reference(kernel, dtype, atol, num_q_heads, num_kv_heads, block_size):
-    torch.manual_seed(block_size * 100 + num_q_heads)
-    head_dim, num_blocks, batch = 64, 80, 5
-    kv = torch.randn(num_blocks, block_size, 2, num_kv_heads, head_dim, dtype=dtype)
-    lens = torch.tensor([1, block_size, block_size + 3, 7 * block_size - 1, 9 * block_size])
+def test_decode_attention_matches_reference(kernel, cache_dtype, dtype, atol, num_q_heads, num_kv_heads, head_dim,
+                                            block_size):
+    fmt = KVFormat(cache_dtype, num_kv_heads, head_dim, dtype)
+    num_blocks, batch = 320, 5
+    kv = _filled_cache(fmt, num_blocks, block_size, seed=block_size * 100 + num_q_heads)
+    # One long context (split across threads and merged), short ones, block-boundary lengths.
+    lens = torch.tensor([1, block_size, block_size + 3, 7 * block_size - 1, 60 * block_size])
     max_blocks = int(-(-lens.max() // block_size))
     # Shuffled, non-contiguous block tables; padding entries point at arbitrary valid blocks.
     tables = torch.randperm(num_blocks)[: batch * max_blocks].view(batch, max_blocks)
     q = torch.randn(batch, num_q_heads, head_dim, dtype=dtype)
-    expected = reference.paged_decode_attention(q, kv, tables, lens, head_dim**-0.5)
-    got = kernel.paged_decode_attention(q, kv, tables, lens, head_dim**-0.5)
+    expected = reference.paged_decode_attention(q, kv, tables, lens, head_dim**-0.5, fmt)
+    got = kernel.paged_decode_attention(q, kv, tables, lens, head_dim**-0.5, fmt.kind, num_kv_heads)
     assert got.dtype == dtype and got.shape == expected.shape
     torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=0)
+
+
+def test_decode_attention_refuses_bad_tables(kernel):
+    fmt = KVFormat("auto", 2, 64, torch.float32)
+    kv = _filled_cache(fmt, 4, 8, seed=0)
+    q = torch.randn(1, 2, 64)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernel.paged_decode_attention(q, kv, torch.tensor([[9]]), torch.tensor([5]), 0.1, 0, 2)
+    with pytest.raises(RuntimeError, match="context length"):
+        kernel.paged_decode_attention(q, kv, torch.tensor([[0]]), torch.tensor([9]), 0.1, 0, 2)
+
+
+@pytest.mark.parametrize("cache_dtype", ["int8", "fp8"])
+def test_8bit_cache_round_trip_is_close(cache_dtype):
+    fmt = KVFormat(cache_dtype, 3, 64, torch.float32)
+    k, v = torch.randn(50, 3, 64), torch.randn(50, 3, 64) * 5
+    slots = fmt.encode(k, v)
+    assert slots.dtype == torch.uint8 and slots.shape == (50, fmt.token_bytes)
+    assert fmt.token_bytes == 2 * 3 * 64 + 2 * 3 * 4  # one byte per value plus fp32 scales
+    k2, v2 = fmt.decode(slots)
+    # int8: half a step of max/127; fp8 e4m3: 3 mantissa bits (relative 1/16).
+    bound = (lambda x: x.abs().amax(-1, keepdim=True) / 254 + 1e-6) if cache_dtype == "int8" else (lambda x: x.abs() / 15 + 1e-3)
+    assert ((k2 - k).abs() <= bound(k)).all() and ((v2 - v).abs() <= bound(v)).all()
+
+
+def _dense(w: QuantizedWeight) -> torch.Tensor:
+    return w.dequantize(torch.float32)
+
+
+@pytest.mark.parametrize("fmt", list(QuantFormat))
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 37])
+@pytest.mark.parametrize("n, k", [(96, 64), (40, 96), (64, 1536)])
+def test_quant_linear_matches_dequantized_matmul(kernel, fmt, rows, n, k):
+    torch.manual_seed(rows * 7 + n)
+    w = torch.randn(n, k) * 0.05
+    if fmt is QuantFormat.INT8_CHANNEL:
+        qw = quantize_int8_channel(w)
+    elif fmt is QuantFormat.INT4_GROUP:
+        qw = quantize_int4_group(w)
+    else:  # Q8_0-style: symmetric int8 per group of 32
+        scale = w.view(n, -1, 32).abs().amax(-1).clamp(min=1e-8) / 127
+        codes = (torch.round(w.view(n, -1, 32) / scale[..., None]) + 128).to(torch.uint8).view(n, k)
+        qw = QuantizedWeight(codes, scale.half().float(), (-128 * scale).half().float(), QuantFormat.INT8_GROUP)
+    bias = torch.randn(n)
+    x = torch.randn(rows, k)
+    expected = x @ _dense(qw).T + bias
+    layer = QuantizedLinear(qw, bias, torch.device("cpu"))
+    fallback = QuantizedLinear(qw, bias, torch.device("cpu"), use_kernel=False)
+    # Activations are quantized to int8 per group of 32 by the kernel: ~1% relative error.
+    tol = 0.02 * expected.abs().max().item()
+    for dtype in (torch.float32, torch.bfloat16):
+        got = layer(x.to(dtype))
+        assert got.dtype == dtype and got.shape == (rows, n)
+        torch.testing.assert_close(got.float(), expected, atol=tol, rtol=0)
+    # The fallback (what CUDA runs) is the plain matmul of the dequantized weight.
+    torch.testing.assert_close(fallback(x), expected, atol=1e-4, rtol=1e-4)
+    # The portable path of the kernel computes exactly what the vector path does.
+    portable = kernel.quant_linear(x, layer.packed, layer.col_scale, layer.bias, layer.padded_out, k, int(fmt), False, False)
+    torch.testing.assert_close(portable[:, :n], layer(x), atol=1e-4, rtol=1e-5)
+    logits = QuantizedLinear(qw, None, torch.device("cpu"), float_out=True)(x.bfloat16())
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, expected - bias, atol=tol, rtol=0)
+
+
+def test_quantizers_round_trip_within_half_a_step():
+    torch.manual_seed(0)
+    w = torch.randn(32, 128)
+    q8 = quantize_int8_channel(w)
+    assert ((q8.dequantize() - w).abs() <= q8.scale[:, None] / 2 + 1e-6).all()
+    q4 = quantize_int4_group(w)
+    step = q4.scale.repeat_interleave(32, dim=1)
+    assert ((q4.dequantize() - w).abs() <= step / 2 + 1e-3).all()
+    assert q4.codes.max() <= 15
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_layer_ops_match_torch(kernel, dtype):
+    torch.manual_seed(1)
+    cpu = select_layer_ops(torch.device("cpu"))
+    assert cpu.name == "cpu"
+    x, w = torch.randn(7, 576, dtype=dtype), torch.randn(576, dtype=dtype)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=1e-2)
+    torch.testing.assert_close(cpu.rms_norm(x, w, 1e-5), TORCH_LAYER_OPS.rms_norm(x, w, 1e-5), **tol)
+    residual_a, residual_b = torch.randn(7, 576, dtype=dtype), None
+    residual_b = residual_a.clone()
+    out_a = cpu.add_rms_norm(x, residual_a, w, 1e-5)
+    out_b = TORCH_LAYER_OPS.add_rms_norm(x, residual_b, w, 1e-5)
+    torch.testing.assert_close(residual_a, residual_b, atol=0, rtol=0)  # the residual add is exact
+    torch.testing.assert_close(out_a, out_b, **tol)
+    gate_up = torch.randn(5, 2 * 1536, dtype=dtype)
+    torch.testing.assert_close(cpu.silu_mul(gate_up), TORCH_LAYER_OPS.silu_mul(gate_up), **tol)
+
+
+@pytest.mark.parametrize("cache_dtype", ["auto", "int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rope_and_cache_write_match_reference(model_dir, cache_dtype, dtype):
+    from pdserve.engine.model_config import ModelConfig
+
+    config = ModelConfig.from_folder(model_dir)
+    rope = RotaryEmbedding(config)
+    heads, kv_heads, dim = config.num_heads, config.num_kv_heads, config.head_dim
+    fmt = KVFormat(cache_dtype, kv_heads, dim, dtype)
+    fused, ref = select_backend(torch.device("cpu"), "cpu", fmt), select_backend(torch.device("cpu"), "torch", fmt)
+    assert fused.rope_write_kv is not None and ref.rope_write_kv is None
+    torch.manual_seed(2)
+    tokens = 11
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype)
+    positions = torch.tensor([0, 1, 2, 3, 500, 501, 17, 18, 19, 2000, 7])
+    slots = torch.randperm(64)[:tokens]
+    caches = [torch.zeros(8, 8, *fmt.slot_shape(), dtype=fmt.storage_dtype) for _ in range(2)]
+    q1, k1, v1 = rope_then_write(fused, qkv.clone(), positions, rope, caches[0], slots, heads, kv_heads, dim)
+    q2, k2, v2 = rope_then_write(ref, qkv.clone(), positions, rope, caches[1], slots, heads, kv_heads, dim)
+    exact = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    for a, b in ((q1, q2), (k1, k2), (v1, v2)):
+        torch.testing.assert_close(a, b, **exact)
+    got_k, got_v = reference.gather_kv(caches[0], torch.arange(8), 64, fmt)
+    want_k, want_v = reference.gather_kv(caches[1], torch.arange(8), 64, fmt)
+    # Stored values agree up to one quantization step (a rounding tie may fall either way).
+    step = {"auto": dict(atol=1e-2, rtol=1e-2), "int8": dict(atol=0.04, rtol=0), "fp8": dict(atol=1e-2, rtol=0.13)}
+    torch.testing.assert_close(got_k.float(), want_k.float(), **step[cache_dtype])
+    torch.testing.assert_close(got_v.float(), want_v.float(), **step[cache_dtype])
 
 
 def test_auto_backend_on_cpu_uses_it(kernel):
     assert select_backend(torch.device("cpu"), "auto").name == "cpu"
     assert select_backend(torch.device("cpu"), "torch").name == "torch"
+    assert select_backend(torch.device("cpu"), "auto", KVFormat("int8", 3, 64, torch.float32)).name == "cpu+int8"
     with pytest.raises(ValueError, match="attention backend"):
         select_backend(torch.device("cpu"), "magic")

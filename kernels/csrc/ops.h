@@ -1,0 +1,19 @@
+// The CPU kernels' entry points (bound to Python in bindings.cpp).
+#pragma once
+#include <torch/extension.h>
+
+// kv_format: 0 plain (the model dtype), 1 int8, 2 fp8 e4m3 (see kv_format.h).
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor block_tables,
+                                     torch::Tensor context_lens, double scale, int64_t kv_format, int64_t num_kv_heads);
+
+torch::Tensor pack_weights(torch::Tensor q, torch::Tensor d, torch::Tensor m, int64_t format);
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor col_scale, torch::Tensor bias,
+                           int64_t n, int64_t k, int64_t format, bool use_fast_path, bool float_out);
+bool has_vnni();
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+torch::Tensor silu_mul(torch::Tensor gate_up);
+void rope_write_kv(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+                   int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, torch::Tensor kv_layer,
+                   torch::Tensor slot_mapping, int64_t kv_format);

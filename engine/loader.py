@@ -8,9 +8,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from pdserve.engine.decode_stack import build_decode_stack
 from pdserve.engine.model import CausalLM
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_store import NATIVE_CODES
+from pdserve.engine.packed_linear import PackedBF16Linear
 from pdserve.engine.quantization import QuantFormat, QuantizedLinear, QuantizedWeight, load_codes, quantize
 from pdserve.kernels import AttentionBackend, select_layer_ops
 
@@ -112,6 +114,10 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device, bac
     model = model.to(device).eval()
     if quantization != "none":
         quantize_model(model, quantization, load_codes(folder / NATIVE_CODES), device)
+    elif dtype == torch.bfloat16 and backend.cpu_kernels is not None and backend.cpu_kernels.has_dense_bf16():
+        pack_bf16_model(model, backend.cpu_kernels)
+    if backend.cpu_kernels is not None and model.ops.name == "cpu" and backend.kv_format is not None:
+        model.decode_stack = build_decode_stack(model, backend.cpu_kernels, backend.kv_format.kind)
     return model
 
 
@@ -146,3 +152,13 @@ def quantize_model(model: CausalLM, mode: str, native: dict[str, QuantizedWeight
     if head is None or head.fmt is not QuantFormat.INT8_GROUP:
         head = quantize(model.lm_head.weight.detach().cpu(), "int8")
     model.lm_head = QuantizedLinear(head, None, device, float_out=True)
+
+
+def pack_bf16_model(model: CausalLM, kernels) -> None:
+    """Gives every decoder linear layer and the lm_head the packed bf16 decode kernel, in place."""
+    for layer in model.model.layers:
+        for path in _LINEARS:
+            owner_name, attr = path.split(".")
+            owner = getattr(layer, owner_name)
+            setattr(owner, attr, PackedBF16Linear(getattr(owner, attr), kernels))
+    model.lm_head = PackedBF16Linear(model.lm_head, kernels, float_out=True)

@@ -118,6 +118,7 @@ class CausalLM(nn.Module):
         self.config = config
         self.backend = backend
         self.ops = ops
+        self.decode_stack = None  # the C++ decode loop (engine/decode_stack.py), where available
         self.model = DecoderModel(config)
         self.rope = RotaryEmbedding(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -131,6 +132,10 @@ class CausalLM(nn.Module):
         """Runs every token of the step; returns logits (fp32) for ``batch.logits_indices`` only."""
         layers = self.model.layers
         residual = self.model.embed_tokens(batch.input_ids)
+        if self.decode_stack is not None and layer_hook is None and batch.num_decode == batch.num_tokens:
+            h = self.decode_stack.forward(residual, kv_layers, batch.positions, batch.slot_mapping,
+                                          batch.decode_block_tables, batch.decode_context_lens)
+            return self.lm_head(h[batch.logits_indices]).float()
         first = layers[0].input_layernorm
         h = self.ops.rms_norm(residual, first.weight, first.eps)
         for i, layer in enumerate(layers):

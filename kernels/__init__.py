@@ -35,6 +35,8 @@ class AttentionBackend:
     prefill_attention: Callable[..., torch.Tensor]
     decode_attention: Callable[..., torch.Tensor]
     rope_write_kv: RopeWriteKV | None = None  # fused RoPE + cache write; None: rope, then write_kv
+    cpu_kernels: object | None = None  # the compiled CPU module behind this backend (for the C++ decode loop)
+    kv_format: KVFormat | None = None
 
 
 def rope_then_write(backend: AttentionBackend, qkv: torch.Tensor, positions: torch.Tensor, rope, kv: torch.Tensor,
@@ -109,6 +111,8 @@ def cpu_backend(fmt: KVFormat | None = None) -> AttentionBackend | None:
         prefill_attention=base.prefill_attention,
         decode_attention=decode_attention,
         rope_write_kv=rope_write_kv,
+        cpu_kernels=module,
+        kv_format=fmt,
     )
 
 

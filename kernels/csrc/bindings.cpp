@@ -1,12 +1,30 @@
+#include "decoder_stack.h"
 #include "ops.h"
 
+// The kernels release the GIL: the worker's event loop (gRPC streams, KV transfers) keeps
+// running while the engine thread computes.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
-  m.def("pack_weights", &pack_weights, "pack quantized weights into the quant_linear layout");
-  m.def("quant_linear", &quant_linear, "x @ W^T with int8/int4 packed weights");
+  m.def("paged_decode_attention", &paged_decode_attention, py::call_guard<py::gil_scoped_release>(), "paged decode attention (CPU)");
+  m.def("pack_weights", &pack_weights, py::call_guard<py::gil_scoped_release>(), "pack quantized weights into the quant_linear layout");
+  m.def("quant_linear", &quant_linear, py::call_guard<py::gil_scoped_release>(), "x @ W^T + bias with int8/int4 packed weights");
   m.def("has_vnni", &has_vnni, "whether the AVX512-VNNI path is compiled in");
-  m.def("rms_norm", &rms_norm, "RMSNorm");
-  m.def("add_rms_norm", &add_rms_norm, "residual += x, then RMSNorm of the residual");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up");
-  m.def("rope_write_kv", &rope_write_kv, "RoPE on q and k in place, then k and v into the cache");
+  m.def("has_dense_bf16", &has_dense_bf16, "whether the AVX512-BF16 dense path is compiled in");
+  m.def("pack_bf16", &pack_bf16, py::call_guard<py::gil_scoped_release>(), "pack a bf16 weight for dense_linear");
+  m.def("dense_linear", &dense_linear, py::call_guard<py::gil_scoped_release>(), "x @ W^T + bias, bf16, few rows");
+  m.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>(), "RMSNorm");
+  m.def("add_rms_norm", &add_rms_norm, py::call_guard<py::gil_scoped_release>(), "residual += x, then RMSNorm of the residual");
+  m.def("silu_mul", &silu_mul, py::call_guard<py::gil_scoped_release>(), "silu(gate) * up");
+  m.def("rope_write_kv", &rope_write_kv, py::call_guard<py::gil_scoped_release>(), "RoPE on q and k in place, then k and v into the cache");
+
+  using Stack = DecoderStack;
+  py::class_<Stack::Linear>(m, "StackLinear")
+      .def_static("quantized", &Stack::Linear::quantized)
+      .def_static("packed_bf16", &Stack::Linear::packed_bf16)
+      .def_static("dense", &Stack::Linear::dense);
+  py::class_<Stack::Layer>(m, "StackLayer")
+      .def(py::init<torch::Tensor, Stack::Linear, Stack::Linear, torch::Tensor, Stack::Linear, Stack::Linear>());
+  py::class_<Stack>(m, "DecoderStack")
+      .def(py::init<std::vector<Stack::Layer>, torch::Tensor, double, torch::Tensor, torch::Tensor, int64_t, int64_t,
+                    int64_t, int64_t>())
+      .def("forward", &Stack::forward, py::call_guard<py::gil_scoped_release>());
 }

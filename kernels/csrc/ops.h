@@ -17,3 +17,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up);
 void rope_write_kv(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                    int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, torch::Tensor kv_layer,
                    torch::Tensor slot_mapping, int64_t kv_format);
+
+bool has_dense_bf16();
+torch::Tensor pack_bf16(torch::Tensor w);
+torch::Tensor dense_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, int64_t n, bool float_out);

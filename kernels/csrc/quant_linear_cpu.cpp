@@ -15,6 +15,7 @@
 //   int4 cell: 4 steps x [16 columns x 4 k] bytes, low nibble = step 2j, high nibble = step 2j+1 = 256 bytes
 //   then, for group-wise formats, 16 x fp16 d and 16 x fp16 m (64 bytes).
 // Per-channel int8 has no per-group data; its per-column fp32 scales are a separate tensor.
+#include "linear_output.h"
 #include "ops.h"
 #include <ATen/Parallel.h>
 
@@ -40,20 +41,6 @@ enum Format : int64_t { kInt8PerChannel = 0, kInt8Group = 1, kInt4Group = 2 };
 
 inline int64_t weight_bytes(int64_t format) { return format == kInt4Group ? 256 : 512; }
 inline int64_t cell_bytes(int64_t format) { return weight_bytes(format) + (format == kInt8PerChannel ? 0 : 64); }
-
-// Where results go: [rows, ld] of fp32 or bf16, plus an optional per-column bias.
-struct Output {
-  void* data;
-  int64_t ld;
-  bool bf16;
-  const float* bias;
-
-  inline void store(int64_t r, int64_t col, float v) const {
-    if (bias != nullptr) v += bias[col];
-    if (bf16) static_cast<c10::BFloat16*>(data)[r * ld + col] = c10::BFloat16(v);
-    else static_cast<float*>(data)[r * ld + col] = v;
-  }
-};
 
 inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
 inline uint16_t float_to_half(float f) { return c10::detail::fp16_ieee_from_fp32_value(f); }
@@ -140,18 +127,6 @@ void gemm_portable(const uint8_t* w, const float* col_scale, int64_t format, int
 }
 
 #if PDSERVE_VNNI
-// fp32 -> bf16, round to nearest even (the instruction where the CPU has it).
-inline __m256i to_bf16(__m512 v) {
-#if defined(__AVX512BF16__)
-  return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
-#else
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-#endif
-}
-
 // ---------------------------------------------------------------------------------------------
 // The AVX512-VNNI path: a tile of MR rows x NB column blocks kept in registers; each weight
 // register is loaded once and used by all MR rows.
@@ -240,14 +215,7 @@ inline void gemm_tile(const uint8_t* w, int64_t block_stride, const float* col_s
         const __m512 cs = _mm512_loadu_ps(col_scale + first_col + j * kCols);
         out = _mm512_mul_ps(cs, _mm512_sub_ps(out, _mm512_set1_ps(128.f * corr)));
       }
-      const int64_t col = first_col + j * kCols;
-      if (y.bias != nullptr) out = _mm512_add_ps(out, _mm512_loadu_ps(y.bias + col));
-      if (y.bf16) {
-        const __m256i bf = to_bf16(out);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<c10::BFloat16*>(y.data) + (first_row + r) * y.ld + col), bf);
-      } else {
-        _mm512_storeu_ps(static_cast<float*>(y.data) + (first_row + r) * y.ld + col, out);
-      }
+      store16(y, first_row + r, first_col + j * kCols, out);
     }
   }
 }

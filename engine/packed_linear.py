@@ -1,0 +1,50 @@
+"""bf16 linear layers for CPUs with AVX512-BF16: decode-sized inputs through a packed kernel.
+
+oneDNN's bf16 GEMM is the right tool for prefill (hundreds of rows) but streams a weight at a
+fraction of the memory bandwidth for the one to a few dozen rows of a decode step, which is
+memory-bound. The layer keeps the weight as loaded for oneDNN and a column-interleaved copy for
+``kernels/csrc/dense_linear_cpu.cpp``; each call picks by row count (the crossover measured here
+is ~48 rows).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.engine.quantization import COLUMN_BLOCK
+
+MAX_KERNEL_ROWS = 32
+
+
+class PackedBF16Linear(nn.Module):
+    def __init__(self, linear: nn.Linear, kernels, float_out: bool = False) -> None:
+        """``float_out``: return fp32 (the lm_head's logits)."""
+        super().__init__()
+        weight = linear.weight.detach()
+        if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+            raise ValueError("PackedBF16Linear packs CPU bfloat16 weights")
+        self.out_features, self.in_features = weight.shape
+        self.kernels, self.float_out = kernels, float_out
+        self.padded_out = -(-self.out_features // COLUMN_BLOCK) * COLUMN_BLOCK
+        self.register_buffer("weight", weight)
+        self.register_buffer("bias", linear.bias.detach() if linear.bias is not None else None)
+        padded = F.pad(weight, (0, 0, 0, self.padded_out - self.out_features))
+        self.register_buffer("packed", kernels.pack_bf16(padded))
+        bias = self.bias.float() if self.bias is not None else torch.zeros(0)
+        self.register_buffer("kernel_bias", F.pad(bias, (0, self.padded_out - self.out_features)) if bias.numel() else bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] <= MAX_KERNEL_ROWS and x2.dtype == torch.bfloat16:
+            y = self.kernels.dense_linear(x2, self.packed, self.kernel_bias, self.padded_out, self.float_out)
+            if self.padded_out != self.out_features:
+                y = y[:, : self.out_features]
+        else:
+            y = F.linear(x2, self.weight, self.bias)
+            y = y.float() if self.float_out else y
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bf16 packed (<= {MAX_KERNEL_ROWS} rows) / oneDNN"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.block_manager import block_hashes
+from pdserve.prefix_hash import block_hashes
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.policy import KvAware, LeastLoaded, NoWorkerAvailable, RoundRobin, make_policy
 from pdserve.router.validation import ValidatedRequest

@@ -8,8 +8,6 @@ from pathlib import Path
 from pdserve.engine.model_config import ModelConfig
 from pdserve.router.text_stream import TextStream
 
-CHAT_ROLES = ("system", "user", "assistant", "tool")
-
 
 def tokenizer_class(model_dir: Path) -> type:
     """The class ``AutoTokenizer`` would pick (``tokenizer_class`` in tokenizer_config.json),

@@ -66,7 +66,7 @@ async def api(stack, tokenizer):
         [w.address for w in workers if w.role == "prefill"], [w.address for w in workers if w.role != "prefill"],
         metadata=SecuritySettings(cluster_token=CLUSTER_TOKEN).cluster_metadata())
     assert registry.prefill and registry.decode
-    completions = Completions(tokenizer, Dispatcher(registry, make_policy("round_robin")), 600)
+    completions = Completions(tokenizer, Dispatcher(registry, make_policy("round_robin")), 600, max_inflight=1024)
     server, task = await serve_http(create_app(completions, tokenizer.model_name), "127.0.0.1", 0)
     base = f"http://127.0.0.1:{http_port(server)}"
     sdk = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=120)
@@ -312,7 +312,7 @@ async def test_worker_failures_map_to_http_statuses(tokenizer):
     async def metrics(request):  # how the router adds /metrics to the HTTP port
         return Response(prometheus_client.generate_latest(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
-    app = create_app(Completions(tokenizer, dispatcher, 600), "m", extra_routes=[Route("/metrics", metrics)])
+    app = create_app(Completions(tokenizer, dispatcher, 600, max_inflight=1024), "m", extra_routes=[Route("/metrics", metrics)])
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     server, task = await serve_http(app, "127.0.0.1", 0)
     base = f"http://127.0.0.1:{http_port(server)}"

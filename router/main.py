@@ -57,10 +57,10 @@ async def serve(settings: RouterSettings, security: SecuritySettings) -> None:
     _return_freed_heap()
     registry = WorkerRegistry.connect(prefill, decode, security.channel_credentials(), security.cluster_metadata())
     dispatcher = Dispatcher(registry, make_policy(settings.policy), max_attempts=1 + settings.max_migrations,
-                            worker_wait_s=settings.worker_wait_s)
+                            failure_threshold=settings.worker_failure_threshold, worker_wait_s=settings.worker_wait_s)
     completions = Completions(tokenizer, dispatcher, settings.request_timeout_s, settings.max_inflight_requests)
     service = RouterService(completions)
-    monitor = HealthMonitor(registry)
+    monitor = HealthMonitor(registry, settings.worker_failure_threshold)
     await monitor.probe_all()
     monitor.start()
 

@@ -10,6 +10,7 @@ import socket
 from dataclasses import dataclass
 
 from pdserve.config import setting
+from pdserve.placement import parse_devices
 from pdserve.router.policy import POLICY_NAMES as ROUTING_POLICIES
 
 KV_TRANSPORTS = ("auto", "ucx", "shm", "tcp", "cuda_ipc")
@@ -101,7 +102,14 @@ class ClusterSettings:
     startup_timeout_s: float = setting(300.0, "seconds to wait for every process to become ready")
     metrics: bool = setting(False, "Prometheus /metrics on every process (free ports, listed when ready)")
     max_worker_restarts: int = setting(10, "times pdserve up restarts a worker that died, before giving up")
+    prefill_devices: str = setting("", "devices of the prefill workers, e.g. 'cuda:0,cuda:1' (default: a GPU each, round robin)")
+    decode_devices: str = setting("", "devices of the decode (or colocated) workers, e.g. 'cuda:2,cuda:3' (default: as above)")
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 1:
             raise ValueError(f"need --decode >= 1 and --prefill >= 0, got prefill={self.prefill} decode={self.decode}")
+        self.role_devices()  # validates
+
+    def role_devices(self) -> dict[str, list[str]]:
+        return {"prefill": parse_devices(self.prefill_devices, "prefill_devices"),
+                "decode": parse_devices(self.decode_devices, "decode_devices")}

@@ -154,7 +154,8 @@ def _up(args: argparse.Namespace, file: dict) -> int:
         mode = "colocated" if cluster.cluster.colocated else f"{cluster.cluster.prefill}P{cluster.cluster.decode}D"
         print(f"pdserve cluster: {json.dumps(cluster.describe())}", flush=True)
         http = cluster.router_info.get("http")
-        print(f"pdserve ready: router on {address}{f', OpenAI API on http://{http}/v1' if http else ''} ({mode})", flush=True)
+        scheme = "https" if cluster.security.tls else "http"
+        print(f"pdserve ready: router on {address}{f', OpenAI API on {scheme}://{http}/v1' if http else ''} ({mode})", flush=True)
         code = cluster.wait()
     except KeyboardInterrupt:
         code = 0

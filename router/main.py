@@ -38,6 +38,10 @@ def served_name(model_dir: str, override: str | None) -> str:
     return re.sub(r"\.(Q\d\w*|F16|F32|BF16)$", "", name, flags=re.IGNORECASE)
 
 
+def _loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
 def _return_freed_heap() -> None:
     """Loading a tokenizer parses megabytes of JSON; glibc keeps the freed heap (~30 MiB for
     SmolLM2's) unless asked to hand it back. Elsewhere this does nothing."""
@@ -73,11 +77,14 @@ async def serve(settings: RouterSettings, security: SecuritySettings) -> None:
     if settings.http_port is not None:
         app = create_app(completions, served_name(str(model_dir), settings.served_model_name),
                          extra_routes=[Mount("/metrics", make_asgi_app())], api_token=security.api_token)
-        http_server, http_task = await serve_http(app, settings.host, settings.http_port)
+        http_server, http_task = await serve_http(app, settings.host, settings.http_port, security=security)
         http_address = f"{settings.host}:{http_port(http_server)}"
     metrics_address = None
     if settings.metrics_port is not None:
         metrics_address = f"{settings.host}:{serve_metrics(settings.host, settings.metrics_port)}"
+    if security.api_token and not security.tls and not _loopback(settings.host):
+        log.warning("the public API takes a bearer token on %s without TLS: it crosses the network in clear "
+                    "(set --tls-cert/--tls-key)", settings.host)
     mode = "disaggregated" if prefill else "colocated"
     log.info("router serving gRPC on %s%s (%s, policy %s)", address,
              f", HTTP on {http_address}" if http_address else "", mode, settings.policy)

@@ -24,6 +24,7 @@ import contextlib
 import json
 import logging
 import socket
+import ssl
 import time
 import uuid
 from functools import partial
@@ -46,7 +47,7 @@ from pdserve.router.openai_protocol import (
 )
 from pdserve.router.request import CompletionRequest
 from pdserve.router.validation import InvalidRequest, ValidatedRequest
-from pdserve.security import bearer_ok
+from pdserve.security import SecuritySettings, bearer_ok
 
 log = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------------------------
@@ -145,12 +146,12 @@ class _OpenAI:
             inputs = prompt_input(p)
             max_param = "max_tokens"
         sampling, names = sampling_fields(p, max_param)
-        request = CompletionRequest(
+        completion = CompletionRequest(
             **inputs, request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             priority=p.get_int("priority") or 0,  # a vLLM extension: lower runs first
             sampling=sampling,
         )
-        job = Job(self.model_name, chat, await self.validate(request, names), include_usage)
+        job = Job(self.model_name, chat, await self.validate(completion, names), include_usage)
         headers = {"X-Request-Id": job.id}
         try:
             if stream:
@@ -288,15 +289,27 @@ class _Server(uvicorn.Server):
         pass
 
 
-async def serve_http(app, host: str, port: int, *, graceful_shutdown_s: float = 5.0) -> tuple[uvicorn.Server, asyncio.Task]:
-    """Serves ``app`` with uvicorn in the running event loop; returns once it accepts
-    connections. Binding errors (port in use) raise OSError here. Stop it with
-    ``server.should_exit = True`` and ``await task``; ``http_port(server)`` is the bound port
-    (useful with port 0)."""
+def _tls_options(security: SecuritySettings | None) -> dict[str, Any]:
+    """The router's gRPC TLS settings, applied to HTTP: HTTPS with --tls-cert/--tls-key, client
+    certificates signed by --tls-ca required with --tls-client-auth."""
+    if security is None or not security.tls:
+        return {}
+    options: dict[str, Any] = {"ssl_certfile": security.tls_cert, "ssl_keyfile": security.tls_key}
+    if security.tls_client_auth:
+        options.update(ssl_ca_certs=security.tls_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    return options
+
+
+async def serve_http(app, host: str, port: int, *, graceful_shutdown_s: float = 5.0,
+                     security: SecuritySettings | None = None) -> tuple[uvicorn.Server, asyncio.Task]:
+    """Serves ``app`` with uvicorn in the running event loop (HTTPS when ``security`` has TLS);
+    returns once it accepts connections. Binding errors (port in use) raise OSError here. Stop
+    it with ``server.should_exit = True`` and ``await task``; ``http_port(server)`` is the bound
+    port (useful with port 0)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.create_server((host, port), family=family)
     config = uvicorn.Config(app, log_level="warning", log_config=None, access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=graceful_shutdown_s)
+                            timeout_graceful_shutdown=graceful_shutdown_s, **_tls_options(security))
     server = _Server(config)
 
     async def run() -> None:

@@ -18,9 +18,9 @@ from pdserve.router.dispatch import DispatchError, Dispatcher
 from pdserve.router.request import CompletionRequest
 from pdserve.router.tokenizer import RouterTokenizer
 from pdserve.router.validation import InvalidRequest, ValidatedRequest, validate
-
-VALIDATION_THREADS = 4
 from pdserve.v1 import pdserve_pb2 as pb
+
+VALIDATION_THREADS = 4  # requests tokenized at once, off the event loop
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,12 +32,9 @@ class SamplingRequest:
 
     @classmethod
     def from_proto(cls, s: pb.SamplingParams) -> "SamplingRequest":
-        given = lambda name: getattr(s, name) if s.HasField(name) else None  # noqa: E731
-        return cls(
-            max_tokens=given("max_tokens"), temperature=given("temperature"), top_p=given("top_p"),
-            top_k=given("top_k"), seed=given("seed"), stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids),
-            ignore_eos=s.ignore_eos,
-        )
+        optional = {name: getattr(s, name) for name in ("max_tokens", "temperature", "top_p", "top_k", "seed")
+                    if s.HasField(name)}
+        return cls(stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos, **optional)
 
 
 @dataclass(frozen=True, slots=True)

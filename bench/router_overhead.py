@@ -3,8 +3,10 @@ worker calls (Decode reservation, then Prefill) made directly, interleaved in on
 
     python bench/router_overhead.py --requests 60
 
-Both paths run the same prompt on the same 1P1D cluster (prefix caching off, so every
-request really prefills); the difference of the medians is the router's cost: validation,
+Both paths run the same prompt with the same sampling on the same 1P1D cluster (prefix
+caching off, so every request really prefills), and both stop the clock at the same event:
+the first token, which the prefill worker returns only once the decode worker acknowledged
+the KV transfer. The difference of the medians is the router's cost: validation,
 tokenization, routing, its two extra gRPC hops and detokenization.
 """
 
@@ -20,6 +22,7 @@ import time
 import grpc
 
 from pdserve.client import build_request
+from pdserve.config import choices_of
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.model_store import resolve_model
 from pdserve.engine.sampling_params import SamplingParams
@@ -32,31 +35,45 @@ from pdserve.v1 import pdserve_pb2_grpc
 from pdserve.wire import sampling_to_proto
 
 TOKEN = "bench-cluster-token"
+# Two, not one, on both paths: with one token the prefill's answer is the whole request, no KV
+# is shipped and nothing waits for the decode worker's acknowledgement.
+MAX_TOKENS = 2
+SAMPLING = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
 
 
 async def through_router(stub, prompt: str) -> float:
     started = time.perf_counter()
-    call = stub.Generate(build_request(prompt, max_tokens=1, temperature=0), timeout=60)
+    call = stub.Generate(build_request(prompt, max_tokens=SAMPLING.max_tokens, temperature=SAMPLING.temperature), timeout=60)
     try:
-        await call.read()
-        return time.perf_counter() - started
+        first = await call.read()
+        elapsed = time.perf_counter() - started
+        _check_kv_was_shipped(first.finish_reason)
+        return elapsed
     finally:
         call.cancel()
 
 
 async def direct(prefill, decode, token_ids: list[int]) -> float:
     metadata = (("authorization", f"Bearer {TOKEN}"),)
-    sampling = sampling_to_proto(SamplingParams(max_tokens=2, temperature=0))
+    sampling = sampling_to_proto(SAMPLING)
     started = time.perf_counter()
     call = decode.Decode(pb.DecodeRequest(request_id=f"d{started}", token_ids=token_ids, sampling=sampling), timeout=60,
                          metadata=metadata)
     try:
         reservation = (await call.read()).reservation
-        await prefill.Prefill(pb.PrefillRequest(request_id=f"d{started}", token_ids=token_ids, sampling=sampling,
-                                                target=reservation.target), timeout=60, metadata=metadata)
-        return time.perf_counter() - started
+        response = await prefill.Prefill(pb.PrefillRequest(request_id=f"d{started}", token_ids=token_ids, sampling=sampling,
+                                                           target=reservation.target), timeout=60, metadata=metadata)
+        elapsed = time.perf_counter() - started
+        _check_kv_was_shipped(response.finish_reason)
+        return elapsed
     finally:
         call.cancel()
+
+
+def _check_kv_was_shipped(finish_reason: str) -> None:
+    """A first token that ends the request skips the KV handoff: the paths would not compare."""
+    if finish_reason:
+        raise RuntimeError(f"the first token ended the request ({finish_reason}); use a --prompt that does not end at once")
 
 
 async def _interleaved(args, router, prefill, decode, token_ids: list[int]) -> tuple[list[float], list[float]]:
@@ -92,7 +109,7 @@ async def run(args: argparse.Namespace) -> dict:
         cluster.stop()
     ms = lambda xs, q: statistics.quantiles(xs, n=100)[q - 1] * 1e3  # noqa: E731
     return {
-        "requests": args.requests, "prompt_tokens": len(token_ids), "kv_transport": args.kv_transport,
+        "requests": args.requests, "prompt_tokens": len(token_ids), "max_tokens": MAX_TOKENS, "kv_transport": args.kv_transport,
         "ttft_router_p50_ms": round(statistics.median(routed) * 1e3, 2),
         "ttft_direct_p50_ms": round(statistics.median(straight) * 1e3, 2),
         "router_added_p50_ms": round((statistics.median(routed) - statistics.median(straight)) * 1e3, 2),
@@ -104,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=60)
     parser.add_argument("--prompt", default="Summarize the history of the printing press in one paragraph.")
-    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    parser.add_argument("--dtype", default="auto", choices=choices_of(EngineConfig, "dtype"))
     parser.add_argument("--kv-transport", default="auto", choices=KV_TRANSPORTS)
     args = parser.parse_args(argv)
     if args.requests < 2:

@@ -49,6 +49,7 @@ from pdserve.bench.client_load import (  # noqa: E402
     LoadConfig, Unreachable, check_reachable, fetch_cluster_stats, run_load, warm_up,
 )
 from pdserve.bench.metrics import DEFAULT_SHORT_THRESHOLD, Goodput, cluster_delta, compute  # noqa: E402
+from pdserve.client import DEFAULT_ADDRESS  # noqa: E402
 from pdserve.config import add_arguments, resolve  # noqa: E402
 from pdserve.engine.engine_config import EngineConfig  # noqa: E402
 from pdserve.settings import KV_TRANSPORTS, ROUTING_POLICIES, ClusterSettings, RouterSettings, WorkerSettings  # noqa: E402
@@ -139,7 +140,7 @@ class Plan:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="TTFT/TPOT/ITL serving benchmark (vLLM metric definitions)")
     load = p.add_argument_group("load")
-    load.add_argument("--addr", default="127.0.0.1:50051", help="router of a live stack, for mode live (default: %(default)s)")
+    load.add_argument("--addr", default=DEFAULT_ADDRESS, help="router of a live stack, for mode live (default: %(default)s)")
     load.add_argument("--modes", default="live",
                       help=f"comma-separated: {MODE_SYNTAX}; all but live and hf start their own stack (default: live)")
     load.add_argument("--request-rates", "--request-rate", dest="request_rates", default="inf",

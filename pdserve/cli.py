@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 
+from pdserve.client import DEFAULT_ADDRESS
 from pdserve.config import add_arguments, as_dict, load_file, resolve, unknown_file_keys
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.process import setup_logging
@@ -34,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="stream a completion from a running router")
     gen.add_argument("prompt", help="the prompt text")
-    gen.add_argument("--addr", default="127.0.0.1:50051", help="router address (default: %(default)s)")
+    gen.add_argument("--addr", default=DEFAULT_ADDRESS, help="router address (default: %(default)s)")
     gen.add_argument("--max-tokens", type=int, default=None)
     gen.add_argument("--temperature", type=float, default=None)
     gen.add_argument("--top-p", type=float, default=None)
@@ -60,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
         add_arguments(worker, SecuritySettings, skip=("api_token",))
 
     health = sub.add_parser("health", help="exit 0 if a pdserve server reports SERVING (for healthchecks)")
-    health.add_argument("--addr", default="127.0.0.1:50051")
+    health.add_argument("--addr", default=DEFAULT_ADDRESS, help="server address (default: %(default)s)")
     health.add_argument("--service", default="", help="a service name, e.g. pdserve.v1.DecodeWorker (default: the server)")
     health.add_argument("--timeout", type=float, default=3.0)
 
@@ -153,7 +154,8 @@ def _up(args: argparse.Namespace, file: dict) -> int:
         mode = "colocated" if cluster.cluster.colocated else f"{cluster.cluster.prefill}P{cluster.cluster.decode}D"
         print(f"pdserve cluster: {json.dumps(cluster.describe())}", flush=True)
         http = cluster.router_info.get("http")
-        print(f"pdserve ready: router on {address}{f', OpenAI API on http://{http}/v1' if http else ''} ({mode})", flush=True)
+        scheme = "https" if cluster.security.tls else "http"
+        print(f"pdserve ready: router on {address}{f', OpenAI API on {scheme}://{http}/v1' if http else ''} ({mode})", flush=True)
         code = cluster.wait()
     except KeyboardInterrupt:
         code = 0

@@ -7,10 +7,11 @@ from typing import Iterator
 import grpc
 
 from pdserve.grpc_server import channel_options
+from pdserve.settings import DEFAULT_ROUTER_PORT
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc
 
-DEFAULT_ADDRESS = "127.0.0.1:50051"
+DEFAULT_ADDRESS = f"127.0.0.1:{DEFAULT_ROUTER_PORT}"
 
 
 def build_request(

@@ -23,6 +23,12 @@ def setting(default: Any, help: str, *, choices: tuple | None = None, short: str
     return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "short": short})
 
 
+def choices_of(cls: type, name: str) -> tuple:
+    """The allowed values of setting ``name`` of ``cls`` (for tools that take the same option)."""
+    field = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return tuple(field.metadata["choices"])
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from pdserve.config import to_args
 from pdserve.engine.engine_config import EngineConfig
+from pdserve.placement import Placement, count_visible_gpus, plan
 from pdserve.process import parse_ready
 from pdserve.security import SecuritySettings
 from pdserve.settings import ClusterSettings, RouterSettings, WorkerSettings
@@ -67,12 +68,7 @@ class Cluster:
     def start(self) -> str:
         """Starts every process; returns the router address once all are ready."""
         deadline = time.monotonic() + self.cluster.startup_timeout_s
-        roles = self._worker_roles()
-        cpu_plan = self._cpu_plan(len(roles))
-        workers = [
-            self._spawn(f"{role}-{i}", [role, *self._worker_args(role, cpu_plan[n]), *self._tls_args()])
-            for n, (role, i) in enumerate(roles)
-        ]
+        workers = [self._spawn(name, args) for name, args in self.worker_commands()]
         for child in workers:
             self._wait_ready(child, deadline)
         prefill = [c.info["grpc"] for c in workers if c.info["role"] == "prefill"]
@@ -138,6 +134,20 @@ class Cluster:
                 child.process.kill()
                 child.process.wait()
 
+    def worker_commands(self, num_gpus: int | None = None) -> list[tuple[str, list[str]]]:
+        """(name, pdserve arguments) of every worker; ``num_gpus``: the visible GPUs (found out
+        when None and the device setting lets workers go to GPUs)."""
+        roles = self._worker_roles()
+        role_devices = self.cluster.role_devices()
+        if num_gpus is None:
+            wants_count = self.engine.device in ("auto", "cuda") and not all(role_devices[r] for r, _ in roles)
+            num_gpus = count_visible_gpus() if wants_count else 0
+        placements = plan([role for role, _ in roles], device=self.engine.device, kv_cache_memory=self.engine.kv_cache_memory,
+                          num_gpus=num_gpus, role_devices=role_devices)
+        cpu_plan = self._cpu_plan(len(roles))
+        return [(f"{role}-{i}", [role, *self._worker_args(role, cpu_plan[n], placements[n]), *self._tls_args()])
+                for n, (role, i) in enumerate(roles)]
+
     # -- internals ----------------------------------------------------------------------------
     def _worker_roles(self) -> list[tuple[str, int]]:
         if self.cluster.colocated:
@@ -152,11 +162,12 @@ class Cluster:
         per = max(1, len(cores) // num_workers)
         return [",".join(str(cores[(n * per + k) % len(cores)]) for k in range(per)) for n in range(num_workers)]
 
-    def _worker_args(self, role: str, cpus: str) -> list[str]:
+    def _worker_args(self, role: str, cpus: str, placement: Placement) -> list[str]:
         threads = self.engine.num_threads or max(1, (os.cpu_count() or 1) // len(self._worker_roles()))
         if cpus:
             threads = self.engine.num_threads or len(cpus.split(","))
-        engine = dataclasses.replace(self.engine, num_threads=threads)
+        engine = dataclasses.replace(self.engine, num_threads=threads, device=placement.device,
+                                     kv_cache_memory=placement.kv_cache_memory)
         worker = dataclasses.replace(
             self.worker, host=self.router.host, port=0, kv_port=0, cpus=cpus,
             colocated=self.cluster.colocated and role == "decode",

@@ -1,4 +1,8 @@
-"""Settings of each process role (see ``config`` for how flags, env and files map onto them)."""
+"""Settings of each process role (see ``config`` for how flags, env and files map onto them).
+
+Each default is written once, here, and passed down: the classes that use a setting take it as
+an argument instead of keeping a default of their own.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +10,12 @@ import socket
 from dataclasses import dataclass
 
 from pdserve.config import setting
+from pdserve.placement import parse_devices
+from pdserve.router.policy import POLICY_NAMES as ROUTING_POLICIES
 
 KV_TRANSPORTS = ("auto", "ucx", "shm", "tcp", "cuda_ipc")
-ROUTING_POLICIES = ("round_robin", "least_loaded", "kv_aware")
+DEFAULT_ROUTER_PORT = 50051
+DEFAULT_KV_LEASE_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -18,7 +25,7 @@ class WorkerSettings:
     advertise_host: str | None = setting(None, "address peers use to reach this worker (default: --host)")
     kv_port: int = setting(0, "KV transfer port of a decode worker (0: any free port)")
     kv_transport: str = setting("auto", "KV transport to use or require", choices=KV_TRANSPORTS)
-    kv_lease_s: float = setting(30.0, "seconds a decode worker keeps blocks reserved for a transfer")
+    kv_lease_s: float = setting(DEFAULT_KV_LEASE_S, "seconds a decode worker keeps blocks reserved for a transfer")
     colocated: bool = setting(False, "decode worker that also prefills (no separate prefill pool)")
     cpus: str = setting("", "pin this process to these CPU cores, e.g. '0' or '2,3' (default: no pinning)")
     metrics_port: int | None = setting(None, "serve Prometheus /metrics on this port (0: any free port; unset: off)")
@@ -53,7 +60,7 @@ class WorkerSettings:
 @dataclass(frozen=True)
 class RouterSettings:
     host: str = setting("127.0.0.1", "address the router binds")
-    port: int = setting(50051, "router gRPC port", short="-p")
+    port: int = setting(DEFAULT_ROUTER_PORT, "router gRPC port", short="-p")
     prefill_workers: str = setting("", "comma-separated prefill worker addresses host:port")
     decode_workers: str = setting("", "comma-separated decode (or colocated) worker addresses host:port")
     policy: str = setting("kv_aware", "routing policy", choices=ROUTING_POLICIES)
@@ -63,6 +70,8 @@ class RouterSettings:
     served_model_name: str | None = setting(None, "the model name clients send (default: derived from the model)")
     max_migrations: int = setting(3, "times a request may move to other workers after failures")
     worker_wait_s: float = setting(5.0, "how long a request waits for a worker to come back when every one is down")
+    worker_failure_threshold: int = setting(
+        2, "failures in a row (health probes or requests) that take a worker out of rotation until a probe succeeds")
     http_port: int | None = setting(None, "serve the OpenAI-compatible HTTP API (and /metrics) on this port")
     metrics_port: int | None = setting(None, "serve Prometheus /metrics on this port when there is no HTTP port")
     max_inflight_requests: int = setting(1024, "requests in flight beyond which new ones get RESOURCE_EXHAUSTED")
@@ -74,6 +83,10 @@ class RouterSettings:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
         if self.max_inflight_requests < 1:
             raise ValueError(f"max_inflight_requests must be >= 1, got {self.max_inflight_requests}")
+        if self.worker_failure_threshold < 1:
+            raise ValueError(f"worker_failure_threshold must be >= 1, got {self.worker_failure_threshold}")
+        if self.worker_wait_s < 0:
+            raise ValueError(f"worker_wait_s must be >= 0, got {self.worker_wait_s}")
 
     @staticmethod
     def split(addresses: str) -> list[str]:
@@ -89,7 +102,14 @@ class ClusterSettings:
     startup_timeout_s: float = setting(300.0, "seconds to wait for every process to become ready")
     metrics: bool = setting(False, "Prometheus /metrics on every process (free ports, listed when ready)")
     max_worker_restarts: int = setting(10, "times pdserve up restarts a worker that died, before giving up")
+    prefill_devices: str = setting("", "devices of the prefill workers, e.g. 'cuda:0,cuda:1' (default: a GPU each, round robin)")
+    decode_devices: str = setting("", "devices of the decode (or colocated) workers, e.g. 'cuda:2,cuda:3' (default: as above)")
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 1:
             raise ValueError(f"need --decode >= 1 and --prefill >= 0, got prefill={self.prefill} decode={self.decode}")
+        self.role_devices()  # validates
+
+    def role_devices(self) -> dict[str, list[str]]:
+        return {"prefill": parse_devices(self.prefill_devices, "prefill_devices"),
+                "decode": parse_devices(self.decode_devices, "decode_devices")}

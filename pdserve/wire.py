@@ -1,12 +1,18 @@
-"""Conversions between the wire messages and engine types (one place for both directions)."""
+"""Conversions between the wire messages and engine types (one place for both directions).
+
+The router imports this module too, so it must not import torch: the engine's types it only
+names in annotations come in for type checkers alone.
+"""
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
-from pdserve.engine.llm_engine import EngineStats
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.v1 import pdserve_pb2 as pb
+
+if TYPE_CHECKING:
+    from pdserve.engine.llm_engine import EngineStats
 
 
 def sampling_to_proto(sp: SamplingParams) -> pb.ResolvedSampling:

@@ -3,9 +3,11 @@ router that every front end (gRPC, the OpenAI-compatible HTTP API) shares."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -13,9 +15,12 @@ import grpc
 
 from pdserve import metrics
 from pdserve.router.dispatch import DispatchError, Dispatcher
+from pdserve.router.request import CompletionRequest
 from pdserve.router.tokenizer import RouterTokenizer
-from pdserve.router.validation import ValidatedRequest, validate
+from pdserve.router.validation import InvalidRequest, ValidatedRequest, validate
 from pdserve.v1 import pdserve_pb2 as pb
+
+VALIDATION_THREADS = 4  # requests tokenized at once, off the event loop
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,22 +48,28 @@ class Chunk:
 
 class Completions:
     def __init__(self, tokenizer: RouterTokenizer, dispatcher: Dispatcher, request_timeout_s: float,
-                 max_inflight: int = 1024) -> None:
+                 max_inflight: int) -> None:
         self.tokenizer = tokenizer
         self.dispatcher = dispatcher
         self.request_timeout_s = request_timeout_s
         self.max_inflight = max_inflight
         self.inflight = 0
         self.counters: Counter[str] = Counter()
+        # Validation tokenizes, which takes seconds for a huge prompt: it runs on these threads,
+        # never on the event loop that serves every other stream.
+        self._validators = ThreadPoolExecutor(VALIDATION_THREADS, thread_name_prefix="validate")
 
-    def validate(self, request: pb.GenerateRequest) -> ValidatedRequest:
+    async def validate(self, request: CompletionRequest) -> ValidatedRequest:
         """Raises InvalidRequest naming the field."""
         try:
-            return validate(request, self.tokenizer)
-        except ValueError:
+            return await asyncio.get_running_loop().run_in_executor(self._validators, validate, request, self.tokenizer)
+        except InvalidRequest:
             self.counters["rejected_invalid"] += 1
             metrics.REJECTIONS.labels("invalid_argument").inc()
             raise
+
+    def close(self) -> None:
+        self._validators.shutdown(wait=False, cancel_futures=True)
 
     def timeout(self, client_remaining_s: float | None) -> float:
         if client_remaining_s is None:

@@ -16,6 +16,7 @@ decode worker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -94,11 +95,14 @@ class Dispatcher:
         failed: set[str] = set()
         for attempt in range(1, self.max_attempts + 1):
             try:
-                async for event in self._attempt(Attempt(req, list(prior)), deadline, failed):
-                    prior += event.token_ids
-                    yield event
-                    if event.finish_reason:
-                        return
+                # Closed as soon as the request ends, not whenever the generator is collected:
+                # that cancels the worker call and releases its in-flight count at once.
+                async with contextlib.aclosing(self._attempt(Attempt(req, list(prior)), deadline, failed)) as events:
+                    async for event in events:
+                        prior += event.token_ids
+                        yield event
+                        if event.finish_reason:
+                            return
                 raise DispatchError(grpc.StatusCode.UNAVAILABLE, "the worker stream ended without a finish reason")
             except DispatchError as e:
                 if e.worker is not None and e.code is grpc.StatusCode.UNAVAILABLE:
@@ -137,8 +141,9 @@ class Dispatcher:
         if attempt.request.ttft_budget_ms is not None and not attempt.prior:
             self._check_ttft_budget(attempt, prefill or decode)
         stream = self._disaggregated(attempt, prefill, decode, deadline) if prefill else self._colocated(attempt, decode, deadline)
-        async for event in stream:
-            yield event
+        async with contextlib.aclosing(stream):
+            async for event in stream:
+                yield event
 
     def _check_ttft_budget(self, attempt: Attempt, worker: Worker) -> None:
         """Rejects at once a request whose prefill cannot start within its TTFT budget, judged

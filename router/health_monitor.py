@@ -23,7 +23,7 @@ PROBE_TIMEOUT_S = 1.0
 
 
 class HealthMonitor:
-    def __init__(self, registry: WorkerRegistry, interval_s: float = 1.0, failure_threshold: int = 2) -> None:
+    def __init__(self, registry: WorkerRegistry, failure_threshold: int, interval_s: float = 1.0) -> None:
         self.registry = registry
         self.interval_s = interval_s
         self.failure_threshold = failure_threshold
@@ -55,7 +55,9 @@ class HealthMonitor:
             if health.status != health_pb2.HealthCheckResponse.SERVING:
                 raise ConnectionError(f"health status {health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)}")
             stub = worker.prefill_stub or worker.decode_stub
-            worker.update_stats(await stub.GetStats(pb.StatsRequest(), timeout=PROBE_TIMEOUT_S, metadata=self.registry.metadata))
+            mark = worker.digest_mark()
+            stats = await stub.GetStats(pb.StatsRequest(), timeout=PROBE_TIMEOUT_S, metadata=self.registry.metadata)
+            worker.update_stats(stats, mark)
         except (grpc.aio.AioRpcError, ConnectionError) as e:
             if worker.healthy:
                 log.info("probe of %s worker %s failed: %s", worker.role.value, worker.address,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import re
 
@@ -37,6 +38,19 @@ def served_name(model_dir: str, override: str | None) -> str:
     return re.sub(r"\.(Q\d\w*|F16|F32|BF16)$", "", name, flags=re.IGNORECASE)
 
 
+def _loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def _return_freed_heap() -> None:
+    """Loading a tokenizer parses megabytes of JSON; glibc keeps the freed heap (~30 MiB for
+    SmolLM2's) unless asked to hand it back. Elsewhere this does nothing."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 async def serve(settings: RouterSettings, security: SecuritySettings) -> None:
     decode = RouterSettings.split(settings.decode_workers)
     prefill = RouterSettings.split(settings.prefill_workers)
@@ -44,12 +58,13 @@ async def serve(settings: RouterSettings, security: SecuritySettings) -> None:
         raise ValueError("the router needs at least one decode worker (--decode-workers host:port,...)")
     model_dir = await asyncio.to_thread(resolve_model, settings.model, settings.cache_dir)
     tokenizer = await asyncio.to_thread(RouterTokenizer, model_dir)
+    _return_freed_heap()
     registry = WorkerRegistry.connect(prefill, decode, security.channel_credentials(), security.cluster_metadata())
     dispatcher = Dispatcher(registry, make_policy(settings.policy), max_attempts=1 + settings.max_migrations,
-                            worker_wait_s=settings.worker_wait_s)
+                            failure_threshold=settings.worker_failure_threshold, worker_wait_s=settings.worker_wait_s)
     completions = Completions(tokenizer, dispatcher, settings.request_timeout_s, settings.max_inflight_requests)
     service = RouterService(completions)
-    monitor = HealthMonitor(registry)
+    monitor = HealthMonitor(registry, settings.worker_failure_threshold)
     await monitor.probe_all()
     monitor.start()
 
@@ -62,11 +77,14 @@ async def serve(settings: RouterSettings, security: SecuritySettings) -> None:
     if settings.http_port is not None:
         app = create_app(completions, served_name(str(model_dir), settings.served_model_name),
                          extra_routes=[Mount("/metrics", make_asgi_app())], api_token=security.api_token)
-        http_server, http_task = await serve_http(app, settings.host, settings.http_port)
+        http_server, http_task = await serve_http(app, settings.host, settings.http_port, security=security)
         http_address = f"{settings.host}:{http_port(http_server)}"
     metrics_address = None
     if settings.metrics_port is not None:
         metrics_address = f"{settings.host}:{serve_metrics(settings.host, settings.metrics_port)}"
+    if security.api_token and not security.tls and not _loopback(settings.host):
+        log.warning("the public API takes a bearer token on %s without TLS: it crosses the network in clear "
+                    "(set --tls-cert/--tls-key)", settings.host)
     mode = "disaggregated" if prefill else "colocated"
     log.info("router serving gRPC on %s%s (%s, policy %s)", address,
              f", HTTP on {http_address}" if http_address else "", mode, settings.policy)
@@ -80,3 +98,4 @@ async def serve(settings: RouterSettings, security: SecuritySettings) -> None:
     await server.stop(SHUTDOWN_GRACE_S)
     await monitor.stop()
     await registry.close()
+    completions.close()

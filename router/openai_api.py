@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP API of the router: /v1/completions, /v1/chat/completions,
 /v1/models and /health, served by uvicorn in the router's own event loop.
 
-Every request is translated into a ``pb.GenerateRequest`` and checked by
-``Completions.validate``, so the HTTP and gRPC front ends accept and reject exactly the same
-things; the rejection's field name is renamed to the OpenAI parameter the client sent.
+Every request is parsed into the router's ``CompletionRequest`` and checked by
+``Completions.validate`` (off the event loop), as gRPC requests are, so both front ends
+accept and reject exactly the same things; a rejection's field is renamed to the OpenAI
+parameter the client sent.
 Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with a
 status that tells the client whether to fix the request (400, 404), back off (429, 503) or
 retry later (504). A client that goes away, mid-stream or while waiting for a
@@ -23,6 +24,7 @@ import contextlib
 import json
 import logging
 import socket
+import ssl
 import time
 import uuid
 from functools import partial
@@ -37,16 +39,15 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute
 from starlette.types import Receive, Scope, Send
 
-from pdserve.client import build_request
 from pdserve.router.completions import Chunk, Completions, Usage
 from pdserve.router.dispatch import DispatchError
 from pdserve.router.openai_protocol import (
-    DONE, INT32, SSE_HEADERS, APIError, ClientGone, Job, Params, chat_messages, invalid, json_body,
-    openai_finish_reason, param_name, prompt_input, reject_unsupported, sampling_fields, sse, stream_options,
+    DONE, SSE_HEADERS, APIError, ClientGone, Job, Params, chat_messages, invalid, json_body, openai_finish_reason,
+    param_name, prompt_input, reject_unsupported, sampling_fields, sse, stream_options,
 )
-from pdserve.router.validation import ValidatedRequest
-from pdserve.security import bearer_ok
-from pdserve.v1 import pdserve_pb2 as pb
+from pdserve.router.request import CompletionRequest
+from pdserve.router.validation import InvalidRequest, ValidatedRequest
+from pdserve.security import SecuritySettings, bearer_ok
 
 log = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------------------------
@@ -125,22 +126,11 @@ class _OpenAI:
             raise APIError(404, f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
                            param="model", code="model_not_found")
 
-    def validate(self, request: pb.GenerateRequest, names: dict[str, str]) -> ValidatedRequest:
+    async def validate(self, request: CompletionRequest, names: dict[str, str]) -> ValidatedRequest:
         try:
-            return self.completions.validate(request)
-        except ValueError as e:
-            field = getattr(e, "field", None)
-            message = str(e)
-            if field is None and ": " in message and message.split(": ", 1)[0].replace(".", "").isidentifier():
-                field = message.split(": ", 1)[0]  # e.g. "messages: this model has no chat template"
-            if field is None:
-                raise invalid(None, message) from None
-            param = param_name(field, names)
-            raise invalid(param, message.removeprefix(f"{field}: ")) from None
-        except Exception as e:
-            if type(e).__module__.startswith("jinja2"):  # the chat template refused the conversation
-                raise invalid("messages", f"the model's chat template rejected them: {e}") from None
-            raise
+            return await self.completions.validate(request)
+        except InvalidRequest as e:
+            raise invalid(param_name(e.field, names), e.problem) from None
 
     async def handle(self, request: Request, chat: bool) -> Response:
         p = await json_body(request)
@@ -156,15 +146,12 @@ class _OpenAI:
             inputs = prompt_input(p)
             max_param = "max_tokens"
         sampling, names = sampling_fields(p, max_param)
-        priority = p.get_int("priority") or 0  # a vLLM extension: lower runs first
-        if not INT32[0] <= priority <= INT32[1]:
-            raise invalid("priority", f"{priority} is out of range")
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        try:
-            grpc_request = build_request(**inputs, request_id=request_id, priority=priority, **sampling)
-        except (ValueError, TypeError) as e:  # a value the wire format cannot hold
-            raise invalid(None, f"invalid parameter: {e}") from None
-        job = Job(self.model_name, chat, self.validate(grpc_request, names), include_usage)
+        completion = CompletionRequest(
+            **inputs, request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            priority=p.get_int("priority") or 0,  # a vLLM extension: lower runs first
+            sampling=sampling,
+        )
+        job = Job(self.model_name, chat, await self.validate(completion, names), include_usage)
         headers = {"X-Request-Id": job.id}
         try:
             if stream:
@@ -302,15 +289,27 @@ class _Server(uvicorn.Server):
         pass
 
 
-async def serve_http(app, host: str, port: int, *, graceful_shutdown_s: float = 5.0) -> tuple[uvicorn.Server, asyncio.Task]:
-    """Serves ``app`` with uvicorn in the running event loop; returns once it accepts
-    connections. Binding errors (port in use) raise OSError here. Stop it with
-    ``server.should_exit = True`` and ``await task``; ``http_port(server)`` is the bound port
-    (useful with port 0)."""
+def _tls_options(security: SecuritySettings | None) -> dict[str, Any]:
+    """The router's gRPC TLS settings, applied to HTTP: HTTPS with --tls-cert/--tls-key, client
+    certificates signed by --tls-ca required with --tls-client-auth."""
+    if security is None or not security.tls:
+        return {}
+    options: dict[str, Any] = {"ssl_certfile": security.tls_cert, "ssl_keyfile": security.tls_key}
+    if security.tls_client_auth:
+        options.update(ssl_ca_certs=security.tls_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    return options
+
+
+async def serve_http(app, host: str, port: int, *, graceful_shutdown_s: float = 5.0,
+                     security: SecuritySettings | None = None) -> tuple[uvicorn.Server, asyncio.Task]:
+    """Serves ``app`` with uvicorn in the running event loop (HTTPS when ``security`` has TLS);
+    returns once it accepts connections. Binding errors (port in use) raise OSError here. Stop
+    it with ``server.should_exit = True`` and ``await task``; ``http_port(server)`` is the bound
+    port (useful with port 0)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.create_server((host, port), family=family)
     config = uvicorn.Config(app, log_level="warning", log_config=None, access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=graceful_shutdown_s)
+                            timeout_graceful_shutdown=graceful_shutdown_s, **_tls_options(security))
     server = _Server(config)
 
     async def run() -> None:

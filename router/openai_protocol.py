@@ -1,6 +1,7 @@
-"""OpenAI request bodies and response shapes: parsing a /v1 request into a
-``pb.GenerateRequest`` (so the router's one validation applies), the error type and its
-mapping from gRPC status codes, and the JSON objects and SSE frames sent back."""
+"""OpenAI request bodies and response shapes: parsing a /v1 request into the router's
+``CompletionRequest`` (the one request model both front ends share, so the one validation
+applies), the error type and its mapping from gRPC status codes, and the JSON objects and SSE
+frames sent back."""
 
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ from starlette.responses import JSONResponse
 
 from pdserve.router.completions import Chunk, Usage
 from pdserve.router.dispatch import DispatchError
+from pdserve.router.request import ChatMessage, SamplingRequest
 from pdserve.router.validation import ValidatedRequest
 
-INT64 = (-(2**63), 2**63 - 1)
-INT32 = (-(2**31), 2**31 - 1)
+INT64 = (-(2**63), 2**63 - 1)  # JSON integers beyond this are refused while parsing
 FINISH_REASONS = ("stop", "length")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE = b"data: [DONE]\n\n"
@@ -159,7 +160,8 @@ def _token_list(value: Any) -> bool:
 
 
 def prompt_input(p: Params) -> dict[str, Any]:
-    """/v1/completions ``prompt``: a string, a list of token ids, or a list holding one of those."""
+    """/v1/completions ``prompt``: a string, a list of token ids, or a list holding one of
+    those; returns the ``CompletionRequest`` field it fills."""
     value = p.raw("prompt")
     if value is None:
         raise invalid("prompt", "is required")
@@ -170,7 +172,7 @@ def prompt_input(p: Params) -> dict[str, Any]:
             raise invalid("prompt", "must not be empty")
         return {"prompt": value}
     if isinstance(value, list) and value and _token_list(value):
-        return {"prompt_token_ids": p.token_ids("prompt", value)}
+        return {"prompt_token_ids": tuple(p.token_ids("prompt", value))}
     if isinstance(value, list) and len(value) > 1 and all(isinstance(v, str) or _token_list(v) for v in value):
         raise invalid("prompt", f"a batch of {len(value)} prompts is not supported; send one request per prompt")
     if value == []:
@@ -178,7 +180,7 @@ def prompt_input(p: Params) -> dict[str, Any]:
     raise invalid("prompt", "must be a string, a list of token ids, or a list holding one of those")
 
 
-def chat_messages(p: Params) -> list[dict[str, str]]:
+def chat_messages(p: Params) -> tuple[ChatMessage, ...]:
     """/v1/chat/completions ``messages``: roles system/developer/user/assistant/tool, text content."""
     value = p.raw("messages")
     if value is None:
@@ -195,8 +197,8 @@ def chat_messages(p: Params) -> list[dict[str, str]]:
             raise invalid(f"{where}.role", "is required and must be a string")
         if role == "developer":  # OpenAI's newer name for the system role
             role = "system"
-        out.append({"role": role, "content": _content(message.get("content"), f"{where}.content")})
-    return out
+        out.append(ChatMessage(role, _content(message.get("content"), f"{where}.content")))
+    return tuple(out)
 
 
 def _content(content: Any, where: str) -> str:
@@ -264,24 +266,24 @@ def stream_options(p: Params, stream: bool) -> bool:
     return bool(include)
 
 
-def sampling_fields(p: Params, max_tokens_param: str) -> tuple[dict[str, Any], dict[str, str]]:
-    """The sampling keyword arguments of ``build_request``, and how validation's field names
-    map back to the parameters the client used."""
+def sampling_fields(p: Params, max_tokens_param: str) -> tuple[SamplingRequest, dict[str, str]]:
+    """The sampling the client asked for, and how validation's field names map back to the
+    parameters the client used."""
     top_k = p.get_int("top_k")
     if top_k == -1:  # vLLM's "off"
         top_k = 0
     stop, single_stop = p.stop()
     stop_token_ids = p.raw("stop_token_ids")
-    sampling = {
-        "max_tokens": p.get_int(max_tokens_param),
-        "temperature": p.get_number("temperature"),
-        "top_p": p.get_number("top_p"),
-        "top_k": top_k,
-        "seed": p.get_int("seed"),
-        "stop": stop,
-        "stop_token_ids": None if stop_token_ids is None else p.token_ids("stop_token_ids", stop_token_ids),
-        "ignore_eos": p.get_bool("ignore_eos"),
-    }
+    sampling = SamplingRequest(
+        max_tokens=p.get_int(max_tokens_param),
+        temperature=p.get_number("temperature"),
+        top_p=p.get_number("top_p"),
+        top_k=top_k,
+        seed=p.get_int("seed"),
+        stop=tuple(stop or ()),
+        stop_token_ids=() if stop_token_ids is None else tuple(p.token_ids("stop_token_ids", stop_token_ids)),
+        ignore_eos=p.get_bool("ignore_eos"),
+    )
     names = {"sampling.max_tokens": max_tokens_param, "prompt_token_ids": "prompt"}
     if single_stop:
         names["sampling.stop[0]"] = "stop"

@@ -11,12 +11,12 @@ system prompt lands on the same worker before the next digest arrives.
 from __future__ import annotations
 
 import itertools
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from pdserve.router.validation import ValidatedRequest
 from pdserve.router.workers import PromptBlocks, Worker
 
-POLICIES = ("round_robin", "least_loaded", "kv_aware")
+if TYPE_CHECKING:  # settings import this module for the policy names: keep it light
+    from pdserve.router.validation import ValidatedRequest
 
 
 class NoWorkerAvailable(Exception):
@@ -92,17 +92,20 @@ class KvAware:
     def pick_decode(self, request: ValidatedRequest, workers: list[Worker], exclude: set[str] | None = None) -> Worker:
         def cost(worker: Worker) -> float:
             stats = worker.last_stats
-            if not stats or not stats.blocks_total:
+            if not stats or not stats.blocks_total or not stats.max_num_seqs:  # no figures yet
                 return float(worker.inflight)
-            occupancy = (stats.running + stats.waiting + worker.inflight) / max(1, stats.max_num_seqs or 64)
+            occupancy = (stats.running + stats.waiting + worker.inflight) / stats.max_num_seqs
             memory = 1 - stats.blocks_free / stats.blocks_total
             return occupancy + memory
 
         return min(_healthy(workers, exclude), key=cost)
 
 
+POLICIES: dict[str, type[RoutingPolicy]] = {cls.name: cls for cls in (RoundRobin, LeastLoaded, KvAware)}
+POLICY_NAMES = tuple(POLICIES)  # the one list of names (settings' choices come from here)
+
+
 def make_policy(name: str) -> RoutingPolicy:
-    policies = {"round_robin": RoundRobin, "least_loaded": LeastLoaded, "kv_aware": KvAware}
-    if name not in policies:
-        raise ValueError(f"policy must be one of {', '.join(policies)}, got {name!r}")
-    return policies[name]()
+    if name not in POLICIES:
+        raise ValueError(f"policy must be one of {', '.join(POLICY_NAMES)}, got {name!r}")
+    return POLICIES[name]()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import AsyncIterator
 
@@ -12,6 +11,7 @@ from google.protobuf.message import DecodeError
 from pdserve.grpc_server import RETRY_AFTER_KEY
 from pdserve.router.completions import Completions
 from pdserve.router.dispatch import DispatchError
+from pdserve.router.request import CompletionRequest
 from pdserve.router.validation import InvalidRequest
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc
@@ -27,8 +27,7 @@ class RouterService(pdserve_pb2_grpc.RouterServicer):
         if request is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request: not a valid GenerateRequest (wire format or UTF-8)")
         try:
-            # Off the event loop: tokenizing a large prompt must not stall every other stream.
-            req = await asyncio.to_thread(self.completions.validate, request)
+            req = await self.completions.validate(CompletionRequest.from_proto(request))
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:

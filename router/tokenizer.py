@@ -2,19 +2,32 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from pdserve.engine.model_config import ModelConfig
 from pdserve.router.text_stream import TextStream
 
-CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+def tokenizer_class(model_dir: Path) -> type:
+    """The class ``AutoTokenizer`` would pick (``tokenizer_class`` in tokenizer_config.json),
+    imported on its own: ``AutoTokenizer`` imports transformers' model configuration code and
+    with it torch, which the router process must not load. A folder that names no known class
+    gets the generic fast tokenizer, which reads its tokenizer.json."""
+    import transformers
+
+    config_file = model_dir / "tokenizer_config.json"
+    name = json.loads(config_file.read_text()).get("tokenizer_class") or "" if config_file.is_file() else ""
+    for candidate in (name, name.removesuffix("Fast")):
+        cls = getattr(transformers, candidate, None) if candidate else None
+        if isinstance(cls, type):
+            return cls
+    return transformers.PreTrainedTokenizerFast
 
 
 class RouterTokenizer:
     def __init__(self, model_dir: str | Path) -> None:
-        from transformers import AutoTokenizer
-
-        self.hf = AutoTokenizer.from_pretrained(str(model_dir))
+        self.hf = tokenizer_class(Path(model_dir)).from_pretrained(str(model_dir))
         self.backend = self.hf.backend_tokenizer
         config = ModelConfig.from_folder(model_dir)
         self.vocab_size = config.vocab_size

@@ -1,33 +1,27 @@
-"""Checks a public GenerateRequest and resolves it into token ids and sampling settings.
+"""Checks a ``CompletionRequest`` (from either front end) and resolves it into token ids and
+sampling settings.
 
-Every rejection names the offending field, so a client sees exactly what to fix.
+The limits, the defaults and the checks the engine shares live in ``pdserve.request_rules``;
+what only the router can judge (which input was given, what the tokenizer makes of it) is
+here. Every rejection is an ``InvalidRequest`` naming the offending field, so a client sees
+exactly what to fix.
 """
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
 from dataclasses import dataclass, field
 
-from pdserve.engine.sampling_params import (
-    DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, MAX_SEED, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
-    SamplingParams,
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.request_rules import (
+    CHAT_ROLES, MAX_MESSAGES, MAX_PROMPT_CHARS, InvalidRequest, check_priority, check_prompt_tokens, check_request_id,
+    check_sampling, check_ttft_budget_ms, default_max_tokens,
 )
-from pdserve.router.tokenizer import CHAT_ROLES, RouterTokenizer
-from pdserve.v1 import pdserve_pb2 as pb
+from pdserve.router.request import ChatMessage, CompletionRequest, SamplingRequest
+from pdserve.router.tokenizer import RouterTokenizer
 
-MAX_PROMPT_CHARS = 1_000_000
-MAX_MESSAGES = 512
-MAX_REQUEST_ID_CHARS = 128
-PRIORITY_RANGE = (-100, 100)
-MAX_TEMPERATURE = 100.0
-
-
-class InvalidRequest(ValueError):
-    def __init__(self, field: str, problem: str) -> None:
-        super().__init__(f"{field}: {problem}")
-        self.field = field
+__all__ = ["InvalidRequest", "ValidatedRequest", "validate"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,26 +34,22 @@ class ValidatedRequest:
     arrival: float = field(default_factory=time.monotonic)
 
 
-def validate(req: pb.GenerateRequest, tokenizer: RouterTokenizer) -> ValidatedRequest:
+def validate(req: CompletionRequest, tokenizer: RouterTokenizer) -> ValidatedRequest:
+    """Request-level fields first, then the input, then sampling. Tokenizes: call it off the
+    event loop."""
     request_id = req.request_id or uuid.uuid4().hex
-    if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
-        raise InvalidRequest("request_id", f"must be printable and at most {MAX_REQUEST_ID_CHARS} characters")
-    if not PRIORITY_RANGE[0] <= req.priority <= PRIORITY_RANGE[1]:
-        raise InvalidRequest("priority", f"{req.priority} is outside [{PRIORITY_RANGE[0]}, {PRIORITY_RANGE[1]}]")
-    budget = None
-    if req.HasField("ttft_budget_ms"):
-        budget = req.ttft_budget_ms
-        if not (budget > 0 and math.isfinite(budget)):
-            raise InvalidRequest("ttft_budget_ms", f"must be a positive number of milliseconds, got {budget}")
-
+    check_request_id(request_id)
+    check_priority(req.priority)
+    if req.ttft_budget_ms is not None:
+        check_ttft_budget_ms(req.ttft_budget_ms)
     ids = _prompt_ids(req, tokenizer)
     sampling = _sampling(req.sampling, len(ids), tokenizer)
-    return ValidatedRequest(request_id, ids, sampling, req.priority, budget)
+    return ValidatedRequest(request_id, ids, sampling, req.priority, req.ttft_budget_ms)
 
 
-def _prompt_ids(req: pb.GenerateRequest, tokenizer: RouterTokenizer) -> list[int]:
+def _prompt_ids(req: CompletionRequest, tokenizer: RouterTokenizer) -> list[int]:
     given = [name for name, present in (
-        ("prompt", req.HasField("prompt")),
+        ("prompt", req.prompt is not None),
         ("prompt_token_ids", len(req.prompt_token_ids) > 0),
         ("messages", len(req.messages) > 0),
     ) if present]
@@ -68,39 +58,30 @@ def _prompt_ids(req: pb.GenerateRequest, tokenizer: RouterTokenizer) -> list[int
     if len(given) > 1:
         raise InvalidRequest(given[1], f"give exactly one of prompt, prompt_token_ids, messages (got {' and '.join(given)})")
 
-    if given[0] == "prompt":
+    field = given[0]
+    if field == "prompt":
         if not req.prompt:
             raise InvalidRequest("prompt", "must not be empty")
         if len(req.prompt) > MAX_PROMPT_CHARS:
             raise InvalidRequest("prompt", f"{len(req.prompt)} characters exceed the limit of {MAX_PROMPT_CHARS}")
-        _refuse_if_prefix_fills_context(req.prompt, tokenizer)
+        _refuse_if_prefix_fills_context(req.prompt, tokenizer, field)
         ids = tokenizer.encode(req.prompt)
-        field = "prompt"
-    elif given[0] == "prompt_token_ids":
+    elif field == "prompt_token_ids":
         ids = list(req.prompt_token_ids)
-        bad = next((t for t in ids if not 0 <= t < tokenizer.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequest("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {tokenizer.vocab_size})")
-        field = "prompt_token_ids"
     else:
         messages = _messages(req.messages)
         if not tokenizer.has_chat_template:
             raise InvalidRequest("messages", "this model has no chat template; send a prompt instead")
-        _refuse_if_prefix_fills_context("".join(m["content"] for m in messages), tokenizer, field="messages")
+        _refuse_if_prefix_fills_context("".join(m["content"] for m in messages), tokenizer, field)
         try:
             ids = tokenizer.encode_chat(messages)
         except Exception as e:  # noqa: BLE001 - the model's own template refused these messages
             raise InvalidRequest("messages", f"the chat template cannot render them: {e}") from None
-        field = "messages"
-
-    if not ids:
-        raise InvalidRequest(field, "the prompt encodes to no tokens")
-    if len(ids) >= tokenizer.max_model_len:
-        raise InvalidRequest(field, f"{len(ids)} tokens leave no room in the model's context of {tokenizer.max_model_len}")
+    check_prompt_tokens(ids, vocab_size=tokenizer.vocab_size, max_model_len=tokenizer.max_model_len, field=field)
     return ids
 
 
-def _refuse_if_prefix_fills_context(text: str, tokenizer: RouterTokenizer, field: str = "prompt") -> None:
+def _refuse_if_prefix_fills_context(text: str, tokenizer: RouterTokenizer, field: str) -> None:
     """Tokenizing a huge text costs seconds; if a bounded prefix already overflows the
     context, the whole text does too (tokens of a prefix are a prefix of the tokens, up to
     the last few at the cut), so refuse without tokenizing the rest."""
@@ -113,7 +94,7 @@ def _refuse_if_prefix_fills_context(text: str, tokenizer: RouterTokenizer, field
         raise InvalidRequest(field, f"more than {limit} tokens: no room in the model's context of {limit}")
 
 
-def _messages(messages) -> list[dict[str, str]]:
+def _messages(messages: tuple[ChatMessage, ...]) -> list[dict[str, str]]:
     if len(messages) > MAX_MESSAGES:
         raise InvalidRequest("messages", f"{len(messages)} messages exceed the limit of {MAX_MESSAGES}")
     total = 0
@@ -130,42 +111,12 @@ def _messages(messages) -> list[dict[str, str]]:
     return out
 
 
-def _sampling(s: pb.SamplingParams, prompt_len: int, tokenizer: RouterTokenizer) -> SamplingParams:
-    room = tokenizer.max_model_len - prompt_len
-    if s.HasField("max_tokens"):
-        max_tokens = s.max_tokens
-        if max_tokens < 1:
-            raise InvalidRequest("sampling.max_tokens", f"must be >= 1, got {max_tokens}")
-        if max_tokens > room:
-            raise InvalidRequest(
-                "sampling.max_tokens",
-                f"{max_tokens} new tokens after a {prompt_len}-token prompt exceed the context of {tokenizer.max_model_len}",
-            )
-    else:
-        max_tokens = min(DEFAULT_MAX_TOKENS, room)
-    temperature = s.temperature if s.HasField("temperature") else DEFAULT_TEMPERATURE
-    if not (0 <= temperature <= MAX_TEMPERATURE):  # also rejects NaN
-        raise InvalidRequest("sampling.temperature", f"must be in [0, {MAX_TEMPERATURE}], got {temperature}")
-    top_p = s.top_p if s.HasField("top_p") else 1.0
-    if not 0 < top_p <= 1:
-        raise InvalidRequest("sampling.top_p", f"must be in (0, 1], got {top_p}")
-    top_k = s.top_k if s.HasField("top_k") else 0
-    if not 0 <= top_k <= tokenizer.vocab_size:
-        raise InvalidRequest("sampling.top_k", f"must be in [0, {tokenizer.vocab_size}] (0 = off), got {top_k}")
-    seed = s.seed if s.HasField("seed") else None
-    if seed is not None and not 0 <= seed <= MAX_SEED:
-        raise InvalidRequest("sampling.seed", f"must be in [0, 2**63), got {seed}")
-    if len(s.stop) > MAX_STOP_STRINGS:
-        raise InvalidRequest("sampling.stop", f"{len(s.stop)} stop strings exceed the limit of {MAX_STOP_STRINGS}")
-    for i, stop in enumerate(s.stop):
-        if not stop or len(stop) > MAX_STOP_STRING_CHARS:
-            raise InvalidRequest(f"sampling.stop[{i}]", f"must be 1 to {MAX_STOP_STRING_CHARS} characters")
-    if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise InvalidRequest("sampling.stop_token_ids", f"{len(s.stop_token_ids)} ids exceed the limit of {MAX_STOP_TOKEN_IDS}")
-    bad = next((t for t in s.stop_token_ids if not 0 <= t < tokenizer.vocab_size), None)
-    if bad is not None:
-        raise InvalidRequest("sampling.stop_token_ids", f"token id {bad} is outside the vocabulary [0, {tokenizer.vocab_size})")
-    return SamplingParams(
-        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-        stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
-    )
+def _sampling(s: SamplingRequest, prompt_len: int, tokenizer: RouterTokenizer) -> SamplingParams:
+    """Unset fields take ``SamplingParams``' defaults (``max_tokens``: also bounded by the room
+    left in the context); ``SamplingParams`` checks each value, then the model-bound rules."""
+    given = {name: getattr(s, name) for name in ("temperature", "top_p", "top_k", "seed") if getattr(s, name) is not None}
+    max_tokens = s.max_tokens if s.max_tokens is not None else default_max_tokens(prompt_len, tokenizer.max_model_len)
+    sampling = SamplingParams(max_tokens=max_tokens, stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids),
+                              ignore_eos=s.ignore_eos, **given)
+    check_sampling(sampling, vocab_size=tokenizer.vocab_size, prompt_len=prompt_len, max_model_len=tokenizer.max_model_len)
+    return sampling

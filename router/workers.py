@@ -11,11 +11,12 @@ import asyncio
 import enum
 import logging
 import socket
+import time
 from dataclasses import dataclass, field
 
 import grpc
 
-from pdserve.engine.block_manager import block_hashes
+from pdserve.prefix_hash import block_hashes
 from pdserve.grpc_server import channel_options
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc
@@ -41,17 +42,33 @@ class Worker:
     inflight_tokens: int = 0  # prompt tokens (past its cached prefix) this router sent it to prefill, not yet done
     last_stats: pb.WorkerStats | None = None
     cached_hashes: set[int] = field(default_factory=set)  # its prefix-cache digest (KV-aware routing)
+    # Blocks of prompts this router sent here, by when: expected in its cache before a digest says so.
+    _expected: dict[int, float] = field(default_factory=dict, init=False, repr=False)
+    _prefilling: int = field(default=0, init=False, repr=False)
+    _settled_at: float = field(default=0.0, init=False, repr=False)  # all sent before it had finished prefill
 
-    def update_stats(self, stats: pb.WorkerStats) -> None:
+    def digest_mark(self) -> float:
+        """Take it when asking for stats: what was sent here before it is in the answer's digest."""
+        return time.monotonic() if self._prefilling == 0 else self._settled_at
+
+    def update_stats(self, stats: pb.WorkerStats, mark: float | None = None) -> None:
+        """``mark``: ``digest_mark()`` taken when these stats were asked for. Blocks sent since
+        then stay expected, so a digest that left the worker before a prompt was cached does not
+        make the router forget where it just sent that prompt."""
         self.last_stats = stats
-        self.cached_hashes = set(stats.cached_block_hashes)
+        if mark is not None:
+            self._expected = {h: t for h, t in self._expected.items() if t > mark}
+        self.cached_hashes = set(stats.cached_block_hashes) | self._expected.keys()
 
     @property
-    def block_size(self) -> int:
-        return self.last_stats.block_size if self.last_stats and self.last_stats.block_size else 16
+    def block_size(self) -> int | None:
+        """Its KV block size, known from its first stats on."""
+        return self.last_stats.block_size if self.last_stats and self.last_stats.block_size else None
 
     def uncached_tokens(self, prompt: "PromptBlocks") -> int:
         """Prompt tokens this worker would compute: all but the longest prefix it caches."""
+        if self.block_size is None:
+            return len(prompt.token_ids)
         cached = prefix_overlap(prompt.hashes(self.block_size), self.cached_hashes) * self.block_size
         return len(prompt.token_ids) - cached
 
@@ -59,12 +76,19 @@ class Worker:
         """Counts a prompt sent here to prefill and expects its blocks cached here from now on
         (the next digest confirms it); returns the tokens to hand back to ``end_prefill``."""
         work = self.uncached_tokens(prompt)
-        self.cached_hashes.update(prompt.hashes(self.block_size))
+        if self.block_size is not None:
+            hashes = prompt.hashes(self.block_size)
+            self.cached_hashes.update(hashes)
+            self._expected.update(dict.fromkeys(hashes, time.monotonic()))
+        self._prefilling += 1
         self.inflight += 1
         self.inflight_tokens += work
         return work
 
     def end_prefill(self, work: int) -> None:
+        self._prefilling -= 1
+        if self._prefilling == 0:
+            self._settled_at = time.monotonic()
         self.inflight -= 1
         self.inflight_tokens -= work
 

@@ -48,6 +48,7 @@ def test_to_args_round_trips():
     assert resolve(EngineConfig, parse(EngineConfig, to_args(original)), env={}) == original
 
 
+@pytest.mark.e2e  # runs the pdserve command
 def test_config_show_prints_the_effective_configuration_without_secrets(tmp_path):
     file = tmp_path / "c.yaml"
     file.write_text("dtype: bfloat16\nport: 6000\n")

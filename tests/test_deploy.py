@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from pdserve.engine.engine_config import EngineConfig
+from pdserve.security import SecuritySettings
 from pdserve.settings import ClusterSettings, RouterSettings, WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,8 +24,11 @@ DEPLOY = ROOT / "deploy"
 COMPOSE = DEPLOY / "docker-compose.yml"
 COMPOSE_CUDA = DEPLOY / "docker-compose.cuda.yml"
 DOCKERFILES = [DEPLOY / "Dockerfile", DEPLOY / "Dockerfile.cuda"]
-K8S = sorted((DEPLOY / "k8s").glob("*.yaml"))
+K8S = sorted(p for p in (DEPLOY / "k8s").glob("*.yaml") if p.name != "05-secret.yaml")  # the secret: generated
 PROMETHEUS = DEPLOY / "prometheus.yml"
+MAKE_SECRET = DEPLOY / "make-secret.sh"
+SECRET_NAME = "pdserve-cluster"  # the Kubernetes Secret make-secret.sh writes
+SECRET_FILES = ("cluster.env", "k8s/05-secret.yaml")  # what it writes, relative to deploy/
 DASHBOARD = DEPLOY / "grafana" / "pdserve-dashboard.json"
 ROLES = ("router", "prefill", "decode")
 SOURCE_DIRS = ("pdserve", "engine", "kernels", "kvtransfer", "router", "prefill_worker", "decode_worker")
@@ -45,11 +49,12 @@ def _env_read_directly() -> set[str]:
 
 
 ROLE_ENV = {
-    "router": _setting_env(RouterSettings) | _env_read_directly(),
-    "prefill": _setting_env(EngineConfig, WorkerSettings) | _env_read_directly(),
-    "decode": _setting_env(EngineConfig, WorkerSettings) | _env_read_directly(),
+    "router": _setting_env(RouterSettings, SecuritySettings) | _env_read_directly(),
+    "prefill": _setting_env(EngineConfig, WorkerSettings, SecuritySettings) | _env_read_directly(),
+    "decode": _setting_env(EngineConfig, WorkerSettings, SecuritySettings) | _env_read_directly(),
 }
-ALL_SETTINGS_ENV = _setting_env(EngineConfig, WorkerSettings, RouterSettings, ClusterSettings) | _env_read_directly()
+ALL_SETTINGS_ENV = (_setting_env(EngineConfig, WorkerSettings, RouterSettings, ClusterSettings, SecuritySettings)
+                    | _env_read_directly())
 
 
 def _grpc_service(role: str) -> str:
@@ -108,16 +113,32 @@ def _clean_env() -> dict:
     return {k: v for k, v in os.environ.items() if not k.startswith(skip)}
 
 
-@pytest.mark.parametrize("files", [[COMPOSE], [COMPOSE, COMPOSE_CUDA]], ids=["cpu", "cuda"])
-def test_docker_compose_config_validates(files):
+def _deploy_copy(tmp_path: Path, with_secret: bool = True) -> Path:
+    """deploy/ copied next to an empty project root (the compose build context is ``..``), with
+    a secret made by the real script unless ``with_secret`` is False."""
+    copy = tmp_path / "project" / "deploy"
+    shutil.copytree(DEPLOY, copy, ignore=shutil.ignore_patterns(*(Path(f).name for f in SECRET_FILES)))
+    if with_secret:
+        subprocess.run([str(copy / MAKE_SECRET.name)], check=True, capture_output=True, timeout=60)
+    return copy
+
+
+def _compose_config(deploy: Path, files: list[Path]) -> subprocess.CompletedProcess:
     binary = shutil.which("docker-compose")
     if binary is None:
         pytest.skip(reason="docker-compose not installed (apt-get install docker-compose)")
-    args = [binary, "--project-directory", str(DEPLOY)]
+    args = [binary, "--project-directory", str(deploy)]
     for f in files:
-        args += ["-f", str(f)]
-    result = subprocess.run([*args, "--profile", "monitoring", "config"], capture_output=True, text=True,
-                            env=_clean_env(), timeout=60)
+        args += ["-f", str(deploy / f.name)]
+    return subprocess.run([*args, "--profile", "monitoring", "config"], capture_output=True, text=True,
+                          env=_clean_env(), timeout=60)
+
+
+@pytest.mark.e2e  # runs docker-compose and the secret script
+@pytest.mark.parametrize("files", [[COMPOSE], [COMPOSE, COMPOSE_CUDA]], ids=["cpu", "cuda"])
+def test_docker_compose_config_validates(files, tmp_path):
+    deploy = _deploy_copy(tmp_path)
+    result = _compose_config(deploy, files)
     assert result.returncode == 0, result.stderr
     services = yaml.safe_load(result.stdout)["services"]
     assert set(ROLES) | {"prometheus", "grafana"} <= set(services)
@@ -129,8 +150,52 @@ def test_docker_compose_config_validates(files):
         assert "ports" not in services[role] and "container_name" not in services[role]
         assert services[role]["healthcheck"]["test"][:3] == ["CMD", "pdserve", "health"]
     assert router["depends_on"] == {r: {"condition": "service_healthy"} for r in ("prefill", "decode")}
+    # Every role holds the generated cluster secret, the same one.
+    token = (deploy / "cluster.env").read_text().strip().split("=", 1)[1]
+    assert {services[r]["environment"]["PDSERVE_CLUSTER_TOKEN"] for r in ROLES} == {token}
     # Monitoring starts only with --profile monitoring.
     assert all(services[name]["profiles"] == ["monitoring"] for name in ("prometheus", "grafana"))
+
+
+@pytest.mark.e2e  # runs docker-compose
+def test_docker_compose_refuses_to_start_without_the_cluster_secret(tmp_path):
+    result = _compose_config(_deploy_copy(tmp_path, with_secret=False), [COMPOSE])
+    assert result.returncode != 0 and "cluster.env" in result.stderr, result.stderr
+
+
+@pytest.mark.e2e  # runs the script
+def test_make_secret_writes_one_fresh_secret_for_compose_and_kubernetes(tmp_path):
+    deploy = _deploy_copy(tmp_path)
+    env_file, manifest = (deploy / f for f in SECRET_FILES)
+
+    def tokens() -> tuple[str, str]:
+        name, _, token = env_file.read_text().strip().partition("=")
+        assert name == "PDSERVE_CLUSTER_TOKEN"
+        secret = yaml.safe_load(manifest.read_text())
+        assert (secret["kind"], secret["metadata"]["name"]) == ("Secret", SECRET_NAME)
+        return token, secret["stringData"]["PDSERVE_CLUSTER_TOKEN"]
+
+    first, same = tokens()
+    assert first == same and re.fullmatch(r"[A-Za-z0-9_-]{40,}", first)  # 32 random bytes, URL-safe base64
+    assert all((f.stat().st_mode & 0o777) == 0o600 for f in (env_file, manifest))
+    import kubernetes_validate
+
+    kubernetes_validate.validate(yaml.safe_load(manifest.read_text()), "1.30", strict=True)
+    again = subprocess.run([str(deploy / MAKE_SECRET.name)], capture_output=True, text=True, timeout=60)
+    assert again.returncode != 0 and "--rotate" in again.stderr and tokens() == (first, first)  # kept
+    subprocess.run([str(deploy / MAKE_SECRET.name), "--rotate"], check=True, capture_output=True, timeout=60)
+    rotated, same = tokens()
+    assert rotated == same != first
+
+
+def test_secret_files_stay_out_of_git_and_images():
+    ignored = (ROOT / ".gitignore").read_text().split()
+    for path in SECRET_FILES:
+        assert f"deploy/{path}" in ignored, path
+        for dockerignore in (ROOT / ".dockerignore", DEPLOY / "Dockerfile.dockerignore", DEPLOY / "Dockerfile.cuda.dockerignore"):
+            assert f"deploy/{path}" in dockerignore.read_text().split(), (dockerignore.name, path)
+    script = MAKE_SECRET.read_text()
+    assert f"name: {SECRET_NAME}" in script and "PDSERVE_CLUSTER_TOKEN" in script and os.access(MAKE_SECRET, os.X_OK)
 
 
 def test_compose_roles_are_configured_by_environment_only():
@@ -142,8 +207,10 @@ def test_compose_roles_are_configured_by_environment_only():
     for role in ROLES:
         svc = services[role]
         assert svc["command"] == [role], f"{role}: the command is just the role; settings go in environment:"
-        for key in ("entrypoint", "env_file", "volumes", "container_name"):
+        for key in ("entrypoint", "volumes", "container_name"):
             assert key not in svc, f"{role}: no {key} (environment-only configuration, scalable services)"
+        assert svc["env_file"] == [SECRET_FILES[0]], f"{role}: the cluster secret, and only it, comes from a file"
+        assert "PDSERVE_CLUSTER_TOKEN" not in svc["environment"], f"{role}: never a secret in the compose file"
         env = svc["environment"]
         assert isinstance(env, dict)
         _check_env(role, env, f"compose service {role}")
@@ -232,6 +299,10 @@ def _k8s_objects() -> list[dict]:
 def _container_env(container: dict, configmaps: dict[str, dict]) -> dict:
     env: dict = {}
     for source in container.get("envFrom", []):
+        if "secretRef" in source:  # written by make-secret.sh, not in the repository
+            assert source["secretRef"] == {"name": SECRET_NAME}, source
+            env["PDSERVE_CLUSTER_TOKEN"] = "generated"
+            continue
         name = source["configMapRef"]["name"]
         assert name in configmaps, f"envFrom names a missing ConfigMap {name}"
         env.update(configmaps[name])
@@ -272,6 +343,7 @@ def test_kubernetes_manifests():
         assert role in ROLES and container["args"] == [role], f"{name}: args {container['args']}"
         assert "command" not in container, f"{name}: keep the image's pdserve entrypoint"
         env = _container_env(container, configmaps)
+        assert env.get("PDSERVE_CLUSTER_TOKEN") == "generated", f"{name}: internal ports need the cluster secret"
         _check_env(role, env, f"Deployment {name}")
         _check_values(role, env, f"Deployment {name}")
         assert env["PDSERVE_HOST"] == "0.0.0.0"

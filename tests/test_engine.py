@@ -1,5 +1,6 @@
 """The engine on the default model: greedy equality with transformers, continuous batching,
-the disaggregation seam, preemption, aborts, block accounting."""
+the disaggregation seam, preemption, aborts, block accounting. (Sampling settings' own
+checks: test_request_rules.py.)"""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import FinishReason
 from pdserve.kernels.reference import gather_kv, write_kv
 
+pytestmark = pytest.mark.e2e  # loads the default model
 MAX_NEW = 20
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
 
@@ -224,23 +226,6 @@ def test_bad_requests_raise_value_error_naming_the_field(engine, ids, sampling, 
     with pytest.raises(ValueError, match=field):
         engine.add_request("bad", ids, sampling)
     assert not engine.has_unfinished()
-
-
-@pytest.mark.parametrize(
-    "kwargs, field",
-    [
-        (dict(max_tokens=0), "max_tokens"),
-        (dict(temperature=-0.1), "temperature"),
-        (dict(top_p=0.0), "top_p"),
-        (dict(top_p=1.5), "top_p"),
-        (dict(top_k=-1), "top_k"),
-        (dict(seed=-5), "seed"),
-        (dict(stop=("",)), "stop"),
-    ],
-)
-def test_bad_sampling_params(kwargs, field):
-    with pytest.raises(ValueError, match=field):
-        SamplingParams(**kwargs)
 
 
 def test_engine_keeps_serving_after_bad_request(engine, prompt_ids, hf_reference):

@@ -2,22 +2,18 @@
 official ``openai`` SDK: greedy text equals Hugging Face's, streamed or not; usage is filled;
 bad input gets OpenAI-shaped 400/404 errors and the server keeps serving; a client that goes
 away cancels its generation. The HTTP app runs in the test process (uvicorn in the test's
-event loop) with its own ``Completions`` pointed at the stack's workers."""
+event loop) with its own ``Completions`` pointed at the stack's workers. The front end's own
+logic, without workers, is tested in test_openai_frontend.py."""
 
 from __future__ import annotations
 
 import asyncio
-import signal
 import time
-from collections import Counter
 from types import SimpleNamespace
 
 import grpc
 import openai
-import prometheus_client
 import pytest
-from starlette.responses import Response
-from starlette.routing import Route
 
 try:
     import httpx
@@ -26,7 +22,7 @@ except ImportError:  # newer openai SDKs depend on httpx2 instead
 
 from conftest import PROMPTS
 from pdserve.router.completions import Completions
-from pdserve.router.dispatch import DispatchError, Dispatcher, TokenEvent
+from pdserve.router.dispatch import Dispatcher
 from pdserve.router.openai_api import create_app, http_port, serve_http
 from pdserve.router.policy import make_policy
 from pdserve.router.tokenizer import RouterTokenizer
@@ -66,7 +62,7 @@ async def api(stack, tokenizer):
         [w.address for w in workers if w.role == "prefill"], [w.address for w in workers if w.role != "prefill"],
         metadata=SecuritySettings(cluster_token=CLUSTER_TOKEN).cluster_metadata())
     assert registry.prefill and registry.decode
-    completions = Completions(tokenizer, Dispatcher(registry, make_policy("round_robin")), 600)
+    completions = Completions(tokenizer, Dispatcher(registry, make_policy("round_robin")), 600, max_inflight=1024)
     server, task = await serve_http(create_app(completions, tokenizer.model_name), "127.0.0.1", 0)
     base = f"http://127.0.0.1:{http_port(server)}"
     sdk = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=120)
@@ -290,60 +286,3 @@ async def test_client_giving_up_on_a_non_streaming_request_cancels_it(api):
                 "model": api.model, "messages": [{"role": "user", "content": PROMPTS[3]}],
                 **{k: v for k, v in LONG.items() if k != "prompt"}})
     await wait_until_idle(api)
-
-
-# ---------------------------------------------------------------------------------------------
-# Worker failures map to HTTP statuses (a stub dispatcher, no workers)
-# ---------------------------------------------------------------------------------------------
-class FailingDispatcher:
-    def __init__(self) -> None:
-        self.code = grpc.StatusCode.UNAVAILABLE
-        self.tokens_before_failing = 0
-        self.counters: Counter[str] = Counter()
-
-    async def generate(self, req, timeout_s):
-        for _ in range(self.tokens_before_failing):
-            yield TokenEvent([28])
-        raise DispatchError(self.code, f"injected {self.code.name}")
-
-
-async def test_worker_failures_map_to_http_statuses(tokenizer):
-    dispatcher = FailingDispatcher()
-    async def metrics(request):  # how the router adds /metrics to the HTTP port
-        return Response(prometheus_client.generate_latest(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
-
-    app = create_app(Completions(tokenizer, dispatcher, 600), "m", extra_routes=[Route("/metrics", metrics)])
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    server, task = await serve_http(app, "127.0.0.1", 0)
-    base = f"http://127.0.0.1:{http_port(server)}"
-    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers  # the router owns the signals
-    with pytest.raises(OSError):  # a port in use fails here, and does not end the process
-        await serve_http(app, "127.0.0.1", http_port(server))
-    body = {"model": "m", "prompt": "Hello", "max_tokens": 4}
-    try:
-        async with httpx.AsyncClient(base_url=base, timeout=30) as http:
-            for code, status in [(grpc.StatusCode.RESOURCE_EXHAUSTED, 429), (grpc.StatusCode.UNAVAILABLE, 503),
-                                 (grpc.StatusCode.DEADLINE_EXCEEDED, 504), (grpc.StatusCode.INTERNAL, 500)]:
-                dispatcher.code = code
-                for stream in (False, True):  # a stream that fails before its first token still gets the status
-                    response = await http.post("/v1/completions", json={**body, "stream": stream})
-                    error = assert_openai_error(response, status, code=code.name.lower(), text=f"injected {code.name}")
-                    assert error["type"] != "invalid_request_error"
-
-            scrape = await http.get("/metrics")
-            assert scrape.status_code == 200 and 'pdserve_request_rejections_total{reason="unavailable"}' in scrape.text
-
-            # Failing mid-stream: an error event, then [DONE]; the SDK raises it.
-            dispatcher.code, dispatcher.tokens_before_failing = grpc.StatusCode.UNAVAILABLE, 2
-            response = await http.post("/v1/completions", json={**body, "stream": True})
-            assert response.status_code == 200
-            events = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
-            assert '"error"' in events[-2] and "injected UNAVAILABLE" in events[-2] and events[-1] == "[DONE]"
-        async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0) as sdk:
-            stream = await sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}], stream=True)
-            with pytest.raises(openai.APIError, match="injected UNAVAILABLE"):
-                async for _ in stream:
-                    pass
-    finally:
-        server.should_exit = True
-        await task

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.block_manager import block_hashes
+from pdserve.prefix_hash import block_hashes
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.policy import KvAware, LeastLoaded, NoWorkerAvailable, RoundRobin, make_policy
 from pdserve.router.validation import ValidatedRequest
@@ -109,3 +109,39 @@ def test_a_prompt_is_hashed_once_per_block_size():
     prompt = PromptBlocks(SYSTEM)
     assert prompt.hashes(16) is prompt.hashes(16)
     assert prompt.hashes(16) == block_hashes(SYSTEM, 16) and prompt.hashes(32) == block_hashes(SYSTEM, 32)
+
+
+def test_a_stale_digest_does_not_forget_a_prompt_sent_meanwhile():
+    """A digest asked for before a prompt was sent (or while it was still being prefilled) does
+    not hold its blocks yet: the router keeps expecting them there until a later digest."""
+    a, b = worker("a"), worker("b")
+    mark = a.digest_mark()  # the health monitor asks for a's stats...
+    work = a.begin_prefill(PromptBlocks(request([1]).prompt_token_ids))  # ...a prompt goes to a...
+    a.update_stats(pb.WorkerStats(address="a", block_size=16), mark)  # ...and the answer predates it
+    assert KvAware().pick_prefill(request([2]), [b, a]) is a
+    mark = a.digest_mark()  # asked while the prefill runs: still not in the digest
+    a.update_stats(pb.WorkerStats(address="a", block_size=16), mark)
+    assert KvAware().pick_prefill(request([2]), [b, a]) is a
+    a.end_prefill(work)
+    evicted = a.digest_mark()  # asked after it finished: the digest is the truth (here: evicted since)
+    a.update_stats(pb.WorkerStats(address="a", block_size=16), evicted)
+    assert a.uncached_tokens(PromptBlocks(request([2]).prompt_token_ids)) == len(SYSTEM) + 1
+    assert KvAware().pick_prefill(request([2]), [b, a]) is b  # a tie again: the first listed
+
+
+def test_before_its_first_stats_a_worker_caches_nothing_and_has_no_decode_figures():
+    fresh = Worker("fresh", Role.PREFILL, channel=None)
+    prompt = PromptBlocks(request([1]).prompt_token_ids)
+    assert fresh.block_size is None and fresh.uncached_tokens(prompt) == len(prompt.token_ids)
+    assert fresh.begin_prefill(prompt) == len(prompt.token_ids) and not fresh.cached_hashes
+    busy = worker("busy", Role.DECODE, running=8, blocks_free=5)
+    unknown = Worker("unknown", Role.DECODE, channel=None)
+    assert KvAware().pick_decode(request([]), [busy, unknown]) is unknown  # no figures: judged by in-flight count (0)
+
+
+def test_policy_names_are_the_settings_choices():
+    from pdserve.settings import ROUTING_POLICIES, RouterSettings
+
+    assert set(ROUTING_POLICIES) == {"round_robin", "least_loaded", "kv_aware"}
+    assert RouterSettings().policy in ROUTING_POLICIES
+    assert all(make_policy(name).name == name for name in ROUTING_POLICIES)

@@ -28,7 +28,7 @@ async def test_kv_aware_routes_a_shared_prefix_to_the_worker_that_caches_it(hf_r
     try:
         first, _, msgs = await collect(stack.address, build_request(SYSTEM + "Question 1: where is my parcel?", max_tokens=8, temperature=0))
         assert msgs[-1].usage.cached_prompt_tokens == 0
-        await asyncio.sleep(2.5)  # let the router's health probes fetch fresh cache digests
+        # No waiting for fresh cache digests: the router remembers where it sent the prefix.
         for i in range(2, 6):
             prompt = SYSTEM + f"Question {i}: when does the store open?"
             ids, _, msgs = await collect(stack.address, build_request(prompt, max_tokens=8, temperature=0))
@@ -57,8 +57,10 @@ async def test_full_worker_queue_rejects_fast_and_recovers(hf_reference):
 
         outcomes = await asyncio.gather(*(one(i) for i in range(16)))
         rejected = [o for o in outcomes if o[0] is grpc.StatusCode.RESOURCE_EXHAUSTED]
-        assert rejected and all(o[1] < 5 for o in rejected)
-        assert sum(1 for o in outcomes if o[0] == "ok") >= 2  # the bounded queue admitted some
+        served = [o for o in outcomes if o[0] == "ok"]
+        # Rejections come at once: each before the quickest admitted request finished.
+        assert rejected and max(o[1] for o in rejected) < min(o[1] for o in served)
+        assert len(served) >= 2  # the bounded queue admitted some
         # Recovered: the queue drained, new requests are served.
         ids, _, _ = await collect(stack.address, build_request("The capital of France is", max_tokens=8, temperature=0))
         assert ids == hf_reference.greedy(hf_reference.tokenizer("The capital of France is").input_ids, 8)

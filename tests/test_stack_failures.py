@@ -35,12 +35,11 @@ async def test_no_reachable_worker_is_unavailable_not_a_hang():
     dead = f"127.0.0.1:{free_port()}"
     router, info = start("router", "--port", "0", "--decode-workers", dead, "--prefill-workers", dead)
     try:
-        started = time.perf_counter()
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await generate(info["grpc"], build_request("hello", max_tokens=4), timeout=60)
+            await generate(info["grpc"], build_request("hello", max_tokens=4), timeout=120)
+        # A hang would end in DEADLINE_EXCEEDED; the router gives up on its own (worker_wait_s).
         assert err.value.code() is grpc.StatusCode.UNAVAILABLE
         assert dead in err.value.details()
-        assert time.perf_counter() - started < 20
     finally:
         assert router.stop() == 0
 
@@ -55,16 +54,17 @@ async def test_handshake_mismatch_is_refused_cleanly():
             await generate(r_info["grpc"], build_request("hello there", max_tokens=4), timeout=60)
         assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION
         assert "refused the KV handshake" in err.value.details() and "dtype" in err.value.details()
-        decode.wait_for(lambda line: "KV handshake" in line and "refused" in line, timeout=10)
+        decode.wait_for(lambda line: "KV handshake" in line and "refused" in line, timeout=60)
 
         async with grpc.aio.insecure_channel(d_info["grpc"]) as channel:
             stub = pdserve_pb2_grpc.DecodeWorkerStub(channel)
-            for _ in range(50):
-                stats = await stub.GetStats(pb.StatsRequest(), timeout=5)
+            deadline = time.monotonic() + 60
+            while True:  # the refused transfer's blocks come back (polled, bounded)
+                stats = await stub.GetStats(pb.StatsRequest(), timeout=10)
                 if stats.blocks_free == stats.blocks_total and stats.reserved_transfers == 0:
                     break
+                assert time.monotonic() < deadline, f"blocks still held: {stats}"
                 await asyncio.sleep(0.2)
-        assert stats.blocks_free == stats.blocks_total and stats.reserved_transfers == 0
         assert stats.counters["kv_handshakes_refused"] >= 1
     finally:
         for proc in (router, prefill, decode):

@@ -1,0 +1,130 @@
+"""What a request may ask for: the limits, the defaults and the checks.
+
+The router applies these rules to every public request; the engine applies the ones that
+concern it again to whatever reaches a worker (``SamplingParams`` checks itself on creation).
+Both call the same functions, so a request is judged the same way, and refused with the same
+words, wherever it arrives. Every refusal is an ``InvalidRequest`` naming the request field:
+``sampling.top_p: must be in (0, 1], got 1.5``. No torch here: the router imports this.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol, Sequence
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+MAX_REQUEST_ID_CHARS = 128
+PRIORITY_RANGE = (-100, 100)  # lower runs first
+MAX_PROMPT_CHARS = 1_000_000
+MAX_MESSAGES = 512
+
+# Sampling defaults follow vLLM/OpenAI: 256 new tokens (or what the context has room for),
+# temperature 1, top_p 1, top_k 0 (off).
+DEFAULT_MAX_TOKENS = 256
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_TOP_P = 1.0
+DEFAULT_TOP_K = 0
+MAX_TEMPERATURE = 100.0
+MAX_SEED = 2**63 - 1
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+
+
+class InvalidRequest(ValueError):
+    """A request field breaks a rule; ``field`` is its path (``sampling.stop[1]``)."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+        self.problem = problem
+
+
+class Sampling(Protocol):
+    """The sampling settings the checks read (``SamplingParams`` has them)."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: Sequence[str]
+    stop_token_ids: Sequence[int]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def default_max_tokens(prompt_len: int, max_model_len: int) -> int:
+    """``max_tokens`` when the client sets none: the default, or the room left in the context."""
+    return min(DEFAULT_MAX_TOKENS, max_model_len - prompt_len)
+
+
+def check_request_id(request_id: str) -> None:
+    if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
+        raise InvalidRequest("request_id", f"must be printable and at most {MAX_REQUEST_ID_CHARS} characters")
+
+
+def check_priority(priority: int) -> None:
+    lo, hi = PRIORITY_RANGE
+    if not (_is_int(priority) and lo <= priority <= hi):
+        raise InvalidRequest("priority", f"{priority} is outside [{lo}, {hi}]")
+
+
+def check_ttft_budget_ms(budget_ms: float) -> None:
+    if not (_is_number(budget_ms) and budget_ms > 0 and math.isfinite(budget_ms)):
+        raise InvalidRequest("ttft_budget_ms", f"must be a positive number of milliseconds, got {budget_ms}")
+
+
+def check_prompt_tokens(token_ids: Sequence[int], *, vocab_size: int, max_model_len: int,
+                        field: str = "prompt_token_ids") -> None:
+    """A prompt the model can run: at least one token, every id in the vocabulary, and room
+    left in the context for at least one new token."""
+    if not token_ids:
+        raise InvalidRequest(field, "the prompt holds no tokens")
+    bad = next((t for t in token_ids if not (_is_int(t) and 0 <= t < vocab_size)), None)
+    if bad is not None:
+        raise InvalidRequest(field, f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if len(token_ids) >= max_model_len:
+        raise InvalidRequest(field, f"{len(token_ids)} tokens leave no room in the model's context of {max_model_len}")
+
+
+def check_sampling(s: Sampling, *, vocab_size: int | None = None, prompt_len: int | None = None,
+                   max_model_len: int | None = None) -> None:
+    """The sampling rules, in field order. ``vocab_size`` adds the vocabulary bounds of
+    ``top_k`` and ``stop_token_ids``; ``prompt_len`` with ``max_model_len`` checks that
+    ``max_tokens`` new tokens fit in the context after the prompt."""
+    if not _is_int(s.max_tokens) or s.max_tokens < 1:
+        raise InvalidRequest("sampling.max_tokens", f"must be an integer >= 1, got {s.max_tokens!r}")
+    if prompt_len is not None and max_model_len is not None and prompt_len + s.max_tokens > max_model_len:
+        raise InvalidRequest(
+            "sampling.max_tokens",
+            f"{s.max_tokens} new tokens after a {prompt_len}-token prompt exceed the context of {max_model_len}",
+        )
+    if not (_is_number(s.temperature) and 0 <= s.temperature <= MAX_TEMPERATURE):  # also refuses NaN
+        raise InvalidRequest("sampling.temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {s.temperature!r}")
+    if not (_is_number(s.top_p) and 0 < s.top_p <= 1):
+        raise InvalidRequest("sampling.top_p", f"must be in (0, 1], got {s.top_p!r}")
+    if not (_is_int(s.top_k) and 0 <= s.top_k and (vocab_size is None or s.top_k <= vocab_size)):
+        bound = f"[0, {vocab_size}]" if vocab_size is not None else ">= 0"
+        raise InvalidRequest("sampling.top_k", f"must be an integer in {bound} (0 = off), got {s.top_k!r}")
+    if s.seed is not None and not (_is_int(s.seed) and 0 <= s.seed <= MAX_SEED):
+        raise InvalidRequest("sampling.seed", f"must be an integer in [0, 2**63), got {s.seed!r}")
+    if len(s.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest("sampling.stop", f"{len(s.stop)} stop strings exceed the limit of {MAX_STOP_STRINGS}")
+    for i, stop in enumerate(s.stop):
+        if not isinstance(stop, str) or not 0 < len(stop) <= MAX_STOP_STRING_CHARS:
+            raise InvalidRequest(f"sampling.stop[{i}]", f"must be 1 to {MAX_STOP_STRING_CHARS} characters")
+    if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest("sampling.stop_token_ids",
+                             f"{len(s.stop_token_ids)} ids exceed the limit of {MAX_STOP_TOKEN_IDS}")
+    bad = next((t for t in s.stop_token_ids
+                if not (_is_int(t) and 0 <= t and (vocab_size is None or t < vocab_size))), None)
+    if bad is not None:
+        where = f"the vocabulary [0, {vocab_size})" if vocab_size is not None else "the token ids (>= 0)"
+        raise InvalidRequest("sampling.stop_token_ids", f"token id {bad!r} is outside {where}")

@@ -1,0 +1,83 @@
+"""What the fuzz tests (tests/test_fuzz_*.py) share: bounded, reproducible hypothesis
+settings, and the KV-transfer peer that the handshake and live-server fuzzers talk as.
+
+Every fuzz test runs on CPU with derandomized (reproducible) examples. Explore more:
+``PDSERVE_FUZZ_RANDOM=1 PDSERVE_FUZZ_SCALE=10 pytest tests/test_fuzz_*.py``.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+
+from pdserve.kvtransfer.peer import PeerInfo, host_id
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+UINT64_MAX, UINT32_MAX = 2**64 - 1, 2**32 - 1
+
+_RANDOM = os.environ.get("PDSERVE_FUZZ_RANDOM") == "1"
+_SCALE = float(os.environ.get("PDSERVE_FUZZ_SCALE", "1"))
+
+
+def fuzz(max_examples: int, **kw) -> settings:
+    """Bounded, reproducible (unless PDSERVE_FUZZ_RANDOM=1), no example database on disk, and no
+    per-example deadline: a loaded machine must not fail a test (work is bounded by the
+    examples' sizes instead)."""
+    return settings(
+        max_examples=max(1, int(max_examples * _SCALE)), deadline=None, derandomize=not _RANDOM,
+        database=None, print_blob=_RANDOM,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+        **kw,
+    )
+
+
+# -- the KV peer: a tiny cache geometry and the credential both sides hold -------------------------
+LAYERS, HEADS, DIM, BLOCK, NUM_BLOCKS = 3, 2, 8, 8, 32
+TOKEN_BYTES = 2 * HEADS * DIM * 4
+MAX_PAYLOAD = NUM_BLOCKS * BLOCK * TOKEN_BYTES
+CREDENTIAL = "fuzz-credential"
+
+
+def peer_dict(**changes) -> dict:
+    base = dict(model_fingerprint="fuzz", dtype="float32", num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM,
+                block_size=BLOCK, transports=["tcp"], host_id=host_id(), role="prefill", auth_token=CREDENTIAL, extra={})
+    return {**base, **changes}
+
+
+DECODE_INFO = PeerInfo(**{**peer_dict(role="decode"), "transports": ("tcp",)})
+
+json_scalars = st.none() | st.booleans() | st.integers(INT64_MIN, INT64_MAX) | st.floats(allow_nan=False) | st.text(max_size=20)
+json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+                           max_leaves=8)
+PEER_FIELDS = list(peer_dict())
+
+
+CHANGED_FIELDS = st.sets(st.sampled_from(PEER_FIELDS))
+DROP_OR_RETYPE = st.sampled_from(["drop", "retype"])
+SAFE_TRANSPORTS = st.lists(st.text(max_size=8), max_size=4) | st.text(max_size=8) | st.none() | st.integers()
+SAFE_CREDENTIAL = st.text(max_size=30)
+ADDED_FIELDS = st.dictionaries(st.text(max_size=12), json_values, max_size=2)
+
+
+@st.composite
+def peer_json_objects(draw, known_bug_free: bool = False) -> dict:
+    """JSON objects shaped like a PeerInfo, with fields dropped, retyped or added."""
+    obj = peer_dict()
+    for name in draw(CHANGED_FIELDS, label="changed"):
+        if draw(DROP_OR_RETYPE) == "drop":
+            obj.pop(name)
+        elif known_bug_free and name == "transports":
+            obj[name] = draw(SAFE_TRANSPORTS)
+        elif known_bug_free and name == "auth_token":
+            obj[name] = draw(SAFE_CREDENTIAL)
+        else:
+            obj[name] = draw(json_values)
+    obj.update(draw(ADDED_FIELDS, label="added"))
+    return obj
+
+
+def encodings() -> st.SearchStrategy[str]:
+    return st.sampled_from(["utf-8", "utf-16", "utf-32", "utf-16-le"])  # json.loads detects each from the first bytes

@@ -1,0 +1,234 @@
+"""The dispatcher on fake workers (no servers, no model): the disaggregated and colocated paths,
+retries after a corrupted or missing KV handoff, migration off a dead decode worker without a
+lost or repeated token, the circuit breaker, TTFT budgets and waiting for a worker to return.
+Each fake stub plays a scripted worker and records what it was sent."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.dispatch import DispatchError, Dispatcher
+from pdserve.router.policy import RoundRobin
+from pdserve.router.validation import ValidatedRequest
+from pdserve.router.workers import Role, Worker, WorkerRegistry
+from pdserve.v1 import pdserve_pb2 as pb
+
+PROMPT = list(range(100, 140))
+
+
+def rpc_error(code: grpc.StatusCode, details: str = "injected", retry_after_ms: int | None = None) -> grpc.aio.AioRpcError:
+    trailing = grpc.aio.Metadata(("retry-after-ms", str(retry_after_ms))) if retry_after_ms else grpc.aio.Metadata()
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details)
+
+
+class FakeCall:
+    """A server-streaming call: yields ``events`` (DecodeEvents, or an exception to raise)."""
+
+    def __init__(self, events: list) -> None:
+        self.events = list(events)
+        self.cancelled = False
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+    async def read(self):
+        await asyncio.sleep(0)
+        if not self.events:
+            return grpc.aio.EOF
+        event = self.events.pop(0)
+        if isinstance(event, BaseException):
+            raise event
+        return event
+
+
+@dataclass
+class FakeDecode:
+    """Scripted Decode streams, one script per call: a list of generated token batches, an
+    exception to raise after them, or a reservation first when the router prefills elsewhere."""
+
+    scripts: list[tuple[list[list[int]], BaseException | None]]
+    requests: list[pb.DecodeRequest] = field(default_factory=list)
+    calls: list[FakeCall] = field(default_factory=list)
+
+    def Decode(self, request: pb.DecodeRequest, timeout=None, metadata=()) -> FakeCall:
+        self.requests.append(request)
+        batches, error = self.scripts.pop(0)
+        events = [] if request.prefill_locally else [pb.DecodeEvent(reservation=pb.Reservation(
+            target=pb.KvTarget(transfer_id=f"{len(self.requests):016x}", kv_address="kv:1", block_ids=[1, 2, 3])))]
+        # A disaggregated stream carries what follows the prefill's first token.
+        for n, batch in enumerate(batches):
+            last = n == len(batches) - 1 and error is None
+            events.append(pb.DecodeEvent(tokens=pb.TokenBatch(token_ids=batch, finish_reason="length" if last else "")))
+        if error is not None:
+            events.append(error)
+        call = FakeCall(events)
+        self.calls.append(call)
+        return call
+
+
+@dataclass
+class FakePrefill:
+    """Scripted Prefill answers, one per call: a first token id, or an exception to raise."""
+
+    answers: list[int | BaseException]
+    requests: list[pb.PrefillRequest] = field(default_factory=list)
+
+    async def Prefill(self, request: pb.PrefillRequest, timeout=None, metadata=()) -> pb.PrefillResponse:
+        self.requests.append(request)
+        await asyncio.sleep(0)
+        answer = self.answers.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        return pb.PrefillResponse(first_token_id=answer)
+
+
+def decode_worker(name: str, stub: FakeDecode) -> Worker:
+    return Worker(name, Role.DECODE, channel=None, decode_stub=stub)
+
+
+def prefill_worker(name: str, stub: FakePrefill) -> Worker:
+    return Worker(name, Role.PREFILL, channel=None, prefill_stub=stub)
+
+
+def registry(prefill: list[Worker], decode: list[Worker]) -> WorkerRegistry:
+    return WorkerRegistry(prefill=prefill, decode=decode,
+                          specs={Role.PREFILL: [w.address for w in prefill], Role.DECODE: [w.address for w in decode]})
+
+
+def dispatcher(reg: WorkerRegistry, **kwargs) -> Dispatcher:
+    kwargs = {"max_attempts": 4, "failure_threshold": 2, "worker_wait_s": 0.2, **kwargs}
+    return Dispatcher(reg, RoundRobin(), **kwargs)
+
+
+def request(max_tokens: int = 6, ttft_budget_ms: float | None = None) -> ValidatedRequest:
+    return ValidatedRequest("client-id", list(PROMPT), SamplingParams(max_tokens=max_tokens, temperature=0),
+                            ttft_budget_ms=ttft_budget_ms)
+
+
+async def collect(d: Dispatcher, req: ValidatedRequest, timeout_s: float = 30.0) -> tuple[list[int], str | None]:
+    ids, finish = [], None
+    async for event in d.generate(req, timeout_s):
+        ids += event.token_ids
+        finish = event.finish_reason
+    return ids, finish
+
+
+def idle(*workers: Worker) -> bool:
+    return all(w.inflight == 0 and w.inflight_tokens == 0 for w in workers)
+
+
+async def test_colocated_streams_the_decode_workers_tokens():
+    stub = FakeDecode([([[1, 2], [3], [4, 5, 6]], None)])
+    d = decode_worker("d", stub)
+    ids, finish = await collect(dispatcher(registry([], [d])), request())
+    assert (ids, finish) == ([1, 2, 3, 4, 5, 6], "length")
+    (sent,) = stub.requests
+    assert sent.prefill_locally and list(sent.token_ids) == PROMPT and sent.num_prior_output_tokens == 0
+    assert sent.sampling.max_tokens == 6
+    assert all(call.cancelled for call in stub.calls) and idle(d)  # the stream is closed once done
+
+
+async def test_disaggregated_first_token_from_prefill_then_decode_stream():
+    decode = FakeDecode([([[8, 9], [10]], None)])
+    prefill = FakePrefill([7])
+    p, d = prefill_worker("p", prefill), decode_worker("d", decode)
+    ids, finish = await collect(dispatcher(registry([p], [d])), request(max_tokens=4))
+    assert (ids, finish) == ([7, 8, 9, 10], "length")
+    (to_decode,), (to_prefill,) = decode.requests, prefill.requests
+    assert not to_decode.prefill_locally and list(to_prefill.token_ids) == PROMPT
+    assert to_prefill.target.transfer_id == "0000000000000001"  # where the decode worker reserved the KV
+    assert idle(p, d)
+
+
+async def test_a_corrupted_handoff_is_prefilled_again_elsewhere():
+    decode = FakeDecode([([], None), ([[8]], None)])
+    bad, good = FakePrefill([rpc_error(grpc.StatusCode.DATA_LOSS, "checksum mismatch")]), FakePrefill([7])
+    p1, p2, d = prefill_worker("p1", bad), prefill_worker("p2", good), decode_worker("d", decode)
+    disp = dispatcher(registry([p1, p2], [d]))
+    ids, finish = await collect(disp, request(max_tokens=2))
+    assert (ids, finish) == ([7, 8], "length")
+    assert disp.counters["retries"] == 1 and disp.counters["reprefills_after_corruption"] == 1
+    assert len(decode.calls) == 2 and all(call.cancelled for call in decode.calls)  # the failed attempt's too
+    assert idle(p1, p2, d)
+
+
+async def test_a_dead_decode_worker_is_migrated_from_without_losing_or_repeating_a_token():
+    dying = FakeDecode([([[1, 2], [3]], rpc_error(grpc.StatusCode.UNAVAILABLE, "connection reset"))])
+    healthy = FakeDecode([([[4, 5], [6]], None)])
+    d1, d2 = decode_worker("d1", dying), decode_worker("d2", healthy)
+    disp = dispatcher(registry([], [d1, d2]))
+    ids, finish = await collect(disp, request(max_tokens=6))
+    assert (ids, finish) == ([1, 2, 3, 4, 5, 6], "length")
+    (resumed,) = healthy.requests  # the prompt plus the three tokens the client already has
+    assert list(resumed.token_ids) == PROMPT + [1, 2, 3] and resumed.num_prior_output_tokens == 3
+    assert disp.counters["migrations"] == 1 and d1.consecutive_failures == 1
+    assert idle(d1, d2)
+
+
+async def test_errors_that_retrying_cannot_fix_are_raised_at_once():
+    stub = FakeDecode([([], rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids: bad")), ([[1]], None)])
+    d = decode_worker("d", stub)
+    disp = dispatcher(registry([], [d]))
+    with pytest.raises(DispatchError) as err:
+        await collect(disp, request())
+    assert err.value.code is grpc.StatusCode.INVALID_ARGUMENT and "prompt_token_ids: bad" in err.value.message
+    assert len(stub.requests) == 1 and not disp.counters and idle(d)
+
+
+async def test_attempts_are_bounded_and_failures_open_the_circuit():
+    unavailable = [([], rpc_error(grpc.StatusCode.UNAVAILABLE, f"down {i}")) for i in range(3)]
+    stub = FakeDecode(list(unavailable))
+    d = decode_worker("d", stub)
+    disp = dispatcher(registry([], [d]), max_attempts=2)
+    with pytest.raises(DispatchError) as err:
+        await collect(disp, request())
+    assert err.value.code is grpc.StatusCode.UNAVAILABLE and len(stub.requests) == 2
+    assert not d.healthy and d.consecutive_failures == 2  # two in a row: out of rotation
+    with pytest.raises(DispatchError) as err:  # nothing healthy left: give up after worker_wait_s
+        await collect(disp, request())
+    assert err.value.code is grpc.StatusCode.UNAVAILABLE and "no healthy decode worker" in err.value.message
+    assert len(stub.requests) == 2
+
+
+async def test_a_request_waits_for_a_worker_that_comes_back():
+    stub = FakeDecode([([[1]], None)])
+    d = decode_worker("d", stub)
+    d.healthy = False
+    disp = dispatcher(registry([], [d]), worker_wait_s=30.0)
+
+    async def recover():
+        await asyncio.sleep(0.05)
+        d.record_success()  # as the health monitor does when a probe succeeds again
+
+    ids, _ = (await asyncio.gather(collect(disp, request(max_tokens=1)), recover()))[0]
+    assert ids == [1]
+
+
+async def test_a_ttft_budget_the_queue_cannot_meet_is_refused_before_any_worker_call():
+    decode, prefill = FakeDecode([]), FakePrefill([])
+    p, d = prefill_worker("p", prefill), decode_worker("d", decode)
+    p.update_stats(pb.WorkerStats(address="p", block_size=16, queued_prefill_tokens=10_000, prefill_tokens_per_s=1_000))
+    disp = dispatcher(registry([p], [d]))
+    with pytest.raises(DispatchError) as err:
+        await collect(disp, request(ttft_budget_ms=500))
+    assert err.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED and err.value.retry_after_ms > 0
+    assert "ttft_budget_ms" in err.value.message and disp.counters["rejected_ttft_budget"] == 1
+    assert not decode.requests and not prefill.requests and idle(p, d)
+
+
+async def test_the_deadline_bounds_every_attempt():
+    unavailable = [([], rpc_error(grpc.StatusCode.UNAVAILABLE)) for _ in range(4)]
+    d1, d2 = decode_worker("d1", FakeDecode(list(unavailable))), decode_worker("d2", FakeDecode(list(unavailable)))
+    disp = dispatcher(registry([], [d1, d2]), max_attempts=4)
+    started = time.monotonic()
+    with pytest.raises(DispatchError):
+        await collect(disp, request(), timeout_s=0.05)
+    assert time.monotonic() - started < 30  # backs off no longer than the deadline allows (generous: loaded machines)
+    assert len(d1.decode_stub.requests) + len(d2.decode_stub.requests) <= 2

@@ -1,0 +1,216 @@
+"""The front ends without workers: the OpenAI API and the gRPC servicer in front of a stub
+dispatcher, with the real tokenizer. Validation runs off the event loop (a prompt that takes
+long to tokenize stalls no other request); both front ends refuse bad input through the one
+validation, naming the field in their own terms; worker failures map to HTTP statuses."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+from collections import Counter
+
+import grpc
+import openai
+import prometheus_client
+import pytest
+from starlette.responses import Response
+from starlette.routing import Route
+
+try:
+    import httpx
+except ImportError:  # newer openai SDKs depend on httpx2 instead
+    import httpx2 as httpx
+
+from pdserve.client import build_request
+from pdserve.router.completions import Completions
+from pdserve.router.dispatch import DispatchError, TokenEvent
+from pdserve.router.openai_api import create_app, http_port, serve_http
+from pdserve.router.request import CompletionRequest
+from pdserve.router.servicer import RouterService, add_router_service
+from pdserve.router.tokenizer import RouterTokenizer
+from pdserve.router.validation import InvalidRequest
+from pdserve.v1 import pdserve_pb2_grpc
+from test_openai_api import assert_openai_error
+
+MAX_INFLIGHT = 64
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir) -> RouterTokenizer:
+    return RouterTokenizer(model_dir)
+
+
+class EchoDispatcher:
+    """Streams the prompt's first tokens back, two per message; the last message finishes."""
+
+    def __init__(self) -> None:
+        self.counters: Counter[str] = Counter()
+        self.seen: list = []
+
+    async def generate(self, req, timeout_s):
+        self.seen.append(req)
+        out = (req.prompt_token_ids * req.sampling.max_tokens)[: req.sampling.max_tokens]
+        for i in range(0, len(out), 2):
+            yield TokenEvent(out[i:i + 2], "length" if i + 2 >= len(out) else None)
+
+
+class SlowTokenizer:
+    """The real tokenizer, except that a prompt starting with SLOW blocks until released."""
+
+    def __init__(self, tokenizer: RouterTokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def __getattr__(self, name: str):
+        return getattr(self.tokenizer, name)
+
+    def encode(self, text: str) -> list[int]:
+        if text.startswith("SLOW"):
+            self.entered.set()
+            assert self.release.wait(60), "never released"
+        return self.tokenizer.encode(text)
+
+
+async def _http(app):
+    server, task = await serve_http(app, "127.0.0.1", 0)
+    return server, task, f"http://127.0.0.1:{http_port(server)}"
+
+
+async def _stop(server, task) -> None:
+    server.should_exit = True
+    await task
+
+
+async def test_a_slow_prompt_stalls_no_other_request(tokenizer):
+    """Tokenizing runs on the validation threads: while one HTTP prompt is being tokenized, the
+    event loop keeps serving HTTP and gRPC requests."""
+    slow = SlowTokenizer(tokenizer)
+    completions = Completions(slow, EchoDispatcher(), 600, max_inflight=MAX_INFLIGHT)
+    server, task, base = await _http(create_app(completions, "m"))
+    grpc_server = grpc.aio.server()
+    add_router_service(RouterService(completions), grpc_server)
+    grpc_port = grpc_server.add_insecure_port("127.0.0.1:0")
+    await grpc_server.start()
+    try:
+        async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+            stuck = asyncio.create_task(http.post("/v1/completions", json={"prompt": "SLOW prompt", "max_tokens": 2}))
+            assert await asyncio.to_thread(slow.entered.wait, 60)
+            # The slow prompt sits in the tokenizer; both front ends still answer meanwhile.
+            quick = await http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4})
+            assert quick.status_code == 200 and quick.json()["usage"]["completion_tokens"] == 4
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+                stub = pdserve_pb2_grpc.RouterStub(channel)
+                messages = [m async for m in stub.Generate(build_request("Hi there", max_tokens=3), timeout=60)]
+            assert messages[-1].finish_reason == "length" and messages[-1].usage.completion_tokens == 3
+            assert not stuck.done()
+            slow.release.set()
+            assert (await stuck).status_code == 200
+    finally:
+        slow.release.set()
+        await grpc_server.stop(None)
+        await _stop(server, task)
+        completions.close()
+
+
+BAD = [  # (body changes, the OpenAI parameter named)
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": 10**6}, "top_k"),
+    ({"seed": -3}, "seed"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 10**6}, "max_tokens"),
+    ({"stop": ""}, "stop"),  # one string: named as the client sent it
+    ({"stop": ["a", ""]}, "stop[1]"),
+    ({"stop": ["x"] * 17}, "stop"),
+    ({"stop_token_ids": [10**7]}, "stop_token_ids"),
+    ({"priority": 1000}, "priority"),
+    ({"priority": 2**40}, "priority"),
+    ({"prompt": [1, 10**8]}, "prompt"),
+    ({"prompt": "word " * 9000}, "prompt"),
+    ({"prompt": "x" * 1_000_001}, "prompt"),
+]
+
+
+@pytest.mark.parametrize("change, param", BAD, ids=[p for _, p in BAD])
+async def test_http_and_grpc_refuse_the_same_input_naming_the_field(tokenizer, change, param):
+    """One validation behind both front ends: the same rule and words; only the name of the
+    field differs (OpenAI's parameter vs the GenerateRequest field path)."""
+    dispatcher = EchoDispatcher()
+    completions = Completions(tokenizer, dispatcher, 600, max_inflight=MAX_INFLIGHT)
+    server, task, base = await _http(create_app(completions, "m"))
+    try:
+        body = {"model": "m", "prompt": "Hello", "max_tokens": 2, **change}
+        async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+            error = assert_openai_error(await http.post("/v1/completions", json=body), 400, param)
+        stop = body["stop"] if isinstance(body.get("stop"), list) else [body["stop"]] if "stop" in body else None
+        prompt = body["prompt"]
+        fields = dict(max_tokens=body["max_tokens"], temperature=body.get("temperature"), top_p=body.get("top_p"),
+                      top_k=body.get("top_k"), seed=body.get("seed"), stop=stop, stop_token_ids=body.get("stop_token_ids"))
+        if "priority" in body and not -(2**31) <= body["priority"] < 2**31:
+            return  # beyond what the gRPC message can carry at all
+        request = (build_request(prompt_token_ids=prompt, priority=body.get("priority", 0), **fields) if isinstance(prompt, list)
+                   else build_request(prompt, priority=body.get("priority", 0), **fields))
+        with pytest.raises(InvalidRequest) as err:
+            await completions.validate(CompletionRequest.from_proto(request))
+        field = err.value.field
+        assert field.removeprefix("sampling.") == param or (field, param) in {("prompt_token_ids", "prompt"), ("sampling.stop[0]", "stop")}
+        assert error["message"] == f"{param}: {err.value.problem}"
+        assert not dispatcher.seen  # refused before any worker was asked
+    finally:
+        await _stop(server, task)
+        completions.close()
+
+
+class FailingDispatcher:
+    def __init__(self) -> None:
+        self.code = grpc.StatusCode.UNAVAILABLE
+        self.tokens_before_failing = 0
+        self.counters: Counter[str] = Counter()
+
+    async def generate(self, req, timeout_s):
+        for _ in range(self.tokens_before_failing):
+            yield TokenEvent([28])
+        raise DispatchError(self.code, f"injected {self.code.name}")
+
+
+async def test_worker_failures_map_to_http_statuses(tokenizer):
+    dispatcher = FailingDispatcher()
+    async def metrics(request):  # how the router adds /metrics to the HTTP port
+        return Response(prometheus_client.generate_latest(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
+
+    app = create_app(Completions(tokenizer, dispatcher, 600, max_inflight=1024), "m", extra_routes=[Route("/metrics", metrics)])
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    server, task = await serve_http(app, "127.0.0.1", 0)
+    base = f"http://127.0.0.1:{http_port(server)}"
+    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers  # the router owns the signals
+    with pytest.raises(OSError):  # a port in use fails here, and does not end the process
+        await serve_http(app, "127.0.0.1", http_port(server))
+    body = {"model": "m", "prompt": "Hello", "max_tokens": 4}
+    try:
+        async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+            for code, status in [(grpc.StatusCode.RESOURCE_EXHAUSTED, 429), (grpc.StatusCode.UNAVAILABLE, 503),
+                                 (grpc.StatusCode.DEADLINE_EXCEEDED, 504), (grpc.StatusCode.INTERNAL, 500)]:
+                dispatcher.code = code
+                for stream in (False, True):  # a stream that fails before its first token still gets the status
+                    response = await http.post("/v1/completions", json={**body, "stream": stream})
+                    error = assert_openai_error(response, status, code=code.name.lower(), text=f"injected {code.name}")
+                    assert error["type"] != "invalid_request_error"
+
+            scrape = await http.get("/metrics")
+            assert scrape.status_code == 200 and 'pdserve_request_rejections_total{reason="unavailable"}' in scrape.text
+
+            # Failing mid-stream: an error event, then [DONE]; the SDK raises it.
+            dispatcher.code, dispatcher.tokens_before_failing = grpc.StatusCode.UNAVAILABLE, 2
+            response = await http.post("/v1/completions", json={**body, "stream": True})
+            assert response.status_code == 200
+            events = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
+            assert '"error"' in events[-2] and "injected UNAVAILABLE" in events[-2] and events[-1] == "[DONE]"
+        async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0) as sdk:
+            stream = await sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}], stream=True)
+            with pytest.raises(openai.APIError, match="injected UNAVAILABLE"):
+                async for _ in stream:
+                    pass
+    finally:
+        server.should_exit = True
+        await task

@@ -1,0 +1,92 @@
+"""Where `pdserve up` puts its workers (defect: every worker on cuda:0, each claiming 90% of its
+free memory). Pure assignment logic: no GPU needed."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.config import resolve
+from pdserve.engine.engine_config import EngineConfig
+from pdserve.engine.kv_cache import parse_memory
+from pdserve.launcher import Cluster
+from pdserve.placement import Placement, parse_devices, plan
+from pdserve.settings import ClusterSettings, RouterSettings, WorkerSettings
+
+P2D2 = ["prefill", "prefill", "decode", "decode"]
+
+
+def devices(placements: list[Placement]) -> list[str]:
+    return [p.device for p in placements]
+
+
+def test_one_worker_per_gpu_while_there_are_enough():
+    placed = plan(P2D2, device="auto", kv_cache_memory="auto", num_gpus=4)
+    assert devices(placed) == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    assert all(p.kv_cache_memory == "auto" for p in placed)  # alone on its GPU: the usual 90% of free memory
+
+
+@pytest.mark.parametrize("num_gpus, expected, share", [
+    (2, ["cuda:0", "cuda:1", "cuda:0", "cuda:1"], "0.45"),
+    (1, ["cuda:0"] * 4, "0.225"),
+])
+def test_workers_sharing_a_gpu_split_its_memory(num_gpus, expected, share):
+    placed = plan(P2D2, device="cuda", kv_cache_memory="auto", num_gpus=num_gpus)
+    assert devices(placed) == expected
+    assert {p.kv_cache_memory for p in placed} == {share}
+    fractions = [parse_memory(p.kv_cache_memory)[1] for p in placed]  # what the engine reads: fractions of free memory
+    for gpu in set(expected):
+        assert sum(f for f, d in zip(fractions, expected) if d == gpu) == pytest.approx(0.9)
+
+
+def test_explicit_devices_per_role_are_used_round_robin():
+    placed = plan(P2D2, device="auto", kv_cache_memory="auto", num_gpus=8,
+                  role_devices={"prefill": ["cuda:0"], "decode": ["cuda:1", "cuda:2"]})
+    assert devices(placed) == ["cuda:0", "cuda:0", "cuda:1", "cuda:2"]
+    assert [p.kv_cache_memory for p in placed] == ["0.45", "0.45", "auto", "auto"]
+
+
+def test_a_list_for_one_role_only_leaves_the_other_to_round_robin():
+    placed = plan(["prefill", "decode", "decode"], device="auto", kv_cache_memory="auto", num_gpus=2,
+                  role_devices={"prefill": ["cuda:1"], "decode": []})
+    assert devices(placed) == ["cuda:1", "cuda:1", "cuda:0"]
+    assert [p.kv_cache_memory for p in placed] == ["0.45", "0.45", "auto"]
+
+
+def test_explicit_budgets_fractions_split_sizes_stay():
+    assert {p.kv_cache_memory for p in plan(P2D2, device="cuda", kv_cache_memory="0.5", num_gpus=2)} == {"0.25"}
+    assert {p.kv_cache_memory for p in plan(P2D2, device="cuda", kv_cache_memory="8GiB", num_gpus=2)} == {"8GiB"}
+
+
+def test_cpu_and_a_single_named_device():
+    assert plan(P2D2, device="cpu", kv_cache_memory="auto", num_gpus=4) == [Placement("cpu", "auto")] * 4
+    assert plan(P2D2, device="auto", kv_cache_memory="auto", num_gpus=0) == [Placement("auto", "auto")] * 4  # no GPU here
+    placed = plan(["prefill", "decode"], device="cuda:3", kv_cache_memory="auto", num_gpus=4)
+    assert placed == [Placement("cuda:3", "0.45")] * 2  # the user chose one GPU for all: they share it
+
+
+def test_device_lists_are_validated():
+    assert parse_devices(" cuda, cuda:2 ,cpu", "decode_devices") == ["cuda:0", "cuda:2", "cpu"]
+    with pytest.raises(ValueError, match="decode_devices: 'gpu1' is not a device"):
+        parse_devices("cuda:0,gpu1", "decode_devices")
+    with pytest.raises(ValueError, match="prefill_devices"):
+        resolve(ClusterSettings, None, env={"PDSERVE_PREFILL_DEVICES": "tpu:0"})
+
+
+def _worker_flags(args: list[str]) -> dict[str, str]:
+    return {flag: args[i + 1] for i, flag in enumerate(args) if flag in ("--device", "--kv-cache-memory")}
+
+
+def test_pdserve_up_passes_each_worker_its_device_and_budget():
+    cluster = Cluster(EngineConfig(), WorkerSettings(), RouterSettings(), ClusterSettings(prefill=1, decode=2))
+    commands = cluster.worker_commands(num_gpus=2)
+    assert [name for name, _ in commands] == ["prefill-0", "decode-0", "decode-1"]
+    assert [_worker_flags(args) for _, args in commands] == [
+        {"--device": "cuda:0", "--kv-cache-memory": "0.45"},
+        {"--device": "cuda:1"},  # alone on its GPU: the default budget, so no flag
+        {"--device": "cuda:0", "--kv-cache-memory": "0.45"},
+    ]
+    colocated = Cluster(EngineConfig(), WorkerSettings(), RouterSettings(),
+                        ClusterSettings(decode=2, colocated=True, decode_devices="cuda:1,cuda:0"))
+    assert [_worker_flags(args)["--device"] for _, args in colocated.worker_commands(num_gpus=2)] == ["cuda:1", "cuda:0"]
+    on_cpu = Cluster(EngineConfig(), WorkerSettings(), RouterSettings(), ClusterSettings())
+    assert all(_worker_flags(args) == {} for _, args in on_cpu.worker_commands(num_gpus=0))

@@ -94,6 +94,17 @@ def cpu_backend(fmt: KVFormat | None = None) -> AttentionBackend | None:
         heads = fmt.num_kv_heads or (kv.shape[3] if kv.dim() == 5 else 0)
         return module.paged_decode_attention(q, kv, block_tables, context_lens, scale, fmt.kind, heads)
 
+    def causal_attention(q, k, v, scale):
+        if not module.has_prefill_attention(q.shape[-1]):
+            return base.causal_attention(q, k, v, scale)
+        return module.prefill_attention(q, k, v, scale, 0)
+
+    def prefill_attention(q, kv, block_table, context_len, scale):
+        if not module.has_prefill_attention(q.shape[-1]):
+            return base.prefill_attention(q, kv, block_table, context_len, scale)
+        k, v = reference.gather_kv(kv, block_table, context_len, fmt if fmt.quantized else None)
+        return module.prefill_attention(q, k.contiguous(), v.contiguous(), scale, context_len - q.shape[0])
+
     def rope_write_kv(qkv, positions, rope, kv, slot_mapping, num_heads, num_kv_heads, head_dim):
         qkv = qkv.contiguous()
         module.rope_write_kv(qkv, positions, rope.cos, rope.sin, num_heads, num_kv_heads, head_dim, kv,
@@ -107,8 +118,8 @@ def cpu_backend(fmt: KVFormat | None = None) -> AttentionBackend | None:
     return AttentionBackend(
         name="cpu" if not fmt.quantized else f"cpu+{fmt.cache_dtype}",
         write_kv=base.write_kv,
-        causal_attention=base.causal_attention,
-        prefill_attention=base.prefill_attention,
+        causal_attention=causal_attention,
+        prefill_attention=prefill_attention,
         decode_attention=decode_attention,
         rope_write_kv=rope_write_kv,
         cpu_kernels=module,

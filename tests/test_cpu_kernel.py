@@ -178,3 +178,30 @@ def test_auto_backend_on_cpu_uses_it(kernel):
     assert select_backend(torch.device("cpu"), "auto", KVFormat("int8", 3, 64, torch.float32)).name == "cpu+int8"
     with pytest.raises(ValueError, match="attention backend"):
         select_backend(torch.device("cpu"), "magic")
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("tokens, prior", [(1, 0), (5, 0), (37, 0), (129, 0), (40, 60), (1, 300)])
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim", [(9, 3, 64), (4, 4, 128), (8, 1, 128)])
+def test_prefill_attention_matches_reference(kernel, dtype, atol, tokens, prior, num_q_heads, num_kv_heads, head_dim):
+    torch.manual_seed(tokens + prior)
+    # q as a strided view into a fused qkv tensor, as the model passes it.
+    qkv = torch.randn(tokens, (num_q_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)
+    q = qkv[:, : num_q_heads * head_dim].view(tokens, num_q_heads, head_dim)
+    k = torch.randn(prior + tokens, num_kv_heads, head_dim, dtype=dtype)
+    v = torch.randn(prior + tokens, num_kv_heads, head_dim, dtype=dtype)
+    scale = head_dim**-0.5
+    got = kernel.prefill_attention(q, k, v, scale, prior)
+    positions = torch.arange(prior, prior + tokens)
+    mask = positions[:, None] >= torch.arange(prior + tokens)[None, :]
+    expected = reference._attention(q.float(), k.float(), v.float(), scale, attn_mask=mask)
+    assert got.dtype == dtype and got.shape == q.shape
+    torch.testing.assert_close(got.float(), expected, atol=atol, rtol=0)
+
+
+def test_prefill_attention_refuses_what_it_cannot_do(kernel):
+    q, k = torch.randn(4, 2, 64), torch.randn(3, 2, 64)
+    with pytest.raises(RuntimeError, match="last positions"):
+        kernel.prefill_attention(q, k, k, 0.1, 0)
+    with pytest.raises(RuntimeError, match="head_dim"):
+        kernel.prefill_attention(torch.randn(4, 2, 80), torch.randn(4, 2, 80), torch.randn(4, 2, 80), 0.1, 0)

@@ -21,3 +21,6 @@ void rope_write_kv(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos
 bool has_dense_bf16();
 torch::Tensor pack_bf16(torch::Tensor w);
 torch::Tensor dense_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, int64_t n, bool float_out);
+
+bool has_prefill_attention(int64_t head_dim);
+torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale, int64_t q_offset);

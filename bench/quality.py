@@ -15,6 +15,7 @@ import torch
 
 from pdserve.engine.forward_batch import ForwardBatch, PrefillSegment
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
 
 
 def fixed_text() -> str:
@@ -79,3 +80,60 @@ def top1_agreement(engine: LLMEngine, reference: LLMEngine, sequences: list[list
         same += int((a == b).sum())
         total += len(ids)
     return same / total
+
+
+# Instruction prompts for the greedy comparison (chat-formatted by the model's template).
+PROMPTS = (
+    "What is the capital of France? Answer in one sentence.",
+    "Write a short poem about the sea.",
+    "Explain what a hash table is to a beginner.",
+    "List three uses of a paperclip.",
+)
+# (label, quantization, kv_cache_dtype, allowed perplexity increase over the unquantized model)
+CONFIGS = (
+    ("bf16", "none", "auto", 0.0),
+    ("int8", "int8", "auto", 0.02),
+    ("int4", "int4", "auto", 0.08),
+    ("kv-int8", "none", "int8", 0.01),
+    ("kv-fp8", "none", "fp8", 0.01),
+)
+
+
+def greedy(engine: LLMEngine, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    engine.add_request("quality", prompt_ids, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    out: list[int] = []
+    while engine.has_unfinished():
+        for o in engine.step():
+            out += o.new_token_ids
+    return out
+
+
+def quality(args) -> dict:
+    """Perplexity (a fixed text of ``args.text_tokens`` tokens), greedy agreement with the
+    unquantized model on the prompts above, and the gates, for every quantization."""
+    from transformers import AutoTokenizer
+
+    from pdserve.bench.engine_bench import make_engine
+    from pdserve.engine.model_store import resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(None)))
+    text_ids = tokenizer(fixed_text()).input_ids[: args.text_tokens]
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=True)["input_ids"] for p in PROMPTS]
+    rows = {}
+    reference = None
+    for label, quant, kv, allowed in CONFIGS:
+        engine = make_engine(args.dtype, args.threads, quantization=quant, kv_cache_dtype=kv, kv_cache_memory="512MiB")
+        ppl = perplexity(engine, text_ids)
+        outputs = [greedy(engine, ids, 64) for ids in prompts]
+        if reference is None:
+            reference, ref_engine, ref_ppl, ref_outputs = label, engine, ppl, outputs
+        same = sum(a == b for got, want in zip(outputs, ref_outputs) for a, b in zip(got, want))
+        increase = ppl.ppl / ref_ppl.ppl - 1
+        rows[label] = {
+            "perplexity": round(ppl.ppl, 3), "tokens": ppl.tokens, "increase": round(increase, 4),
+            "gate": f"<= +{allowed:.0%}", "gate_met": increase <= allowed,
+            "greedy_identical_share": round(same / sum(map(len, ref_outputs)), 3),
+            "top1_agreement": round(top1_agreement(engine, ref_engine, [p + o for p, o in zip(prompts, ref_outputs)]), 4),
+        }
+    return {"bench": "quality", "dtype": args.dtype, "reference": reference, "text": "pydoc_data.topics", "configs": rows}

@@ -1,0 +1,122 @@
+"""How close batch-1 decode and prefill come to this machine's limits.
+
+Decode is memory-bound: its floor is the bytes a step streams (every decoder linear layer's
+weights as stored, quantized or not, and the lm_head; the embedding reads one row) over the
+measured read bandwidth. Prefill is compute-bound: its FLOPs are counted honestly, the decoder
+linears for every prompt token, causal attention, and the lm_head for the one token whose
+logits are needed (a tied embedding's lookup is not a matmul), over the measured bf16/fp32
+matmul peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.packed_linear import PackedBF16Linear
+from pdserve.engine.quantization import QuantizedLinear
+from pdserve.engine.sampling_params import SamplingParams
+
+PROMPT_TOKENS = 512
+
+
+def streamed_bytes(layer: nn.Module) -> int:
+    """Bytes of weights one forward through ``layer`` reads for a decode-sized input."""
+    if isinstance(layer, QuantizedLinear):
+        return layer.nbytes
+    if isinstance(layer, PackedBF16Linear):
+        return layer.packed.numel() * layer.packed.element_size()
+    return layer.weight.numel() * layer.weight.element_size()
+
+
+def decoder_linears(engine: LLMEngine) -> list[nn.Module]:
+    return [m for layer in engine.model.model.layers
+            for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+
+
+def prefill_flops(engine: LLMEngine, tokens: int) -> float:
+    cfg = engine.model_config
+    linear_params = sum(m.in_features * m.out_features for m in decoder_linears(engine))
+    attention = 2 * 2 * cfg.num_heads * cfg.head_dim * tokens * (tokens + 1) / 2 * cfg.num_layers  # QK^T and PV, causal
+    head = 2 * cfg.hidden_size * cfg.vocab_size  # one row of logits
+    return 2 * linear_params * tokens + attention + head
+
+
+def batch1_decode_s(engine: LLMEngine, repeats: int, context: int = 64) -> float:
+    """Median step time of one sequence decoding at a short context."""
+    engine.add_request("b1", list(range(1000, 1000 + context)),
+                       SamplingParams(max_tokens=repeats + 4, temperature=0, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    decode_s = statistics.median(timed(engine.step) for _ in range(repeats))
+    engine.abort("b1")
+    return decode_s
+
+
+def prefill_s(engine: LLMEngine, repeats: int, tokens: int = PROMPT_TOKENS) -> float:
+    times = []
+    for i in range(repeats):
+        engine.add_request(f"p{i}", [1000 + (i * 7 + j) % 30000 for j in range(tokens)], SamplingParams(max_tokens=1, temperature=0))
+        times.append(timed(engine.step))
+        while engine.has_unfinished():
+            engine.step()
+    return statistics.median(times)
+
+
+def run(args: argparse.Namespace) -> dict:
+    from pdserve.bench.engine_bench import engine_from_args
+
+    engine = engine_from_args(args)
+    weight_bytes = sum(map(streamed_bytes, decoder_linears(engine))) + streamed_bytes(engine.model.lm_head)
+    bandwidth = memory_bandwidth()
+    peak = matmul_peak(engine.dtype)
+    decode = batch1_decode_s(engine, args.repeats)
+    prefill = prefill_s(engine, max(3, args.repeats // 5))
+    compiled = {}
+    if args.compile:
+        # Python dispatch between the small ops is what torch.compile could remove: compile the
+        # whole Python decoder (the C++ decode loop is switched off for this figure).
+        engine.model.decode_stack = None
+        started = time.perf_counter()
+        engine.model.model.layers = nn.ModuleList(torch.compile(layer, dynamic=True) for layer in engine.model.model.layers)
+        batch1_decode_s(engine, 1)  # compiles
+        compiled = {"compile_s": round(time.perf_counter() - started, 1),
+                    "decode_ms_compiled": round(batch1_decode_s(engine, args.repeats) * 1e3, 2)}
+    floor = weight_bytes / bandwidth
+    flops = prefill_flops(engine, PROMPT_TOKENS)
+    return {
+        "bench": "roofline", "dtype": args.dtype, "quantization": args.quantization, "threads": args.threads,
+        "streamed_weight_mb": round(weight_bytes / 1e6, 1), "memory_gb_s": round(bandwidth / 1e9, 1),
+        "matmul_gflop_s": round(peak / 1e9, 1),
+        "decode_ms": round(decode * 1e3, 2), "decode_tok_s": round(1 / decode, 1),
+        "decode_floor_ms": round(floor * 1e3, 2), "decode_fraction_of_limit": round(floor / decode, 3),
+        "prefill_tok_s": round(PROMPT_TOKENS / prefill, 1), "prefill_gflop_per_prompt": round(flops / 1e9, 1),
+        "prefill_fraction_of_peak": round(flops / prefill / peak, 3), **compiled,
+    }
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def memory_bandwidth() -> float:
+    """Read bandwidth: summing a buffer far larger than the caches."""
+    x = torch.ones(256 * 2**20 // 4, dtype=torch.float32)
+    x.sum()
+    best = min(timed(x.sum) for _ in range(5))
+    return x.numel() * 4 / best
+
+
+def matmul_peak(dtype: torch.dtype) -> float:
+    a = torch.randn(2048, 2048, dtype=dtype)
+    b = torch.randn(2048, 2048, dtype=dtype)
+    a @ b
+    best = min(timed(lambda: a @ b) for _ in range(5))
+    return 2 * 2048**3 / best

@@ -43,7 +43,9 @@ def make_jobs(n: int, prompt_range: tuple[int, int], output_range: tuple[int, in
 
 
 def make_engine(dtype: str, threads: int, **overrides) -> LLMEngine:
-    settings = dict(dtype=dtype, device="cpu", kv_cache_memory="4GiB", num_threads=threads, max_num_seqs=64)
+    # No prefix caching: a benchmark that repeats a prompt must compute it every time.
+    settings = dict(dtype=dtype, device="cpu", kv_cache_memory="4GiB", num_threads=threads, max_num_seqs=64,
+                    enable_prefix_caching=False)
     settings.update(overrides)
     return LLMEngine(EngineConfig(**settings), model_dir=str(resolve_model(None)))
 

@@ -18,7 +18,8 @@ from pdserve.settings import ClusterSettings, RouterSettings, WorkerSettings
 
 log = logging.getLogger("pdserve")
 
-UP_WORKER_FIELDS = ("host", "port", "advertise_host", "kv_port", "colocated", "cpus", "metrics_port")
+# Set by the launcher (addresses, roles) or shared with the router's flag of the same name (profile, SLO).
+UP_WORKER_FIELDS = ("host", "port", "advertise_host", "kv_port", "colocated", "cpus", "metrics_port", "profile", "slo_tpot_ms")
 
 
 def _parser() -> argparse.ArgumentParser:

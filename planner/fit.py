@@ -54,3 +54,18 @@ def fit_step_cost(samples: list[StepSample]) -> tuple[StepCost, float]:
     cost = StepCost(*(float(c) for c in best))
     predicted = np.array([cost.ms(s.shape) for s in samples])
     return cost, float(np.median(np.abs(predicted - y) / y))
+
+
+def robust_fit(samples: list[StepSample], max_dropped: float = 0.2) -> tuple[StepCost, float, list[StepSample]]:
+    """``fit_step_cost`` that sets aside samples a shared machine's other tenants disturbed: one
+    at a time, the worst-fitting sample while it is off by more than 30% and by more than three
+    times the median error, at most ``max_dropped`` of them. Returns the cost, its median
+    relative error over the kept samples, and the samples set aside."""
+    kept, dropped = list(samples), []
+    while True:
+        cost, error = fit_step_cost(kept)
+        errors = [abs(cost.ms(s.shape) - s.ms) / s.ms for s in kept]
+        worst = max(range(len(kept)), key=errors.__getitem__)
+        if errors[worst] <= max(0.3, 3 * error) or len(dropped) + 1 > max_dropped * len(samples) or len(kept) <= 6:
+            return cost, error, dropped
+        dropped.append(kept.pop(worst))

@@ -46,7 +46,7 @@ from pdserve.router.workers import PromptBlocks, Role, Worker
 RESERVE_POLL_S = 0.02  # how often a decode worker retries a reservation (decode_worker.servicer)
 RESERVE_WAIT_S = 30.0  # its lease: how long a reservation may wait for blocks
 STRAGGLER_GRACE_S = 5.0  # as the load generator: a run's stragglers are cancelled this long after its limit
-DEFAULT_KV_TOKENS = 1 << 20  # KV capacity of a worker when neither the profile nor the config bounds it
+DEFAULT_KV_TOKENS = 64 * 2048  # KV capacity of a worker when neither the profile nor the config bounds it
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,8 +122,15 @@ class SimWorker:
         self.engine = SimEngine(limits)
         self.record = Worker(name, Role.PREFILL if role == "prefill" else Role.DECODE, channel=None)
         self.handlers: dict[str, Callable[[StepOutput], None]] = {}
-        self.busy = False
         self.prefill_rate = 0.0  # tokens/s of its recent prefill steps, as LLMEngine reports it
+        self.schedule = None  # the step in progress
+        self.work_ms = 0.0  # what is left of it, in ms at full speed
+        self.version = 0  # bumped whenever its end is rescheduled (stale end events are dropped)
+        self.charged_at = 0.0  # when work_ms was last brought up to date
+
+    @property
+    def busy(self) -> bool:
+        return self.schedule is not None
 
     def kick(self) -> None:
         """Starts a step if the worker is idle and has something to run."""
@@ -133,19 +140,19 @@ class SimWorker:
         if schedule.empty:
             return  # waiting for blocks: a release or a finish kicks it again
         shape = self.engine.shape(schedule)
-        sim, overheads = self.sim, self.sim.profile.overheads
-        sim.busy_threads += self.degree
-        sharing = max(1.0, sim.busy_threads / sim.profile.cores) if sim.profile.cores else 1.0
-        ms = self.cost.ms(shape) * sharing + overheads.step_ms + overheads.seq_ms * len(schedule.chunks)
+        overheads = self.sim.profile.overheads
+        self.work_ms = self.cost.ms(shape) + overheads.step_ms + overheads.seq_ms * len(schedule.chunks)
         if schedule.prefills:
-            rate = (shape.prefill_tokens + shape.decodes) / (ms / 1e3)
+            rate = (shape.prefill_tokens + shape.decodes) / (self.work_ms / 1e3)
             self.prefill_rate = rate if not self.prefill_rate else 0.8 * self.prefill_rate + 0.2 * rate
-        self.busy = True
-        sim.after(ms / 1e3, self._step_done, schedule)
+        self.schedule = schedule
+        self.sim.reshare(started=self)
 
-    def _step_done(self, schedule) -> None:
-        self.busy = False
-        self.sim.busy_threads -= self.degree
+    def step_done(self, version: int) -> None:
+        if version != self.version:
+            return  # rescheduled since
+        schedule, self.schedule = self.schedule, None
+        self.sim.reshare()
         for out in self.engine.finish_step(schedule):
             handler = self.handlers.get(out.request_id)
             if handler is not None:
@@ -174,7 +181,6 @@ class Simulation:
         self.now = 0.0
         self._events: list = []
         self._order = itertools.count()
-        self.busy_threads = 0
         self.counters: Counter = Counter()
         prefill_degree, decode_degree = topology.degrees(profile, config.num_threads)
         decode_role = "colocated" if topology.colocated else "decode"
@@ -183,7 +189,9 @@ class Simulation:
         self.prefill = [] if topology.colocated else [
             SimWorker(self, "prefill", f"prefill-{i}", prefill_degree, self._limits(prefill_degree))
             for i in range(topology.prefill)]
-        self._by_record = {id(w.record): w for w in self.decode + self.prefill}
+        self.workers = self.decode + self.prefill
+        self._by_record = {id(w.record): w for w in self.workers}
+        self._speed = 1.0  # of every running step, while the busy set stays as it is
         self.policy = make_policy(topology.policy)
         self.conditional = None
         if topology.conditional:
@@ -206,6 +214,32 @@ class Simulation:
 
     def after(self, delay_s: float, fn: Callable, *args) -> None:
         heapq.heappush(self._events, (self.now + max(0.0, delay_s), next(self._order), fn, args))
+
+    def _wake(self, worker: SimWorker) -> None:
+        """The worker's engine thread picks up new work after whatever else arrives at this
+        instant (requests sent together share a step, as the engine loop drains its queue)."""
+        self.after(0.0, worker.kick)
+
+    def reshare(self, started: SimWorker | None = None) -> None:
+        """Processor sharing on a CPU: while the busy workers' threads outnumber the machine's
+        cores, each runs at cores / busy threads of its speed. Called whenever a step starts
+        (``started``) or ends: charges every running step for the time since the last change
+        at the speed it had, then reschedules its end at the new speed."""
+        if not self.profile.cores:  # a worker per device: steps never slow each other
+            if started is not None:
+                started.version += 1
+                self.after(started.work_ms / 1e3, started.step_done, started.version)
+            return
+        running = [w for w in self.workers if w.busy]
+        for w in running:
+            if w is not started:
+                w.work_ms = max(0.0, w.work_ms - (self.now - w.charged_at) * 1e3 * self._speed)
+            w.charged_at = self.now
+        threads = sum(w.degree for w in running)
+        self._speed = min(1.0, self.profile.cores / threads) if threads else 1.0
+        for w in running:
+            w.version += 1
+            self.after(w.work_ms / self._speed / 1e3, w.step_done, w.version)
 
     # -- a run -----------------------------------------------------------------------------------
     def run(self, specs: list[RequestSpec], offsets: list[float]) -> SimRun:
@@ -230,7 +264,7 @@ class Simulation:
         return SimRun(timelines, max(ends, default=0.0), self.counters)
 
     def _publish_stats(self) -> None:
-        for w in self.decode + self.prefill:
+        for w in self.workers:
             w.publish_stats()
         if self._pending:
             self.after(self.profile.overheads.stats_interval_s, self._publish_stats)
@@ -267,7 +301,7 @@ class Simulation:
                 req.work = self.conditional.begin_local(decode.record, tokens)
             decode.handlers[req.rid] = lambda out: self._token(req, out)
             decode.engine.add_request(req.rid, tokens, req.spec.max_tokens, self.now)
-            decode.kick()
+            self._wake(decode)
             return
         req.work = prefill.record.begin_prefill(PromptBlocks(tokens))
         self._reserve(req, prefill, self.now)
@@ -285,7 +319,7 @@ class Simulation:
             return
         prefill.handlers[req.rid] = lambda out: self._prefilled(req, prefill, out)
         prefill.engine.add_request(req.rid, tokens, req.spec.max_tokens, self.now, prefill_only=True)
-        prefill.kick()
+        self._wake(prefill)
 
     def _prefilled(self, req: _Request, prefill: SimWorker, out: StepOutput) -> None:
         prefill.record.end_prefill(req.work)
@@ -301,7 +335,7 @@ class Simulation:
 
     def _landed(self, req: _Request, prefill: SimWorker) -> None:
         prefill.engine.release(req.rid)
-        prefill.kick()
+        self._wake(prefill)
         self._deliver(req)
         decode, (block_ids, cached) = req.decode, req.blocks
         decode.handlers[req.rid] = lambda out: self._token(req, out)
@@ -309,7 +343,7 @@ class Simulation:
         if decode.engine.add_prefilled(req.rid, tokens, req.spec.prompt_len, req.spec.max_tokens, block_ids, cached, self.now):
             self._finish(req)
         else:
-            decode.kick()
+            self._wake(decode)
 
     def _token(self, req: _Request, out: StepOutput) -> None:
         if out.first and self.conditional is not None and req.work:

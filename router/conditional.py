@@ -17,13 +17,12 @@ worker's backlog, as in-flight prompts do for prefill workers.
 
 from __future__ import annotations
 
-import logging
+import contextlib
 from dataclasses import dataclass
 from typing import AsyncIterator, TypeVar
 
 from pdserve.router.workers import PromptBlocks, Worker
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DEFAULT_THRESHOLD_TOKENS = 128
@@ -112,11 +111,12 @@ class ConditionalRouter:
         until the first event (the prompt is done) or the end of the stream."""
         work = self.begin_local(decode, token_ids)
         try:
-            async for event in stream:
-                if work:
-                    self.end_local(decode, work)
-                    work = 0
-                yield event
+            async with contextlib.aclosing(stream):  # closing this closes the worker call at once
+                async for event in stream:
+                    if work:
+                        self.end_local(decode, work)
+                        work = 0
+                    yield event
         finally:
             if work:
                 self.end_local(decode, work)

@@ -176,8 +176,7 @@ def plan(profile: Profile, specs: list[RequestSpec], slo: Goodput, budget: int, 
         rate, metrics = unit_goodput(profile, unit.topology, specs, slo, attainment_target, config,
                                      guess=unit.estimate or 0.05, burstiness=burstiness, seed=seed, span_s=span_s)
         simulated.append(UnitResult(unit.topology, unit.devices, unit.estimate, rate, metrics))
-    # Fill the budget: the unit that serves the most in it, per device as the tie-break.
-    best = max(simulated, key=lambda u: ((budget // u.devices) * (u.goodput or 0.0), u.per_device))
+    best = best_fill(simulated, budget)
     replicas = budget // best.devices
     needed, at_target = None, None
     if target_rate is not None and best.goodput:
@@ -186,6 +185,15 @@ def plan(profile: Profile, specs: list[RequestSpec], slo: Goodput, budget: int, 
         at_target = compute(run.timelines, run.duration, slo)
     ranked = sorted(simulated, key=lambda u: -u.per_device) + [u for u in units if u not in _shortlist(units, top_k)]
     return FleetPlan(best, replicas, budget, target_rate, needed, at_target, ranked)
+
+
+def best_fill(units: list[UnitResult], budget: int) -> UnitResult:
+    """The simulated unit that, replicated as often as ``budget`` holds, serves the most
+    (goodput per device breaks ties)."""
+    fitting = [u for u in units if u.goodput is not None and u.devices <= budget]
+    if not fitting:
+        raise ValueError(f"no simulated unit fits {budget} devices")
+    return max(fitting, key=lambda u: ((budget // u.devices) * (u.goodput or 0.0), u.per_device))
 
 
 def _shortlist(units: list[UnitResult], top_k: int) -> list[UnitResult]:

@@ -69,7 +69,8 @@ def render(rows: list[dict]) -> str:
             name for name, ok in (("goodput", r["goodput_met"]), ("ITL", r["itl_met"])) if not ok))
         lines.append(f"{r['rate']!s:>5s} {g['colocated']:>8.2f} / {g['1p1d']:.2f} / {g['1p1d-conditional']:.2f}"
                      f"{r['goodput_ratio']:>7.2f}x {i['1p1d']:>9.1f} / {i['1p1d-conditional']:.1f}"
-                     f"{t['colocated']:>11.0f} / {t['1p1d']:.0f} / {t['1p1d-conditional']:.0f} {r['local_prefills'] or 0:>6.0f}  {met}")
+                     f"{t['colocated']:>11.0f} / {t['1p1d']:.0f} / {t['1p1d-conditional']:.0f}"
+                     f" {r['local_prefills'] or 0:>6.0f}  {met}")
     return "\n".join(lines)
 
 

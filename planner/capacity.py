@@ -89,7 +89,8 @@ def decode_rate(profile: Profile, degree: int, w: WorkloadStats, tpot_ms: float 
     if batch == 0:
         return 0.0
     o = profile.overheads
-    step = profile.step_cost(degree).decode_step_ms(batch, round(w.mean_prompt + w.mean_output / 2)) + o.step_ms + o.seq_ms * batch
+    context = round(w.mean_prompt + w.mean_output / 2)
+    step = profile.step_cost(degree).decode_step_ms(batch, context) + o.step_ms + o.seq_ms * batch
     return DECODE_UTILISATION * batch / (w.mean_output * step / 1e3)
 
 

@@ -226,7 +226,8 @@ def _stack_samples(engine_config: EngineConfig, colocated: bool, progress: bool)
             "itl8": [g * 1e3 for t in eight for g in t.itls]}
 
 
-def stack_overheads(engine_config: EngineConfig, steps: dict[int, StepCost], cores: int, transfer_ms, progress: bool) -> tuple[Overheads, dict]:
+def stack_overheads(engine_config: EngineConfig, steps: dict[int, StepCost], cores: int, transfer_ms,
+                    progress: bool) -> tuple[Overheads, dict]:
     """Overheads from real stacks: what the engine model and the KV transfer leave unexplained."""
     raw, per_stack = {}, []
     for colocated in (True, False):
@@ -335,7 +336,8 @@ def write_profile(args: argparse.Namespace, parts: list[str], degrees: list[int]
     path = profile.save(args.output)
     for degree in degrees:
         c = steps[degree]
-        print(f"degree {degree}: prefill 512 tokens {c.prefill_alone_ms(512):.0f} ms, decode batch 1 {c.decode_step_ms(1, 512):.1f} ms, "
+        print(f"degree {degree}: prefill 512 tokens {c.prefill_alone_ms(512):.0f} ms, "
+              f"decode batch 1 {c.decode_step_ms(1, 512):.1f} ms, "
               f"batch 32 {c.decode_step_ms(32, 512):.1f} ms (fit error {errors[degree]:.1%})")
     print(f"overheads: {dataclasses.asdict(overheads)}")
     print(f"profile written to {path}")

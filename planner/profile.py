@@ -218,7 +218,8 @@ class Profile:
             values["steps"] = {_degree(k, "steps"): StepCost(**v) for k, v in data["steps"].items()}
             values["transfers"] = {str(k): TransferCost(**v) for k, v in data["transfers"].items()}
             values["overheads"] = Overheads(**data.get("overheads", {}))
-            values["kv_cache_tokens"] = {_degree(k, "kv_cache_tokens"): int(v) for k, v in data.get("kv_cache_tokens", {}).items()}
+            values["kv_cache_tokens"] = {_degree(k, "kv_cache_tokens"): int(v)
+                                         for k, v in data.get("kv_cache_tokens", {}).items()}
             values["fit_error"] = {_degree(k, "fit_error"): float(v) for k, v in data.get("fit_error", {}).items()}
             values["samples"] = tuple(data.get("samples", ()))
         except KeyError as e:

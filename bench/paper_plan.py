@@ -42,7 +42,7 @@ from tqdm import tqdm  # noqa: E402
 
 from pdserve.bench import workloads  # noqa: E402
 from pdserve.bench.metrics import Goodput  # noqa: E402
-from pdserve.planner.plan_cli import _unit  # noqa: E402
+from pdserve.planner.plan_cli import unit_summary  # noqa: E402
 from pdserve.planner import capacity  # noqa: E402
 from pdserve.planner.planner import UnitResult, best_fill, estimate, plan, unit_devices, unit_goodput  # noqa: E402
 from pdserve.planner.profile import Overheads, Profile, StepCost, TransferCost  # noqa: E402
@@ -114,13 +114,13 @@ def main(argv: list[str] | None = None) -> int:
         n = budget // best.devices
         ours = n * best.goodput
         n_theirs = budget // theirs.devices
-        plans[budget] = {"unit": _unit(best), "replicas": n, "gpus_used": n * best.devices, "goodput_rps": ours,
+        plans[budget] = {"unit": unit_summary(best), "replicas": n, "gpus_used": n * best.devices, "goodput_rps": ours,
                          "distserve_replicas": n_theirs, "distserve_goodput_rps": n_theirs * theirs.goodput}
         print(f"{budget:5d} GPUs: {n} x [{best.label}] = {n * best.devices} GPUs, {ours:.1f} req/s; DistServe's placement: "
               f"{n_theirs} x [{theirs.label}] = {n_theirs * 3} GPUs, {n_theirs * theirs.goodput:.1f} req/s")
     if args.json:
         args.json.write_text(json.dumps({"profile": profile.source, "slo_ms": SLO.as_dict(), "plans": plans,
-                                         "units": [_unit(u) for u in simulated]}, indent=1))
+                                         "units": [unit_summary(u) for u in simulated]}, indent=1))
     return 0
 
 

@@ -58,7 +58,7 @@ def _percentiles(m: RunMetrics | None) -> dict | None:
             "tpot_p99_ms": m.tpot.p99, "itl_p99_ms": m.itl.p99, "request_goodput": m.request_goodput}
 
 
-def _unit(u: UnitResult) -> dict:
+def unit_summary(u: UnitResult) -> dict:
     return {"unit": u.label, "prefill": u.topology.prefill, "decode": u.topology.decode, "colocated": u.topology.colocated,
             "conditional": u.topology.conditional, "prefill_degree": u.topology.prefill_degree,
             "decode_degree": u.topology.decode_degree, "devices": u.devices, "estimate_rps": u.estimate,
@@ -69,10 +69,10 @@ def _unit(u: UnitResult) -> dict:
 def to_json(fleet: FleetPlan, profile: Profile, slo: Goodput, attainment: float) -> dict:
     return {"profile": {"model": profile.model, "device": profile.device, "parallel": profile.parallel,
                         "source": profile.source},
-            "slo_ms": slo.as_dict(), "attainment": attainment, "budget": fleet.budget, "unit": _unit(fleet.unit),
+            "slo_ms": slo.as_dict(), "attainment": attainment, "budget": fleet.budget, "unit": unit_summary(fleet.unit),
             "replicas": fleet.replicas, "devices_used": fleet.devices, "goodput_rps": fleet.goodput,
             "target_rate": fleet.target_rate, "replicas_for_target": fleet.replicas_for_target,
-            "at_target": _percentiles(fleet.at_target), "candidates": [_unit(u) for u in fleet.candidates]}
+            "at_target": _percentiles(fleet.at_target), "candidates": [unit_summary(u) for u in fleet.candidates]}
 
 
 def render(fleet: FleetPlan, profile: Profile, slo: Goodput, attainment: float) -> str:

@@ -7,6 +7,8 @@ benchmark's own: ``workloads.build`` with the same seed, one ``workloads.variant
 sent at ``arrivals.arrival_offsets`` with the same seed, and the metrics come from the same
 ``metrics.compute``; so a simulated and a measured run of one command line compare request by
 request. Result files say ``"backend": "pdserve-sim"``, ``"simulated": true`` and the profile.
+Workers share the machine's cores as the OS would schedule them (``--pin-cores`` is not
+modelled), and nothing else runs on the machine (other tenants are not modelled either).
 Bad input exits with code 2 and a one-line message.
 """
 

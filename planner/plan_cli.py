@@ -89,6 +89,10 @@ def render(fleet: FleetPlan, profile: Profile, slo: Goodput, attainment: float) 
     skipped = sum(u.goodput is None for u in fleet.candidates)
     lines.append(f"({skipped} more candidates estimated, not simulated; --json lists them)")
     u = fleet.unit
+    if not fleet.goodput:
+        lines += ["", f"no placement within {fleet.budget} {kind} meets the SLOs for {attainment:.0%} of the requests "
+                  "at any rate: loosen the SLOs or lower --attainment"]
+        return "\n".join(lines)
     lines += ["", f"plan for {fleet.budget} {kind}: {fleet.replicas} x [{u.label}] = {fleet.devices} {kind}, "
               f"goodput {fleet.goodput:.2f} req/s ({u.per_device:.3f} per device)"]
     if fleet.target_rate is not None:

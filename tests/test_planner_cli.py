@@ -120,3 +120,10 @@ def test_up_takes_the_planner_flags():
     for role in ("prefill", "decode"):
         worker = cli._parser().parse_args([role, "--profile", "p.json", "--slo-tpot-ms", "40"])
         assert (worker.profile, worker.slo_tpot_ms) == ("p.json", 40.0)
+
+
+def test_plan_says_when_nothing_meets_the_slo(profile_path, capsys):
+    code = plan_cli.main(["--profile", profile_path, "--workload", "random", "--slo", "ttft:5", "--devices", "2",
+                          "--num-prompts", "20", "--top-k", "2", "--disable-tqdm"])
+    assert code == 0
+    assert "no placement within 2 cores meets the SLOs for 90% of the requests" in capsys.readouterr().out

@@ -12,7 +12,10 @@ Modes (the mode string is the label in tables, plots and file names):
 - A started stack's name may be followed by ``-<policy>`` (round_robin, least_loaded,
   kv_aware; default ``--policy``, else kv_aware) and/or ``-nochunk`` (chunked prefill off in
   every worker), e.g. ``2p1d-kv_aware``, ``2p1d-round_robin``, ``1p1d-nochunk``,
-  ``colocated-nochunk``. ``--pin-cores`` pins the workers of every started stack (1p1d on 2
+  ``colocated-nochunk``; an ``NpMd`` stack also by ``-conditional`` (conditional
+  disaggregation: decode workers prefill short prompts themselves), e.g. ``1p1d-conditional``.
+  ``--profile`` gives started stacks a profile (the conditional threshold; with
+  ``--slo-tpot-ms``, prefill chunks sized so a mixed step stays within it). ``--pin-cores`` pins the workers of every started stack (1p1d on 2
   cores: one core each; colocated: its one worker gets both).
 
 Each rate of a sweep sends a variant of the workload (``workloads.variant``: same lengths,
@@ -55,7 +58,7 @@ from pdserve.engine.engine_config import EngineConfig  # noqa: E402
 from pdserve.settings import KV_TRANSPORTS, ROUTING_POLICIES, ClusterSettings, RouterSettings, WorkerSettings  # noqa: E402
 
 MODE_SYNTAX = "live, hf, colocated or NpMd (e.g. 1p1d, 2p1d), the last two optionally followed by " \
-    f"-POLICY ({', '.join(ROUTING_POLICIES)}) and/or -nochunk"
+    f"-POLICY ({', '.join(ROUTING_POLICIES)}) and/or -nochunk, NpMd also by -conditional"
 MAX_WORKERS_PER_ROLE = 16
 PROG = "pdserve bench"
 _TOPOLOGY = re.compile(r"(\d+)p(\d+)d")
@@ -72,6 +75,7 @@ class Mode:
     colocated: bool = False
     policy: str | None = None  # None: --policy, else the router's default
     chunked_prefill: bool = True  # False: -nochunk
+    conditional: bool = False  # -conditional: decode workers prefill short prompts themselves
 
 
 def parse_mode(text: str) -> Mode:
@@ -96,6 +100,8 @@ def parse_mode(text: str) -> Mode:
             mode = dataclasses.replace(mode, policy=suffix)
         elif suffix == "nochunk" and mode.chunked_prefill:
             mode = dataclasses.replace(mode, chunked_prefill=False)
+        elif suffix == "conditional" and not mode.conditional and not mode.colocated:
+            mode = dataclasses.replace(mode, conditional=True)
         else:
             raise ValueError(f"unknown mode {label}: bad or repeated suffix -{suffix}; modes are {MODE_SYNTAX}")
     return mode
@@ -132,9 +138,31 @@ class Plan:
     workload: workloads.WorkloadConfig
     short_threshold: int
     policy: str | None
+    profile: str | None
+    slo_tpot_ms: float | None
+    conditional_threshold_tokens: int | None
     engine: EngineConfig
     worker: WorkerSettings
     cluster: ClusterSettings
+
+
+def add_workload_arguments(wl) -> None:
+    """The workload options (shared with pdserve simulate and pdserve plan)."""
+    wl.add_argument("--workload", "--dataset-name", dest="workload", default="random",
+                    help=f"one of {', '.join(workloads.WORKLOADS)} (default: random)")
+    wl.add_argument("--dataset-path", default=None, help="JSONL file for the jsonl workload")
+    wl.add_argument("--input-len", default=None, help="input tokens, N or LO:HI (per-workload default)")
+    wl.add_argument("--output-len", default=None, help="output tokens, N or LO:HI (per-workload default)")
+    wl.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: distinct system prompts (default: 4)")
+    wl.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: tokens per system prompt (default: 256)")
+    wl.add_argument("--long-fraction", type=float, default=workloads.MIXED_LONG_FRACTION,
+                    help="mixed: share of long requests (default: %(default)s); --input-len/--output-len set the short ones")
+    wl.add_argument("--long-input-len", default=None,
+                    help="mixed: input tokens of the long requests, N or LO:HI (default: %d:%d)" % workloads.MIXED_LONG_INPUT)
+    wl.add_argument("--long-output-len", default=None,
+                    help="mixed: output tokens of the long requests, N or LO:HI (default: %d:%d)" % workloads.MIXED_LONG_OUTPUT)
+    wl.add_argument("--short-threshold", type=int, default=DEFAULT_SHORT_THRESHOLD,
+                    help="prompts shorter than this many tokens are 'short' in the TTFT split (default: %(default)s)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,22 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--result-dir", default="bench/results", help="JSON files and PNG plots (default: %(default)s)")
     load.add_argument("--disable-tqdm", action="store_true", help="no progress bars")
     load.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    wl = p.add_argument_group("workload")
-    wl.add_argument("--workload", "--dataset-name", dest="workload", default="random",
-                    help=f"one of {', '.join(workloads.WORKLOADS)} (default: random)")
-    wl.add_argument("--dataset-path", default=None, help="JSONL file for the jsonl workload")
-    wl.add_argument("--input-len", default=None, help="input tokens, N or LO:HI (per-workload default)")
-    wl.add_argument("--output-len", default=None, help="output tokens, N or LO:HI (per-workload default)")
-    wl.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: distinct system prompts (default: 4)")
-    wl.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: tokens per system prompt (default: 256)")
-    wl.add_argument("--long-fraction", type=float, default=workloads.MIXED_LONG_FRACTION,
-                    help="mixed: share of long requests (default: %(default)s); --input-len/--output-len set the short ones")
-    wl.add_argument("--long-input-len", default=None,
-                    help="mixed: input tokens of the long requests, N or LO:HI (default: %d:%d)" % workloads.MIXED_LONG_INPUT)
-    wl.add_argument("--long-output-len", default=None,
-                    help="mixed: output tokens of the long requests, N or LO:HI (default: %d:%d)" % workloads.MIXED_LONG_OUTPUT)
-    wl.add_argument("--short-threshold", type=int, default=DEFAULT_SHORT_THRESHOLD,
-                    help="prompts shorter than this many tokens are 'short' in the TTFT split (default: %(default)s)")
+    add_workload_arguments(p.add_argument_group("workload"))
     stack = p.add_argument_group("stacks started by the benchmark (and the hf baseline)")
     add_arguments(stack, EngineConfig)
     stack.add_argument("--kv-transport", default=None, choices=KV_TRANSPORTS, help="KV transport of the started stacks")
@@ -182,7 +195,26 @@ def build_parser() -> argparse.ArgumentParser:
                        help="routing policy of a started stack whose mode names none (default: kv_aware)")
     stack.add_argument("--pin-cores", action=argparse.BooleanOptionalAction, default=None, help="pin each worker to its own cores")
     stack.add_argument("--startup-timeout-s", type=float, default=None, help="wait for a started stack (default: 300)")
+    stack.add_argument("--profile", default=None,
+                       help="a profile (pdserve profile) for started stacks: the conditional threshold and, with "
+                            "--slo-tpot-ms, prefill chunks sized from it")
+    stack.add_argument("--slo-tpot-ms", type=float, default=None,
+                       help="started stacks keep a step that mixes prefill and decode within this many ms (needs --profile)")
+    stack.add_argument("--conditional-threshold-tokens", type=int, default=None,
+                       help="-conditional stacks: uncached prompt tokens a decode worker always prefills (default: from --profile)")
     return p
+
+
+def workload_config(args: argparse.Namespace) -> workloads.WorkloadConfig:
+    return workloads.WorkloadConfig(
+        name=args.workload, num_prompts=args.num_prompts, seed=args.seed,
+        input_len=workloads.parse_range(args.input_len) if args.input_len else None,
+        output_len=workloads.parse_range(args.output_len) if args.output_len else None,
+        num_prefixes=args.num_prefixes, prefix_len=args.prefix_len, path=args.dataset_path,
+        long_fraction=args.long_fraction,
+        long_input_len=workloads.parse_range(args.long_input_len) if args.long_input_len else workloads.MIXED_LONG_INPUT,
+        long_output_len=workloads.parse_range(args.long_output_len) if args.long_output_len else workloads.MIXED_LONG_OUTPUT,
+    )
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
@@ -195,26 +227,29 @@ def make_plan(args: argparse.Namespace) -> Plan:
     for name, value, low in counts:
         if value < low:
             raise ValueError(f"{name} must be >= {low}, got {value}")
+    if args.slo_tpot_ms is not None and not (args.slo_tpot_ms > 0 and math.isfinite(args.slo_tpot_ms)):
+        raise ValueError(f"--slo-tpot-ms must be a positive number of milliseconds, got {args.slo_tpot_ms}")
+    if args.slo_tpot_ms is not None and not args.profile:
+        raise ValueError("--slo-tpot-ms sizes prefill chunks from a profile: give --profile FILE too")
+    if args.conditional_threshold_tokens is not None and args.conditional_threshold_tokens < 0:
+        raise ValueError(f"--conditional-threshold-tokens must be >= 0, got {args.conditional_threshold_tokens}")
+    if args.profile:
+        from pdserve.planner.profile import Profile
+
+        Profile.load(args.profile)  # a bad profile is bad input, found before any stack starts
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     for name in ("time_limit_s", "request_timeout_s", "connect_timeout_s"):
         if not (getattr(args, name) > 0 and math.isfinite(getattr(args, name))):
             raise ValueError(f"--{name.replace('_', '-')} must be a positive number, got {getattr(args, name)}")
-    wl = workloads.WorkloadConfig(
-        name=args.workload, num_prompts=args.num_prompts, seed=args.seed,
-        input_len=workloads.parse_range(args.input_len) if args.input_len else None,
-        output_len=workloads.parse_range(args.output_len) if args.output_len else None,
-        num_prefixes=args.num_prefixes, prefix_len=args.prefix_len, path=args.dataset_path,
-        long_fraction=args.long_fraction,
-        long_input_len=workloads.parse_range(args.long_input_len) if args.long_input_len else workloads.MIXED_LONG_INPUT,
-        long_output_len=workloads.parse_range(args.long_output_len) if args.long_output_len else workloads.MIXED_LONG_OUTPUT,
-    )
+    wl = workload_config(args)
     return Plan(
         modes=modes, address=args.addr, rates=rates, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
         seed=args.seed, warmup=args.warmup, goodput=Goodput.parse(args.goodput), result_dir=Path(args.result_dir),
         time_limit_s=args.time_limit_s, request_timeout_s=args.request_timeout_s, connect_timeout_s=args.connect_timeout_s,
         hf_batch_size=args.hf_batch_size, progress=not args.disable_tqdm, plots=not args.no_plots, workload=wl,
-        short_threshold=args.short_threshold, policy=args.policy,
+        short_threshold=args.short_threshold, policy=args.policy, profile=args.profile, slo_tpot_ms=args.slo_tpot_ms,
+        conditional_threshold_tokens=args.conditional_threshold_tokens,
         engine=resolve(EngineConfig, args),
         worker=resolve(WorkerSettings, args, env={}),
         cluster=resolve(ClusterSettings, args, env={}),
@@ -238,7 +273,9 @@ def _free_port() -> int:
 def _stack_config(mode: Mode, plan: Plan, port: int = 0) -> tuple[EngineConfig, RouterSettings, ClusterSettings]:
     """The settings of the stack a mode starts: --flags, then what the mode name says."""
     engine = plan.engine if mode.chunked_prefill else dataclasses.replace(plan.engine, enable_chunked_prefill=False)
-    router = RouterSettings(host="127.0.0.1", port=port, policy=mode.policy or plan.policy or RouterSettings.policy)
+    router = RouterSettings(host="127.0.0.1", port=port, policy=mode.policy or plan.policy or RouterSettings.policy,
+                            conditional=mode.conditional, profile=plan.profile, slo_tpot_ms=plan.slo_tpot_ms,
+                            conditional_threshold_tokens=plan.conditional_threshold_tokens)
     cluster = ClusterSettings(
         prefill=mode.prefill, decode=mode.decode, colocated=mode.colocated,
         pin_cores=plan.cluster.pin_cores, startup_timeout_s=plan.cluster.startup_timeout_s,
@@ -254,6 +291,7 @@ def _stack_info(mode: Mode, plan: Plan) -> dict | None:
         "prefill_workers": cluster.prefill, "decode_workers": cluster.decode, "colocated": cluster.colocated,
         "policy": router.policy, "chunked_prefill": engine.enable_chunked_prefill,
         "max_num_batched_tokens": engine.max_num_batched_tokens, "pin_cores": cluster.pin_cores,
+        "conditional": router.conditional, "profile": router.profile, "slo_tpot_ms": router.slo_tpot_ms,
     }
 
 

@@ -16,6 +16,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.loader import pick_device
 from pdserve.grpc_server import start_server
 from pdserve.metrics import WorkerCollector, start_worker_metrics
+from pdserve.planner import chunking
 from pdserve.kvtransfer.layout import CacheLayers
 from pdserve.kvtransfer.negotiate import local_transports
 from pdserve.kvtransfer.peer import local_peer_info
@@ -62,6 +63,7 @@ async def serve(engine_config: EngineConfig, settings: WorkerSettings, security:
     transports = local_transports(settings.kv_transport, device)
     pools = _PoolFactory(transports, device)
     engine = await asyncio.to_thread(LLMEngine, engine_config, kv_storage=pools)
+    chunking.install(engine, settings.profile, settings.slo_tpot_ms)  # before the engine thread starts
     loop = EngineLoop(engine)
     loop.start()
     role = "colocated" if settings.colocated else "decode"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.sequence import Sequence, SequenceStatus
@@ -81,6 +82,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_rejected = 0
         self._step = 0
+        # Optional: given a step's decodes, the most prompt tokens the step may add (so that a
+        # mixed step stays within a TPOT SLO; planner.chunking sizes it from a profile).
+        self.prefill_token_limit: Callable[[list[ScheduledChunk]], int] | None = None
 
     # -- queues -----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -122,6 +126,8 @@ class Scheduler:
             if self._reserve_next_token(seq, out):
                 out.decodes.append(ScheduledChunk(seq, seq.num_computed_tokens, 1))
                 budget -= 1
+        if self.prefill_token_limit is not None and out.decodes:
+            budget = min(budget, max(0, self.prefill_token_limit(out.decodes)))
 
         for seq in self.running:
             if budget == 0:

@@ -1,9 +1,10 @@
-"""The ``pdserve`` command: up, generate, router, prefill, decode, config."""
+"""The ``pdserve`` command: up, generate, router, prefill, decode, config, bench, profile, simulate, plan."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import logging
 import os
@@ -18,8 +19,10 @@ from pdserve.security import SecuritySettings
 from pdserve.settings import ClusterSettings, RouterSettings, WorkerSettings
 
 log = logging.getLogger("pdserve")
+PLANNER_COMMANDS = {"profile": "measure", "simulate": "simulate_cli", "plan": "plan_cli"}  # command -> pdserve.planner module
 
-UP_WORKER_FIELDS = ("host", "port", "advertise_host", "kv_port", "colocated", "cpus", "metrics_port")
+# Set by the launcher (addresses, roles) or shared with the router's flag of the same name (profile, SLO).
+UP_WORKER_FIELDS = ("host", "port", "advertise_host", "kv_port", "colocated", "cpus", "metrics_port", "profile", "slo_tpot_ms")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -66,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     health.add_argument("--timeout", type=float, default=3.0)
 
     sub.add_parser("bench", add_help=False, help="TTFT/ITL serving benchmark (pdserve bench --help)")
+    sub.add_parser("profile", add_help=False, help="measure the model on this machine for the simulator and planner")
+    sub.add_parser("simulate", add_help=False, help="the serving benchmark, simulated from a profile")
+    sub.add_parser("plan", add_help=False, help="prefill/decode worker counts for a workload, SLOs and a device budget")
 
     show = sub.add_parser("config", help="print the effective configuration")
     show.add_argument("--show", action="store_true", help="print it (the default action)")
@@ -81,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         from pdserve.bench.serve import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] and argv[0] in PLANNER_COMMANDS:  # the planner's commands own their flags too
+        return importlib.import_module(f"pdserve.planner.{PLANNER_COMMANDS[argv[0]]}").main(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "generate":
         from pdserve.generate_cli import run_generate

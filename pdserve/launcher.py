@@ -172,6 +172,9 @@ class Cluster:
             self.worker, host=self.router.host, port=0, kv_port=0, cpus=cpus,
             colocated=self.cluster.colocated and role == "decode",
             metrics_port=0 if self.cluster.metrics else None,
+            # The router's profile and TPOT SLO also size the workers' prefill chunks.
+            profile=self.worker.profile or self.router.profile,
+            slo_tpot_ms=self.worker.slo_tpot_ms if self.worker.slo_tpot_ms is not None else self.router.slo_tpot_ms,
         )
         return [*to_args(engine), *to_args(worker)]
 

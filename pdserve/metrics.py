@@ -26,6 +26,11 @@ ITL = Histogram("pdserve_inter_token_latency_seconds", "Time between streamed ch
 E2E = Histogram("pdserve_e2e_request_latency_seconds", "Request latency, first byte in to last byte out", buckets=_LATENCY_BUCKETS)
 INFLIGHT = Gauge("pdserve_router_inflight_requests", "Requests the router is serving")
 MIGRATIONS = Counter("pdserve_migrations", "Requests moved to another worker after a failure", ["kind"])
+# The online planner (planner.online): what this router's share of the load needs. Sum over routers.
+PLANNER_DESIRED_REPLICAS = Gauge("pdserve_planner_desired_replicas",
+                                 "Replicas this router's load needs per pool (unrounded; sum over routers)", ["role"])
+PLANNER_REQUEST_RATE = Gauge("pdserve_planner_request_rate", "Request rate the online planner forecasts (req/s)")
+PLANNER_CORRECTION = Gauge("pdserve_planner_latency_correction", "Measured over profile-predicted latency", ["metric"])
 
 # -- prefill side of KV transfer ---------------------------------------------------------------------
 KV_TRANSFER_SECONDS = Histogram(

@@ -30,8 +30,12 @@ class WorkerSettings:
     cpus: str = setting("", "pin this process to these CPU cores, e.g. '0' or '2,3' (default: no pinning)")
     metrics_port: int | None = setting(None, "serve Prometheus /metrics on this port (0: any free port; unset: off)")
     max_queued_requests: int = setting(256, "requests waiting for this worker beyond which it answers RESOURCE_EXHAUSTED")
+    profile: str | None = setting(None, "a profile (pdserve profile --output FILE); with --slo-tpot-ms, a worker that "
+                                  "mixes prefill into decode steps sizes prefill chunks from it")
+    slo_tpot_ms: float | None = setting(None, "TPOT SLO in ms: one step that mixes prefill and decode stays within it")
 
     def __post_init__(self) -> None:
+        _check_slo("slo_tpot_ms", self.slo_tpot_ms)
         if self.kv_lease_s <= 0:
             raise ValueError(f"kv_lease_s must be > 0, got {self.kv_lease_s}")
         if self.max_queued_requests < 1:
@@ -75,8 +79,23 @@ class RouterSettings:
     http_port: int | None = setting(None, "serve the OpenAI-compatible HTTP API (and /metrics) on this port")
     metrics_port: int | None = setting(None, "serve Prometheus /metrics on this port when there is no HTTP port")
     max_inflight_requests: int = setting(1024, "requests in flight beyond which new ones get RESOURCE_EXHAUSTED")
+    conditional: bool = setting(False, "conditional disaggregation: a decode worker with headroom prefills short prompts "
+                                "(and any, while the prefill pool is backed up) itself")
+    conditional_threshold_tokens: int | None = setting(
+        None, "uncached prompt tokens a decode worker always prefills itself under --conditional (default: from --profile, else 128)")
+    profile: str | None = setting(None, "a profile (pdserve profile --output FILE): conditional threshold and the online planner")
+    slo_ttft_ms: float | None = setting(None, "TTFT SLO in ms, for the online planner")
+    slo_tpot_ms: float | None = setting(None, "TPOT SLO in ms, for the online planner and conditional routing")
+    autoscale_interval_s: float = setting(30.0, "how often the online planner (needs --profile) updates its replica gauges")
+    autoscale_window_s: float = setting(120.0, "the online planner forecasts load from the arrivals of this window")
 
     def __post_init__(self) -> None:
+        _check_slo("slo_ttft_ms", self.slo_ttft_ms)
+        _check_slo("slo_tpot_ms", self.slo_tpot_ms)
+        if self.conditional_threshold_tokens is not None and self.conditional_threshold_tokens < 0:
+            raise ValueError(f"conditional_threshold_tokens must be >= 0, got {self.conditional_threshold_tokens}")
+        if not (self.autoscale_interval_s > 0 and self.autoscale_window_s > 0):
+            raise ValueError("autoscale_interval_s and autoscale_window_s must be > 0")
         if self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
         if self.max_migrations < 0:
@@ -113,3 +132,8 @@ class ClusterSettings:
     def role_devices(self) -> dict[str, list[str]]:
         return {"prefill": parse_devices(self.prefill_devices, "prefill_devices"),
                 "decode": parse_devices(self.decode_devices, "decode_devices")}
+
+
+def _check_slo(name: str, value: float | None) -> None:
+    if value is not None and not (value > 0 and value != float("inf")):
+        raise ValueError(f"{name} must be a positive number of milliseconds, got {value}")

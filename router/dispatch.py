@@ -26,6 +26,7 @@ import grpc
 
 from pdserve import metrics
 from pdserve.grpc_server import RETRY_AFTER_KEY
+from pdserve.router.conditional import ConditionalRouter
 from pdserve.router.policy import NoWorkerAvailable, RoutingPolicy
 from pdserve.router.validation import ValidatedRequest
 from pdserve.router.workers import PromptBlocks, Worker, WorkerRegistry
@@ -88,11 +89,14 @@ class Dispatcher:
         self.max_attempts = max_attempts  # 1 + retries/migrations per request
         self.failure_threshold = failure_threshold
         self.counters: Counter[str] = Counter()
+        self.conditional: ConditionalRouter | None = None  # prefill short prompts on the decode worker
+        self.observer = None  # planner.online.OnlinePlanner: sees arrivals, first tokens and ends
 
     async def generate(self, req: ValidatedRequest, timeout_s: float) -> AsyncIterator[TokenEvent]:
         deadline = time.monotonic() + timeout_s
         prior: list[int] = []
         failed: set[str] = set()
+        watch = self.observer.watch(req) if self.observer is not None else None
         for attempt in range(1, self.max_attempts + 1):
             try:
                 # Closed as soon as the request ends, not whenever the generator is collected:
@@ -100,6 +104,8 @@ class Dispatcher:
                 async with contextlib.aclosing(self._attempt(Attempt(req, list(prior)), deadline, failed)) as events:
                     async for event in events:
                         prior += event.token_ids
+                        if watch is not None:
+                            watch.token(len(event.token_ids), event.finish_reason)
                         yield event
                         if event.finish_reason:
                             return
@@ -138,9 +144,16 @@ class Dispatcher:
 
     async def _attempt(self, attempt: Attempt, deadline: float, failed: set[str]) -> AsyncIterator[TokenEvent]:
         decode, prefill = await self._pick(attempt, deadline, failed)
+        local = prefill is not None and self.conditional is not None and self.conditional.prefill_locally(
+            attempt.token_ids, decode, self.registry.prefill)
+        if local:
+            prefill = None
+            self.counters["conditional_local_prefills"] += 1
         if attempt.request.ttft_budget_ms is not None and not attempt.prior:
             self._check_ttft_budget(attempt, prefill or decode)
         stream = self._disaggregated(attempt, prefill, decode, deadline) if prefill else self._colocated(attempt, decode, deadline)
+        if local:
+            stream = self.conditional.track(decode, attempt.token_ids, stream)
         async with contextlib.aclosing(stream):
             async for event in stream:
                 yield event

@@ -15,6 +15,7 @@ from pdserve.grpc_server import start_server
 from pdserve.metrics import serve_metrics
 from pdserve.process import announce_ready, wait_for_shutdown_signal
 from pdserve.router.completions import Completions
+from pdserve.planner.router_setup import attach_planner
 from pdserve.router.dispatch import Dispatcher
 from pdserve.router.health_monitor import HealthMonitor
 from pdserve.router.openai_api import create_app, http_port, serve_http
@@ -62,11 +63,14 @@ async def serve(settings: RouterSettings, security: SecuritySettings) -> None:
     registry = WorkerRegistry.connect(prefill, decode, security.channel_credentials(), security.cluster_metadata())
     dispatcher = Dispatcher(registry, make_policy(settings.policy), max_attempts=1 + settings.max_migrations,
                             failure_threshold=settings.worker_failure_threshold, worker_wait_s=settings.worker_wait_s)
+    planner = await asyncio.to_thread(attach_planner, dispatcher, settings, bool(prefill))
     completions = Completions(tokenizer, dispatcher, settings.request_timeout_s, settings.max_inflight_requests)
     service = RouterService(completions)
     monitor = HealthMonitor(registry, settings.worker_failure_threshold)
     await monitor.probe_all()
     monitor.start()
+    if planner is not None:
+        planner.start()
 
     server = await start_server(
         [lambda s: add_router_service(service, s)], ["Router"], settings.host, settings.port,
@@ -96,6 +100,8 @@ async def serve(settings: RouterSettings, security: SecuritySettings) -> None:
         http_server.should_exit = True
         await http_task
     await server.stop(SHUTDOWN_GRACE_S)
+    if planner is not None:
+        await planner.stop()
     await monitor.stop()
     await registry.close()
     completions.close()

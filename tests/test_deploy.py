@@ -410,6 +410,48 @@ def test_kubernetes_manifests_match_the_schemas():
         kubernetes_validate.validate(obj, "1.30", strict=True)
 
 
+def test_autoscalers_scale_the_pools_on_the_routers_planner_gauges():
+    """HPAs target the pool Deployments on the metric the router exports (pdserve.metrics), through
+    prometheus-adapter's rule; the router runs the online planner with a profile that loads."""
+    from pdserve import metrics
+    from pdserve.planner.profile import Profile
+
+    objects = _k8s_objects()
+    deployments = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Deployment"}
+    hpas = [o for o in objects if o["kind"] == "HorizontalPodAutoscaler"]
+    gauge = metrics.PLANNER_DESIRED_REPLICAS.describe()[0].name
+    scaled = {}
+    for hpa in hpas:
+        target = hpa["spec"]["scaleTargetRef"]
+        assert target["kind"] == "Deployment" and target["name"] in deployments, target
+        (container,) = deployments[target["name"]]["spec"]["template"]["spec"]["containers"]
+        role = container["args"][0]
+        (metric,) = hpa["spec"]["metrics"]
+        assert metric["type"] == "External"
+        assert metric["external"]["metric"]["name"] == gauge
+        assert metric["external"]["metric"]["selector"]["matchLabels"] == {"role": role}
+        assert metric["external"]["target"] == {"type": "AverageValue", "averageValue": "1"}  # replicas = ceil(sum)
+        assert 1 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
+        scaled[role] = hpa
+    assert set(scaled) == {"prefill", "decode"}
+
+    adapter = yaml.safe_load((DEPLOY / "prometheus-adapter.yaml").read_text())
+    (rule,) = adapter["rules"]["external"]
+    assert gauge in rule["seriesQuery"] and rule["name"]["as"] == gauge and "role" in rule["metricsQuery"]
+
+    # The router gets the planner's settings and the profile from a mounted ConfigMap.
+    configmaps = {cm["metadata"]["name"]: cm["data"] for cm in objects if cm["kind"] == "ConfigMap"}
+    router = deployments["pdserve-router"]["spec"]["template"]["spec"]
+    env = _container_env(router["containers"][0], configmaps)
+    _check_values("router", env, "Deployment pdserve-router")
+    assert env["PDSERVE_SLO_TTFT_MS"] and env["PDSERVE_SLO_TPOT_MS"]
+    mounts = {m["mountPath"]: m["name"] for m in router["containers"][0]["volumeMounts"]}
+    folder, _, file = env["PDSERVE_PROFILE"].rpartition("/")
+    volume = next(v for v in router["volumes"] if v["name"] == mounts[folder])
+    profile = json.loads(configmaps[volume["configMap"]["name"]][file])
+    Profile.from_dict(profile)  # raises on anything the router would refuse
+
+
 # -- Grafana ----------------------------------------------------------------------------------------
 class _AnyStats:
     """Engine stats stand-in: every figure the collector reads is 1."""

@@ -1,0 +1,158 @@
+"""The router's online planner: how many prefill and decode replicas its load needs, as gauges.
+
+Every interval the router forecasts its load from its own recent arrivals (the rate over the
+last window and those requests' prompt and output lengths), corrects the profile by what it
+measured, and asks the capacity model (``capacity``) how many prefill and decode instances
+that load needs within the SLOs. The correction is Dynamo's: measured over predicted TTFT and
+TPOT of the window's requests (predicted from the profile at their prompt length and the
+current decode batch, without queueing); a fleet slower than its profile, or queueing, gets
+tighter effective SLOs and so more replicas.
+
+Gauges (``pdserve.metrics``): ``pdserve_planner_desired_replicas{role}``, unrounded (each
+router sees only its share of the traffic, so an autoscaler sums over routers and rounds up
+once: deploy/k8s/50-autoscaling.yaml), ``pdserve_planner_request_rate`` and
+``pdserve_planner_latency_correction{metric}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from pdserve import metrics
+from pdserve.planner import capacity
+from pdserve.planner.profile import Profile
+
+log = logging.getLogger(__name__)
+
+CORRECTION_RANGE = (0.25, 4.0)
+MIN_SAMPLES = 3  # finished requests before measured latency corrects the profile
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    rate: float  # forecast req/s
+    prefill: float  # desired replicas, unrounded
+    decode: float
+    ttft_correction: float
+    tpot_correction: float
+
+
+class RequestWatch:
+    """One request's first token and end, for the planner (``Dispatcher.observer``)."""
+
+    __slots__ = ("planner", "prompt_len", "started", "first", "tokens")
+
+    def __init__(self, planner: "OnlinePlanner", prompt_len: int) -> None:
+        self.planner, self.prompt_len = planner, prompt_len
+        self.started, self.first, self.tokens = planner.clock(), None, 0
+
+    def token(self, count: int, finish_reason: str | None) -> None:
+        now = self.planner.clock()
+        if self.first is None:
+            self.first = now
+        self.tokens += count
+        if finish_reason:
+            tpot = (now - self.first) / (self.tokens - 1) if self.tokens > 1 else None
+            self.planner.on_finish(self.prompt_len, self.first - self.started, tpot)
+
+
+class OnlinePlanner:
+    def __init__(self, profile: Profile, ttft_ms: float | None, tpot_ms: float | None, *, window_s: float = 120.0,
+                 interval_s: float = 30.0, decode_batch: Callable[[], float] = lambda: 1.0,
+                 prefill_degree: int | None = None, decode_degree: int | None = None, max_num_seqs: int = 64,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if ttft_ms is None and tpot_ms is None:
+            raise ValueError("the online planner needs an SLO: set slo_ttft_ms and/or slo_tpot_ms")
+        self.profile, self.ttft_ms, self.tpot_ms = profile, ttft_ms, tpot_ms
+        self.window_s, self.interval_s, self.clock = window_s, interval_s, clock
+        self.decode_batch = decode_batch
+        self.prefill_degree = prefill_degree or profile.degrees[0]
+        self.decode_degree = decode_degree or profile.degrees[0]
+        self.max_num_seqs = max_num_seqs
+        self.started = clock()
+        self.arrivals: deque[tuple[float, int, int]] = deque()  # (time, prompt tokens, max tokens)
+        self.ratios: deque[tuple[float, float, float | None]] = deque()  # (time, TTFT measured/predicted, TPOT ...)
+        self._task: asyncio.Task | None = None
+
+    # -- what the dispatcher reports ------------------------------------------------------------
+    def watch(self, request) -> RequestWatch:
+        """Called as a request arrives (``request``: a ValidatedRequest)."""
+        self.arrivals.append((self.clock(), len(request.prompt_token_ids), request.sampling.max_tokens))
+        return RequestWatch(self, len(request.prompt_token_ids))
+
+    def on_finish(self, prompt_len: int, ttft_s: float, tpot_s: float | None) -> None:
+        o, cost = self.profile.overheads, self.profile.step_cost(self.prefill_degree)
+        predicted_ttft = o.first_token_ms + o.handoff_ms + cost.prefill_alone_ms(prompt_len) + o.step_ms
+        tpot_ratio = None
+        if tpot_s is not None:
+            batch = max(1, round(self.decode_batch()))
+            step = self.profile.step_cost(self.decode_degree).decode_step_ms(batch, prompt_len) + o.step_ms + o.seq_ms * batch
+            tpot_ratio = tpot_s * 1e3 / step
+        self.ratios.append((self.clock(), ttft_s * 1e3 / predicted_ttft, tpot_ratio))
+
+    # -- the decision ----------------------------------------------------------------------------
+    def decide(self) -> Decision:
+        now = self.clock()
+        for q in (self.arrivals, self.ratios):
+            while q and q[0][0] < now - self.window_s:
+                q.popleft()
+        ttft_c = _correction([r for _, r, _ in self.ratios])
+        tpot_c = _correction([r for _, _, r in self.ratios if r is not None])
+        if not self.arrivals:
+            return Decision(0.0, 0.0, 0.0, ttft_c, tpot_c)
+        rate = len(self.arrivals) / max(min(self.window_s, now - self.started), 1e-3)
+        prompts = statistics.fmean(p for _, p, _ in self.arrivals)
+        outputs = statistics.fmean(m for _, _, m in self.arrivals)
+        w = capacity.WorkloadStats(prompts, outputs, prompts)
+        ttft = self.ttft_ms / ttft_c if self.ttft_ms is not None else None
+        tpot = self.tpot_ms / tpot_c if self.tpot_ms is not None else None
+        prefill, decode = capacity.replicas_needed(self.profile, w, rate, ttft, tpot, self.prefill_degree,
+                                                   self.decode_degree, self.max_num_seqs)
+        return Decision(rate, prefill, decode, ttft_c, tpot_c)
+
+    def export(self, d: Decision) -> None:
+        # An SLO no instance meets: ask for the most a pool can have rather than for infinity.
+        metrics.PLANNER_DESIRED_REPLICAS.labels("prefill").set(_finite(d.prefill))
+        metrics.PLANNER_DESIRED_REPLICAS.labels("decode").set(_finite(d.decode))
+        metrics.PLANNER_REQUEST_RATE.set(d.rate)
+        metrics.PLANNER_CORRECTION.labels("ttft").set(d.ttft_correction)
+        metrics.PLANNER_CORRECTION.labels("tpot").set(d.tpot_correction)
+
+    # -- the loop ------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.export(self.decide())
+        self._task = asyncio.create_task(self._run(), name="online-planner")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                d = self.decide()
+            except ValueError as e:  # e.g. a window of one-token prompts the capacity model refuses
+                log.warning("online planner: %s", e)
+                continue
+            self.export(d)
+            log.info("planner: %.2f req/s -> prefill %.2f, decode %.2f replicas (correction ttft %.2f, tpot %.2f)",
+                     d.rate, d.prefill, d.decode, d.ttft_correction, d.tpot_correction)
+
+
+def _correction(ratios: list[float]) -> float:
+    if len(ratios) < MIN_SAMPLES:
+        return 1.0
+    return min(max(statistics.median(ratios), CORRECTION_RANGE[0]), CORRECTION_RANGE[1])
+
+
+def _finite(replicas: float, cap: float = 1024.0) -> float:
+    return cap if math.isinf(replicas) or replicas > cap else replicas

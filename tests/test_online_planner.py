@@ -1,0 +1,111 @@
+"""The router's online planner: load forecast, measured-vs-predicted correction, the capacity
+model it asks, and the Prometheus gauges it exports (fake clock, no servers)."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import REGISTRY
+
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.planner import capacity
+from pdserve.planner.online import OnlinePlanner
+from pdserve.planner.profile import Overheads, Profile, StepCost, TransferCost
+from pdserve.router.validation import ValidatedRequest
+
+COST = StepCost(base_ms=10.0, decode_ms=1.0, prefill_ms=1.0, decode_ctx_ms=0.0, prefill_attn_ms=0.0)
+PROFILE = Profile(model="toy", device="toy", parallel="tensor_parallel", steps={1: COST}, kv_bytes_per_token=1000,
+                  transfers={"tcp": TransferCost(0.0, 0.0)}, transport="tcp", overheads=Overheads(first_token_ms=10.0))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def request(prompt_len: int, max_tokens: int) -> ValidatedRequest:
+    return ValidatedRequest("r", list(range(1000, 1000 + prompt_len)), SamplingParams(max_tokens=max_tokens))
+
+
+def feed(planner: OnlinePlanner, clock: Clock, rate: float, seconds: float, prompt_len=200, max_tokens=50) -> None:
+    for _ in range(int(rate * seconds)):
+        planner.watch(request(prompt_len, max_tokens))
+        clock.now += 1 / rate
+
+
+def test_forecast_and_replicas_follow_the_arrival_rate():
+    clock = Clock()
+    planner = OnlinePlanner(PROFILE, ttft_ms=1000, tpot_ms=50, window_s=60, clock=clock)
+    assert planner.decide().prefill == 0.0  # nothing arrived: nothing needed
+    feed(planner, clock, rate=4.0, seconds=60)
+    d = planner.decide()
+    assert d.rate == pytest.approx(4.0, rel=0.02)
+    w = capacity.WorkloadStats(200, 50, 200)
+    p, dd = capacity.replicas_needed(PROFILE, w, d.rate, 1000, 50, 1, 1)
+    assert (d.prefill, d.decode) == pytest.approx((p, dd))
+    feed(planner, clock, rate=8.0, seconds=60)  # the window forgets the slower minute
+    assert planner.decide().rate == pytest.approx(8.0, rel=0.02)
+    assert planner.decide().prefill == pytest.approx(2 * d.prefill, rel=0.05)
+
+
+def test_measured_latency_above_the_profile_asks_for_more_replicas():
+    clock = Clock()
+    planner = OnlinePlanner(PROFILE, ttft_ms=1000, tpot_ms=50, window_s=60, clock=clock)
+    feed(planner, clock, rate=4.0, seconds=30)
+    base = planner.decide()
+    assert (base.ttft_correction, base.tpot_correction) == (1.0, 1.0)
+    predicted_ttft_s = (10.0 + COST.prefill_alone_ms(200)) / 1e3
+    predicted_tpot_s = COST.decode_step_ms(1, 200) / 1e3
+    for _ in range(5):  # the fleet runs twice as slow as its profile says
+        watch = planner.watch(request(200, 3))
+        clock.now += 2 * predicted_ttft_s
+        watch.token(1, None)
+        clock.now += 2 * 2 * predicted_tpot_s
+        watch.token(2, "length")
+    slow = planner.decide()
+    assert slow.ttft_correction == pytest.approx(2.0, rel=0.01)
+    assert slow.tpot_correction == pytest.approx(2.0, rel=0.01)
+    assert slow.prefill > base.prefill and slow.decode > base.decode
+
+
+def test_gauges_are_exported():
+    clock = Clock()
+    planner = OnlinePlanner(PROFILE, ttft_ms=1000, tpot_ms=50, window_s=60, clock=clock)
+    feed(planner, clock, rate=2.0, seconds=30)
+    d = planner.decide()
+    planner.export(d)
+    value = lambda name, **labels: REGISTRY.get_sample_value(name, labels)  # noqa: E731
+    assert value("pdserve_planner_desired_replicas", role="prefill") == pytest.approx(d.prefill)
+    assert value("pdserve_planner_desired_replicas", role="decode") == pytest.approx(d.decode)
+    assert value("pdserve_planner_request_rate") == pytest.approx(d.rate)
+    assert value("pdserve_planner_latency_correction", metric="ttft") == 1.0
+
+
+def test_an_slo_no_instance_meets_asks_for_the_most_not_infinity():
+    clock = Clock()
+    planner = OnlinePlanner(PROFILE, ttft_ms=50, tpot_ms=5, window_s=60, clock=clock)  # below one prefill, one step
+    feed(planner, clock, rate=1.0, seconds=10)
+    d = planner.decide()
+    assert d.prefill == float("inf") and d.decode == float("inf")
+    planner.export(d)
+    assert REGISTRY.get_sample_value("pdserve_planner_desired_replicas", {"role": "decode"}) == 1024.0
+
+
+def test_the_planner_needs_an_slo():
+    with pytest.raises(ValueError, match="SLO"):
+        OnlinePlanner(PROFILE, None, None)
+
+
+def test_capacity_model_by_hand():
+    w = capacity.WorkloadStats(mean_prompt=100, mean_output=50, mean_uncached=100)
+    # Decode: steps of 10 + b ms (context is free here) within 40 ms -> 30 sequences; each
+    # stays 50 steps of 40 ms = 2 s; 90% of 30 / 2 s = 13.5 req/s.
+    assert capacity.decode_batch(PROFILE, 1, w, 40.0) == 30
+    assert capacity.decode_rate(PROFILE, 1, w, 40.0) == pytest.approx(13.5)
+    # Prefill without an SLO: a full 1024-token step takes 1034 ms; 100 tokens a request.
+    assert capacity.prefill_rate(PROFILE, 1, w, None) == pytest.approx(1e3 / (100 * 1034 / 1024))
+    # An SLO below one prompt's own prefill (10 + 100 ms + 10 ms overhead) leaves no capacity.
+    assert capacity.prefill_rate(PROFILE, 1, w, 115.0) == 0.0
+    assert 0 < capacity.prefill_rate(PROFILE, 1, w, 500.0) < capacity.prefill_rate(PROFILE, 1, w, 5000.0)

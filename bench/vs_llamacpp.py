@@ -1,33 +1,35 @@
 """Batch-1 decode and prefill against llama.cpp on the same GGUF and thread count, with quality.
 
 llama.cpp runs through ``llama-cpp-python`` (an optional extra: ``pip install 'pdserve[bench]'``,
-built from source with ``CMAKE_ARGS=-DGGML_NATIVE=ON``), never a server dependency. Both run in
-this process, in alternating rounds, on the same token ids: decode tokens/s after a short prompt
-and prefill tokens/s on a 512-token prompt. Perplexity of the fixed text (bench/quality.py) is
-printed beside every speed figure, llama.cpp's included.
+built from source with ``CMAKE_ARGS=-DGGML_NATIVE=ON``), never a server dependency. Each system
+is measured in a fresh process of its own (two thread pools in one process keep stealing each
+other's cores), in alternating rounds so machine load hits all alike, on the same token ids:
+decode tokens/s after a short prompt, prefill tokens/s on a 512-token prompt. Perplexity of the
+fixed text (bench/quality.py) is printed beside every speed figure, llama.cpp's included.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
+import subprocess
+import sys
 import time
 
 import numpy as np
 
-from pdserve.bench.quality import fixed_text, perplexity
-from pdserve.bench.roofline import batch1_decode_s, prefill_s
-from pdserve.engine.model_store import DEFAULT_MODEL, resolve_model
-
 PROMPT_TOKENS = 512
 DECODE_CONTEXT = 64
 DECODE_TOKENS = 64
-CONFIGS = ("none", "int8", "int4")
+SYSTEMS = ("llama.cpp", "none", "int8", "int4")  # pdserve's quantizations, by name
 
 
 class LlamaCpp:
     def __init__(self, threads: int, logits_all: bool = False) -> None:
+        from pdserve.engine.model_store import DEFAULT_MODEL
+
         try:
             from llama_cpp import Llama
         except ImportError as e:
@@ -69,35 +71,76 @@ class LlamaCpp:
         return math.exp(total / count)
 
 
-def run(args: argparse.Namespace) -> dict:
+def prompt_ids() -> list[int]:
+    return [1000 + (7 * j) % 30000 for j in range(PROMPT_TOKENS)]
+
+
+def text_ids(tokens: int) -> list[int]:
     from transformers import AutoTokenizer
 
-    from pdserve.bench.engine_bench import make_engine
+    from pdserve.bench.quality import fixed_text
+    from pdserve.engine.model_store import resolve_model
 
-    llama = LlamaCpp(args.threads)
-    engines = {q: make_engine("bfloat16", args.threads, quantization=q, kv_cache_memory="512MiB") for q in CONFIGS}
-    prompt = [1000 + (7 * j) % 30000 for j in range(PROMPT_TOKENS)]
-    decode: dict[str, list[float]] = {}
-    prefill: dict[str, list[float]] = {}
-    for _ in range(max(3, args.repeats // 5)):  # rounds: every system measured in each, noise hits all alike
-        decode.setdefault("llama.cpp", []).append(llama.decode_s(prompt[:DECODE_CONTEXT], DECODE_TOKENS))
-        prefill.setdefault("llama.cpp", []).append(llama.prefill_s(prompt))
-        for q, engine in engines.items():
-            decode.setdefault(q, []).append(batch1_decode_s(engine, DECODE_TOKENS, context=DECODE_CONTEXT))
-            prefill.setdefault(q, []).append(prefill_s(engine, 1, PROMPT_TOKENS))
-    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(None)))
-    text_ids = tokenizer(fixed_text()).input_ids[: args.text_tokens]
-    ppl = {q: perplexity(engine, text_ids).ppl for q, engine in engines.items()}
-    del engines
-    ppl["llama.cpp"] = LlamaCpp(args.threads, logits_all=True).perplexity(text_ids)
+    return AutoTokenizer.from_pretrained(str(resolve_model(None))).encode(fixed_text())[:tokens]
+
+
+def measure(system: str, what: str, threads: int, repeats: int, tokens: int) -> dict:
+    """One system's figures, in this (fresh) process."""
+    prompt = prompt_ids()
+    if system == "llama.cpp":
+        if what == "perplexity":
+            return {"perplexity": LlamaCpp(threads, logits_all=True).perplexity(text_ids(tokens))}
+        llama = LlamaCpp(threads)
+        llama.prefill_s(prompt[:32])  # warm-up
+        return {"decode_s": llama.decode_s(prompt[:DECODE_CONTEXT], DECODE_TOKENS),
+                "prefill_s": statistics.median(llama.prefill_s(prompt) for _ in range(repeats))}
+    from pdserve.bench.engine_bench import make_engine
+    from pdserve.bench.quality import perplexity
+    from pdserve.bench.roofline import batch1_decode_s, prefill_s
+
+    engine = make_engine("bfloat16", threads, quantization=system, kv_cache_memory="512MiB")
+    if what == "perplexity":
+        return {"perplexity": perplexity(engine, text_ids(tokens)).ppl}
+    prefill_s(engine, 1, 32)  # warm-up
+    return {"decode_s": batch1_decode_s(engine, DECODE_TOKENS, context=DECODE_CONTEXT),
+            "prefill_s": prefill_s(engine, repeats, PROMPT_TOKENS)}
+
+
+def _in_subprocess(system: str, what: str, args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, "-m", "pdserve.bench.vs_llamacpp", "--system", system, "--what", what,
+           "--threads", str(args.threads), "--repeats", str(max(3, args.repeats // 5)), "--text-tokens", str(args.text_tokens)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run(args: argparse.Namespace) -> dict:
+    rounds = max(3, args.repeats // 5)
+    speed: dict[str, list[dict]] = {s: [] for s in SYSTEMS}
+    for _ in range(rounds):
+        for system in SYSTEMS:
+            speed[system].append(_in_subprocess(system, "speed", args))
+    quality = {system: _in_subprocess(system, "perplexity", args)["perplexity"] for system in SYSTEMS}
+    ref_d = statistics.median(r["decode_s"] for r in speed["llama.cpp"])
+    ref_p = statistics.median(r["prefill_s"] for r in speed["llama.cpp"])
     rows = {}
-    ref_decode, ref_prefill = statistics.median(decode["llama.cpp"]), statistics.median(prefill["llama.cpp"])
-    for name in ("llama.cpp", *CONFIGS):
-        d, p = statistics.median(decode[name]), statistics.median(prefill[name])
-        rows[name if name == "llama.cpp" else f"pdserve-{name}"] = {
-            "decode_tok_s": round(1 / d, 1), "decode_vs_llamacpp": round(ref_decode / d, 2),
-            "prefill_tok_s": round(PROMPT_TOKENS / p, 1), "prefill_vs_llamacpp": round(ref_prefill / p, 2),
-            "perplexity": round(ppl[name], 3),
+    for system in SYSTEMS:
+        d = statistics.median(r["decode_s"] for r in speed[system])
+        p = statistics.median(r["prefill_s"] for r in speed[system])
+        rows[system if system == "llama.cpp" else f"pdserve-{system}"] = {
+            "decode_tok_s": round(1 / d, 1), "decode_vs_llamacpp": round(ref_d / d, 2),
+            "prefill_tok_s": round(PROMPT_TOKENS / p, 1), "prefill_vs_llamacpp": round(ref_p / p, 2),
+            "perplexity": round(quality[system], 3),
         }
-    return {"bench": "llamacpp", "threads": args.threads, "gguf": DEFAULT_MODEL.filename,
-            "text_tokens": len(text_ids), "systems": rows}
+    return {"bench": "llamacpp", "threads": args.threads, "rounds": rounds, "text_tokens": args.text_tokens,
+            "systems": rows}
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="one system's figures (run by `engine_bench.py llamacpp`)")
+    parser.add_argument("--system", choices=SYSTEMS, required=True)
+    parser.add_argument("--what", choices=("speed", "perplexity"), required=True)
+    parser.add_argument("--threads", type=int, required=True)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--text-tokens", type=int, default=20480)
+    a = parser.parse_args()
+    print(json.dumps(measure(a.system, a.what, a.threads, a.repeats, a.text_tokens)))

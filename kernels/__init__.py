@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import functools
-import logging
 from dataclasses import dataclass
 from typing import Callable
 
@@ -19,7 +18,6 @@ from pdserve.kernels.layer_ops import TORCH_LAYER_OPS, LayerOps, select_layer_op
 
 __all__ = ["AttentionBackend", "BACKENDS", "KV_CACHE_DTYPES", "KVFormat", "LayerOps", "TORCH_LAYER_OPS",
            "select_backend", "select_layer_ops"]
-log = logging.getLogger(__name__)
 
 # (qkv [T, (Hq + 2 Hkv) D], positions [T], rope, kv layer, slot_mapping [T], Hq, Hkv, D) -> q, k, v
 RopeWriteKV = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -150,8 +148,4 @@ def select_backend(device: torch.device, name: str = "auto", fmt: KVFormat | Non
         raise ValueError("attention backend 'triton' needs the triton package: pip install 'pdserve[triton]'")
     from pdserve.kernels import triton_attention
 
-    if quantized:
-        # The Triton kernels read plain caches; 8-bit ones go through the reference (correct, slower).
-        log.warning("kv_cache_dtype %s: Triton attention reads plain caches only; using the torch reference", fmt.cache_dtype)
-        return _bind(triton_attention.BACKEND, fmt)
-    return triton_attention.BACKEND
+    return triton_attention.backend_for(fmt) if quantized else triton_attention.BACKEND

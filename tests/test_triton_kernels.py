@@ -199,3 +199,42 @@ def test_write_then_read_round_trip() -> None:
     last = tri.paged_decode_attention(q[-1:], kv, block_table[None], lens, scale)
     torch.testing.assert_close(paged, dense, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(last, dense[-1:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_8bit_cache_write_and_attention_match_reference(cache_dtype: str, dtype) -> None:
+    """Codes and scales written by the Triton kernel decode to what the reference stores (within one
+    quantization step), and both attention kernels read 8-bit caches like the reference does."""
+    from pdserve.kernels.kv_format import KVFormat
+
+    gen = _gen(11)
+    heads, q_heads, dim, block_size, num_blocks = 2, 6, 64, 8, 12
+    fmt = KVFormat(cache_dtype, heads, dim, dtype)
+    tokens = num_blocks * block_size
+    k, v = _randn(gen, tokens, heads, dim, dtype=dtype), _randn(gen, tokens, heads, dim, dtype=dtype)
+    slots = torch.randperm(tokens, generator=gen).to(DEVICE)
+    ours = torch.zeros(num_blocks, block_size, *fmt.slot_shape(), dtype=torch.uint8, device=DEVICE)
+    theirs = ours.clone()
+    backend = select_backend(DEVICE, "triton", fmt)
+    assert backend.name == f"triton+{cache_dtype}"
+    backend.write_kv(ours, k, v, slots)
+    reference.write_kv(theirs, k, v, slots, fmt)
+    got_k, got_v = reference.gather_kv(ours, torch.arange(num_blocks, device=DEVICE), tokens, fmt)
+    want_k, want_v = reference.gather_kv(theirs, torch.arange(num_blocks, device=DEVICE), tokens, fmt)
+    step = dict(atol=0.05, rtol=0) if cache_dtype == "int8" else dict(atol=0.02, rtol=0.13)
+    torch.testing.assert_close(got_k.float(), want_k.float(), **step)
+    torch.testing.assert_close(got_v.float(), want_v.float(), **step)
+
+    # Attention over the same (reference-written) cache: decode and a prefill chunk.
+    q = _randn(gen, 3, q_heads, dim, dtype=dtype)
+    tables = _block_table(gen, num_blocks, 9).view(3, 3)
+    lens = torch.tensor([5, 17, 24], dtype=torch.int32, device=DEVICE)
+    scale = dim**-0.5
+    expected = reference.paged_decode_attention(q.float(), theirs, tables.long(), lens.long(), scale,
+                                                KVFormat(cache_dtype, heads, dim, torch.float32))
+    _assert_close(backend.decode_attention(q, theirs, tables, lens, scale), expected.to(dtype), dtype)
+    chunk = _randn(gen, 7, q_heads, dim, dtype=dtype)
+    expected = reference.paged_prefill_attention(chunk.float(), theirs, tables[1].long(), 17, scale,
+                                                 KVFormat(cache_dtype, heads, dim, torch.float32))
+    _assert_close(backend.prefill_attention(chunk, theirs, tables[1], 17, scale), expected.to(dtype), dtype)

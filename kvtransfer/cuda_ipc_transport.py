@@ -19,7 +19,6 @@ from typing import Callable
 import torch
 
 from pdserve.kvtransfer.integrity import device_checksum
-from pdserve.kvtransfer.layout import slots_of
 from pdserve.kvtransfer.protocol import FrameHeader, FrameKind
 from pdserve.kvtransfer.transport_api import ReceiveContext, SendContext, Unit
 
@@ -146,10 +145,11 @@ class Sender:
     def __init__(self, ctx: SendContext) -> None:
         self.ctx = ctx
         self.pool, self._close = open_pool(ctx.remote_extra["cuda_ipc"], ctx.cache)
+        self.device = self.pool[0].device  # where destination slot indices must live
 
     def send(self, unit: Unit) -> None:
         cache, stream = self.ctx.cache, self.ctx.cache.stream
-        dst = slots_of(unit.dst_block_ids, unit.dst_block_size, unit.start, unit.end, self.pool[0].device)
+        dst = unit.dst
         with _on(stream):
             if unit.ready is not None:
                 stream.wait_event(unit.ready)
@@ -191,7 +191,7 @@ class Receiver:
         ok = None
         try:
             with _on(cache.stream):
-                ok = device_checksum(cache.gather_on_device(h.layer, cache.slots(grant.block_ids, h.start, h.end))) == h.checksum
+                ok = device_checksum(cache.gather_on_device(h.layer, grant.slots(cache, h.start, h.end))) == h.checksum
         finally:
             ledger.end_write(grant, h.layer, h.start, h.end, ok)
 

@@ -27,6 +27,7 @@ from typing import Callable
 import numpy as np
 
 from pdserve.engine.kv_connector import Report, TransferOutcome
+from pdserve.kvtransfer.layout import KVCacheView, Slots
 from pdserve.kvtransfer.protocol import AckStatus
 
 log = logging.getLogger(__name__)
@@ -58,9 +59,17 @@ class Grant:
     pending_done: tuple[int, str, Callable[[AckStatus], None]] | None = None  # DONE seen, writes still landing
     failure: TransferOutcome | None = None  # set when FAILED; reported once the blocks are safe
     landed: np.ndarray = field(init=False)
+    _slots: tuple[int, int, Slots] | None = None  # the last token range's slots: every layer reuses them
 
     def __post_init__(self) -> None:
         self.landed = np.zeros((self.num_layers, self.num_tokens), dtype=bool)
+
+    def slots(self, cache: KVCacheView, start: int, end: int) -> Slots:
+        """Where tokens [start, end) of this grant live in ``cache`` (computed once per range)."""
+        last = self._slots
+        if last is None or last[:2] != (start, end):
+            last = self._slots = (start, end, cache.slots(self.block_ids, start, end))
+        return last[2]
 
     @property
     def transfer_key(self) -> str:

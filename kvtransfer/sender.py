@@ -23,7 +23,7 @@ from pdserve.engine.kv_connector import Report, TransferOutcome
 from pdserve.kvtransfer import registry
 from pdserve.kvtransfer.faults import FaultPlan
 from pdserve.kvtransfer.handshake import HandshakeError, PeerInfo, client_handshake
-from pdserve.kvtransfer.layout import KVCacheView, Slots
+from pdserve.kvtransfer.layout import KVCacheView, Slots, slots_of
 from pdserve.kvtransfer.protocol import HEADER_SIZE, AckStatus, FrameHeader, FrameKind, ProtocolError
 from pdserve.kvtransfer.sockets import IdleTimeout, configure, recv_header, recv_payload, shutdown, split_address
 from pdserve.kvtransfer.transport_api import IO_TIMEOUT_S, SendContext, Unit
@@ -54,7 +54,7 @@ class OutgoingTransfer:
         self.nbytes = 0
         self._report: Report | None = None
         self._reported = False
-        self._slots_for: tuple[list[int], int, int, Slots] | None = None
+        self._slots_for: tuple[list[int], int, int, Slots, Slots | None] | None = None
 
     # -- the engine thread ----------------------------------------------------------------------
     def send_layer(self, layer: int, block_ids: list[int], start: int, end: int) -> None:
@@ -65,17 +65,18 @@ class OutgoingTransfer:
         cached = self._slots_for  # the same table and range for every layer of a step
         if cached is None or cached[0] is not block_ids or cached[1:3] != (start, end):
             try:
-                slots = self.conn.cache.slots(block_ids, start, end)
+                src = self.conn.cache.slots(block_ids, start, end)
+                dst = slots_of(self.dst_block_ids, self.dst_block_size, start, end, self.conn.peer_device) \
+                    if self.conn.one_sided else None
             except ValueError as e:
                 self.failed = str(e)
                 return
-            self._slots_for = cached = (block_ids, start, end, slots)
+            self._slots_for = cached = (block_ids, start, end, src, dst)
         ready = None
         if self.conn.cache.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()  # on the compute stream, right after this layer's K/V write
-        self.conn.queue(self, Unit(self.transfer_id, layer, start, end, cached[3], self.dst_block_ids,
-                                   self.dst_block_size, ready))
+        self.conn.queue(self, Unit(self.transfer_id, layer, start, end, cached[3], cached[4], ready))
 
     def finish(self, first_token_id: int, report: Report) -> None:
         self._report = report
@@ -125,6 +126,7 @@ class KVConnection:
             raise
         self.name = spec.name
         self.one_sided = spec.one_sided
+        self.peer_device = getattr(self.sender, "device", None)  # where a one-sided sender writes
         lease_s = self.remote.extra.get("lease_s")
         self.renew_interval_s = max(0.05, lease_s / 3) if isinstance(lease_s, (int, float)) and lease_s > 0 else 10.0
         self.broken: Exception | None = None

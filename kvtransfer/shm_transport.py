@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from pdserve.kvtransfer.integrity import checksum
-from pdserve.kvtransfer.layout import copy_into, slots_of
+from pdserve.kvtransfer.layout import copy_into
 from pdserve.kvtransfer.protocol import FrameHeader, FrameKind
 from pdserve.kvtransfer.transport_api import ReceiveContext, SendContext, Unit
 
@@ -122,8 +122,10 @@ class Sender:
         extra = ctx.remote_extra
         self.pool = MappedKVPool(extra["shm_name"], extra["shm_bytes"], ctx.cache.num_layers, ctx.cache.token_bytes)
 
+    device = None  # it writes host memory
+
     def send(self, unit: Unit) -> None:
-        dst = slots_of(unit.dst_block_ids, unit.dst_block_size, unit.start, unit.end)
+        dst = unit.dst
         data = self.ctx.cache.read(unit.layer, unit.src, unit.ready)
         try:
             digest = checksum(data.data)
@@ -158,7 +160,7 @@ class Receiver:
             return
         ok = None
         try:
-            landed = cache.read(h.layer, cache.slots(grant.block_ids, h.start, h.end))
+            landed = cache.read(h.layer, grant.slots(cache, h.start, h.end))
             ok = checksum(landed.data) == h.checksum
             landed.release()
         finally:

@@ -68,7 +68,7 @@ class Receiver:
             return
         ok, target = None, None
         try:
-            target = cache.write_target(h.layer, cache.slots(grant.block_ids, h.start, h.end))
+            target = cache.write_target(h.layer, grant.slots(cache, h.start, h.end))
             recv_exact(self.ctx.sock, target.data)
             ok = checksum(target.data) == h.checksum
             target.commit()

@@ -40,8 +40,7 @@ class Unit:
     start: int
     end: int
     src: Slots  # where they are in our cache
-    dst_block_ids: list[int]  # where the receiver wants them (for one-sided writes)
-    dst_block_size: int
+    dst: Slots | None  # where they go in the receiver's cache (one-sided transports only)
     ready: object = None  # a CUDA event the K/V are written by (GPU caches)
 
     @property

@@ -107,7 +107,7 @@ class Receiver:
             ucx.recv(scratch[:nbytes].numpy(), tag, lambda error: cache.host_staging.give(scratch))
             return
         try:
-            target = cache.write_target(h.layer, cache.slots(grant.block_ids, h.start, h.end))
+            target = cache.write_target(h.layer, grant.slots(cache, h.start, h.end))
         except BaseException:
             ledger.end_write(grant, h.layer, h.start, h.end, None)
             raise

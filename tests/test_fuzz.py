@@ -44,15 +44,14 @@ from hypothesis import strategies as st
 from pdserve.client import build_request
 from pdserve.engine.kv_cache import KVLayout
 from pdserve.engine.sampling_params import MAX_SEED, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
-from pdserve.kvtransfer import negotiate
-from pdserve.kvtransfer.client import KVConnection
-from pdserve.kvtransfer.layout import CacheLayers
-from pdserve.kvtransfer.peer import HandshakeError, PeerInfo, host_id
+from pdserve.kvtransfer.grants import GrantLedger, GrantState
+from pdserve.kvtransfer.handshake import HandshakeError, PeerInfo, choose, host_id
+from pdserve.kvtransfer.layout import KVCacheView
 from pdserve.kvtransfer.protocol import (
     HEADER, HEADER_SIZE, MAGIC, MAX_CONTROL_PAYLOAD, VERSION, AckStatus, FrameHeader, FrameKind, ProtocolError,
 )
-from pdserve.kvtransfer.receiver import GrantState, KVReceiver
-from pdserve.kvtransfer.server import KVServer, check_auth
+from pdserve.kvtransfer.receiver import KVReceiver
+from pdserve.kvtransfer.sender import KVConnection
 from pdserve.router.completions import Completions
 from pdserve.router.servicer import RouterService, add_router_service
 from pdserve.router.tokenizer import CHAT_ROLES, RouterTokenizer
@@ -667,12 +666,11 @@ def test_frame_header_round_trip(h):
 LAYERS, HEADS, DIM, BLOCK, NUM_BLOCKS = 3, 2, 8, 8, 32
 TOKEN_BYTES = 2 * HEADS * DIM * 4
 MAX_PAYLOAD = NUM_BLOCKS * BLOCK * TOKEN_BYTES
-CREDENTIAL = "fuzz-credential"
 
 
 def peer_dict(**changes) -> dict:
     base = dict(model_fingerprint="fuzz", dtype="float32", num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM,
-                block_size=BLOCK, transports=["tcp"], host_id=host_id(), role="prefill", auth_token=CREDENTIAL, extra={})
+                block_size=BLOCK, transports=["tcp"], host_id=host_id(), role="prefill", extra={}, token_bytes=TOKEN_BYTES)
     return {**base, **changes}
 
 
@@ -687,7 +685,6 @@ PEER_FIELDS = list(peer_dict())
 CHANGED_FIELDS = st.sets(st.sampled_from(PEER_FIELDS))
 DROP_OR_RETYPE = st.sampled_from(["drop", "retype"])
 SAFE_TRANSPORTS = st.lists(st.text(max_size=8), max_size=4) | st.text(max_size=8) | st.none() | st.integers()
-SAFE_CREDENTIAL = st.text(max_size=30)
 ADDED_FIELDS = st.dictionaries(st.text(max_size=12), json_values, max_size=2)
 
 
@@ -700,8 +697,6 @@ def peer_json_objects(draw, known_bug_free: bool = False) -> dict:
             obj.pop(name)
         elif known_bug_free and name == "transports":
             obj[name] = draw(SAFE_TRANSPORTS)
-        elif known_bug_free and name == "auth_token":
-            obj[name] = draw(SAFE_CREDENTIAL)
         else:
             obj[name] = draw(json_values)
     obj.update(draw(ADDED_FIELDS, label="added"))
@@ -758,13 +753,7 @@ def test_check_compatible_negotiation_and_auth_raise_only_handshake_error(obj):
             for name in ("model_fingerprint", "dtype", "num_layers", "num_kv_heads", "head_dim"):
                 assert getattr(local, name) == getattr(other, name)
     try:
-        check_auth(DECODE_INFO, remote)
-    except HandshakeError:
-        assert remote.auth_token != CREDENTIAL
-    else:
-        assert remote.auth_token == CREDENTIAL
-    try:
-        assert negotiate.choose(DECODE_INFO, remote) == "tcp"
+        assert choose(DECODE_INFO, remote) == "tcp"
     except HandshakeError as e:
         assert "tcp" not in remote.transports and str(e).startswith("no common KV transport")
 
@@ -785,9 +774,8 @@ MALFORMED_HANDSHAKES = [
 def test_malformed_handshakes_raise_only_handshake_error(obj, why):
     with pytest.raises(HandshakeError):
         remote = PeerInfo.from_json(json.dumps(obj).encode())
-        check_auth(DECODE_INFO, remote)
         DECODE_INFO.check_compatible(remote)
-        negotiate.choose(DECODE_INFO, replace(remote, host_id="elsewhere", transports=remote.transports or ("x",)))
+        choose(DECODE_INFO, replace(remote, host_id="elsewhere", transports=remote.transports or ("x",)))
         raise AssertionError("accepted")
 
 
@@ -819,24 +807,26 @@ class LoopThread:
 
 class DecodeSide:
     """A decode worker's KV side with a 32-block cache and a block ledger that catches double
-    frees and frees of blocks that were never reserved."""
+    frees and frees of blocks that were never reserved (each grant's report frees its blocks:
+    there is no engine to take them)."""
 
     def __init__(self) -> None:
         self.loop = LoopThread()
         layout = KVLayout(LAYERS, HEADS, DIM, BLOCK, torch.float32)
         self.tensor = torch.zeros(layout.shape(NUM_BLOCKS))
-        self.cache = CacheLayers(list(self.tensor.unbind(0)), BLOCK)
+        self.cache = KVCacheView(list(self.tensor.unbind(0)), BLOCK, TOKEN_BYTES)
         self.lock = threading.Lock()
         self.free = set(range(NUM_BLOCKS))
         self.reserved: set[int] = set()
         self.ledger_errors: list[str] = []
-        self.receiver = KVReceiver(self.cache, self.loop.loop, self._free_blocks, lease_s=30.0, quarantine_s=0.01)
-        self.server = KVServer(self.receiver, DECODE_INFO, "127.0.0.1", 0, max_tokens=NUM_BLOCKS * BLOCK)
+        self.outcomes: dict[int, object] = {}
+        self.receiver = GrantLedger(LAYERS, TOKEN_BYTES, lease_s=30.0, quarantine_s=0.01)
+        self.server = KVReceiver(self.receiver, self.cache, DECODE_INFO, "127.0.0.1", 0)
         self.server.start()
         self.address = ("127.0.0.1", self.server.port)
         # A prefill side for the "still serving" check: 16-token blocks (re-blocking), random K/V.
         gen = torch.Generator().manual_seed(0)
-        self.src = CacheLayers(list(torch.randn(LAYERS, 4, 16, 2, HEADS, DIM, generator=gen).unbind(0)), 16)
+        self.src = KVCacheView(list(torch.randn(LAYERS, 4, 16, 2, HEADS, DIM, generator=gen).unbind(0)), 16, TOKEN_BYTES)
 
     def _free_blocks(self, block_ids: list[int]) -> None:
         with self.lock:
@@ -851,23 +841,22 @@ class DecodeSide:
             blocks = rng.sample(sorted(self.free), -(-num_tokens // BLOCK))
             self.free -= set(blocks)
             self.reserved |= set(blocks)
-        return self.loop.call(self.receiver.grant, blocks, num_tokens, lease_s)
 
-    def take(self, grant) -> None:
-        blocks = self.loop.call(self.receiver.take, grant)
-        with self.lock:
-            self.reserved -= set(blocks)
-            self.free |= set(blocks)
+        def report(outcome, blocks=blocks) -> None:
+            self.outcomes[id(blocks)] = outcome
+            self._free_blocks(blocks)
+
+        tid = self.receiver.grant(blocks, num_tokens, 0, report, lease_s=lease_s)
+        grant = self.receiver.lookup(tid)
+        grant.report_key = id(blocks)
+        return grant
 
     def settle(self, grants) -> None:
-        """Ends every grant (completed ones are taken, the rest failed or expired) and waits
-        until every reserved block is back."""
-        self.loop.call(self.receiver.reap_expired)
+        """Ends every grant (failed, expired or complete: each reports once and frees its
+        blocks) and waits until every reserved block is back."""
+        self.receiver.reap_expired()
         for g in grants:
-            if g.state is GrantState.COMPLETE and g.owns_blocks:
-                self.take(g)
-            else:
-                self.loop.call(self.receiver.fail, g, "fuzz example over")
+            self.receiver.fail(g, "fuzz example over")
         deadline = time.monotonic() + 5
         while (self.receiver.num_active or self.reserved) and time.monotonic() < deadline:
             time.sleep(0.005)
@@ -886,13 +875,17 @@ class DecodeSide:
                 for layer in range(LAYERS):
                     if start < end:
                         out.send_layer(layer, src_blocks, start, end)
-            assert out.finish(first_token_id=11).result(timeout=10) is AckStatus.OK
-            result = self.loop.wait(self.receiver.wait(grant))
-            assert result.first_token_id == 11 and result.transport == "tcp"
+            acked = threading.Event()
+            out.finish(11, lambda outcome: acked.set() if outcome.ok else None)
+            assert acked.wait(10)
+            deadline = time.monotonic() + 10
+            while grant.report_key not in self.outcomes and time.monotonic() < deadline:
+                time.sleep(0.005)
+            result = self.outcomes[grant.report_key]
+            assert result.ok and result.first_token_id == 11 and result.transport == "tcp"
             for layer in range(LAYERS):
-                got = b"".join(bytes(v) for v in self.cache.read(layer, grant.block_ids, 0, n))
-                assert got == b"".join(bytes(v) for v in self.src.read(layer, src_blocks, 0, n))
-            self.take(grant)
+                got = self.cache.read(layer, self.cache.slots(grant.block_ids, 0, n)).data.tobytes()
+                assert got == self.src.read(layer, self.src.slots(src_blocks, 0, n)).data.tobytes()
         finally:
             conn.close()
 
@@ -1090,9 +1083,8 @@ def hello_verdict(payload: bytes) -> bool:
     """Whether the server accepts this HELLO (the checks themselves are fuzzed in section 4)."""
     try:
         remote = PeerInfo.from_json(payload)
-        check_auth(DECODE_INFO, remote)
         DECODE_INFO.check_compatible(remote)
-        negotiate.choose(DECODE_INFO, remote)
+        choose(DECODE_INFO, remote)
     except HandshakeError:
         return False
     return True
@@ -1170,6 +1162,9 @@ def simulate(stream: bytes, handshaken: bool, grants: dict[int, ModelGrant]) -> 
             out.acks.append((h.transfer_id, status))
             g.state = "complete" if status is AckStatus.OK else "failed"
             g.racy = status is not AckStatus.OK  # failed on the loop a little later: racy until then
+        elif h.kind is FrameKind.RENEW:  # extends an active grant's lease; nothing else
+            if take(h.payload_len) is None:
+                return out
         else:  # handshake and decode-to-prefill frames, and one-sided units on a TCP connection
             out.stop = "protocol"
             return out
@@ -1272,7 +1267,7 @@ def check_one_connection(side: DecodeSide, session: Session, grants: list, basel
     model = {g.transfer_id: ModelGrant(g.num_tokens, np.zeros((LAYERS, g.num_tokens), dtype=bool)) for g in grants}
     if session.fail_midway:
         model[g0.transfer_id].racy = True
-    fail = (lambda: side.loop.call(side.receiver.fail, g0, "cancelled mid-transfer")) if session.fail_midway else None
+    fail = (lambda: side.receiver.fail(g0, "cancelled mid-transfer")) if session.fail_midway else None
     stream, received, ended = exchange(side, session, [g.transfer_id for g in grants], fail)
     wait_conn_threads(baseline_threads)
     side.loop.call(lambda: None)  # let the fails that finish() scheduled on the loop run
@@ -1305,7 +1300,7 @@ def check_one_connection(side: DecodeSide, session: Session, grants: list, basel
     for h, payload in replies:
         if h.kind is FrameKind.HELLO_OK:
             info = PeerInfo.from_json(payload)
-            assert info.auth_token == "" and info.extra["transport"] == "tcp"
+            assert info.proof == "" and info.extra["transport"] == "tcp"
     acks = [(h.transfer_id, AckStatus(h.aux)) for h, _ in replies if h.kind is FrameKind.ACK]
     if outcome.exact:
         assert acks == outcome.acks[: len(acks)], (acks, outcome.acks)

@@ -79,11 +79,12 @@ class KVReceive:
 
 
 class KVConnector:
-    def __init__(self, scheduler: Scheduler, blocks: BlockManager, num_layers: int,
+    def __init__(self, scheduler: Scheduler, blocks: BlockManager, num_layers: int, vocab_size: int,
                  finish_reason: Callable[[Sequence, int], FinishReason | None]) -> None:
         self.scheduler = scheduler
         self.blocks = blocks
         self.num_layers = num_layers
+        self.vocab_size = vocab_size
         self.finish_reason = finish_reason
         self.pipelined = True  # False: send every layer after the prefill (a baseline to compare with)
         self.wake: Callable[[], None] = lambda: None  # set by the engine's thread: an outcome is waiting
@@ -109,6 +110,8 @@ class KVConnector:
         return RequestOutput(seq.request_id, [], None, seq.num_prompt_tokens, seq.num_cached_tokens, kv=reservation)
 
     def _landed(self, seq: Sequence, outcome: TransferOutcome) -> RequestOutput | None:
+        if outcome.ok and not 0 <= outcome.first_token_id < self.vocab_size:
+            outcome = TransferOutcome(False, f"the prefill worker sent token id {outcome.first_token_id}, outside the vocabulary")
         if not outcome.ok:
             self.scheduler.remove(seq)
             self._finish(seq, free=True)

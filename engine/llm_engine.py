@@ -77,7 +77,8 @@ class LLMEngine:
             self.blocks, self.swap,
         )
         self.runner = ModelRunner(self.model, self.kv_cache.layers, config.block_size, self.device)
-        self.connector = KVConnector(self.scheduler, self.blocks, self.model_config.num_layers, self._finish_reason)
+        self.connector = KVConnector(self.scheduler, self.blocks, self.model_config.num_layers, self.model_config.vocab_size,
+                                     self._finish_reason)
         self.requests: dict[str, Sequence] = {}
         self.prefill_rate = 0.0  # tokens/s of recent prefill steps (an EMA), for TTFT estimates
         self._digest: tuple[int, tuple[int, ...]] = (-1, ())  # (block cache version, its hashes)

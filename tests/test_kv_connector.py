@@ -13,7 +13,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.engine.sequence import FinishReason, Sequence, SequenceStatus
 
-BS, LAYERS, EOS = 4, 3, 0
+BS, LAYERS, EOS, VOCAB = 4, 3, 0, 100
 
 
 class FakeReceiver:
@@ -60,7 +60,7 @@ class Harness:
     def __init__(self, num_blocks: int = 16, budget: int = 64) -> None:
         self.blocks = BlockManager(num_blocks, BS)
         self.scheduler = Scheduler(SchedulerConfig(8, budget), self.blocks)
-        self.connector = KVConnector(self.scheduler, self.blocks, LAYERS, self.finish_reason)
+        self.connector = KVConnector(self.scheduler, self.blocks, LAYERS, VOCAB, self.finish_reason)
         self.woken = threading.Event()
         self.connector.wake = self.woken.set
 
@@ -130,6 +130,16 @@ def test_a_first_token_that_ends_the_request_frees_its_blocks():
     [out] = h.connector.drain()
     assert out.finished and out.finish_reason is FinishReason.STOP and out.new_token_ids == []
     assert h.blocks.num_free == h.blocks.num_blocks and h.scheduler.num_unfinished == 0
+
+
+def test_a_first_token_outside_the_vocabulary_fails_the_transfer():
+    h, receiver = Harness(), FakeReceiver()
+    h.add("r", 5, kv_receive=KVReceive(receiver))
+    h.step()
+    receiver.report_from_thread(1, TransferOutcome(ok=True, first_token_id=VOCAB))
+    [out] = h.connector.drain()
+    assert isinstance(out.error, TransferFailed) and "vocabulary" in str(out.error)
+    assert h.blocks.num_free == h.blocks.num_blocks
 
 
 def test_a_failed_transfer_ends_the_request_with_its_reason():

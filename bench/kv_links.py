@@ -15,7 +15,7 @@ import torch
 
 from pdserve.engine.kv_cache import KVLayout
 from pdserve.engine.kv_connector import TransferOutcome
-from pdserve.kvtransfer import shm_transport
+from pdserve.kvtransfer import registry
 from pdserve.kvtransfer.grants import GrantLedger
 from pdserve.kvtransfer.handshake import PeerInfo
 from pdserve.kvtransfer.integrity import checksum
@@ -57,7 +57,8 @@ class DecodeSide:
     """A grant ledger and a KV receiver with a cache of ``num_blocks`` (in a shared pool for shm)."""
 
     def __init__(self, transport: str, layout: KVLayout, num_blocks: int, info: PeerInfo, ucx) -> None:
-        self.pool = shm_transport.make_pool(layout, num_blocks, torch.device("cpu")) if transport == "shm" else None
+        spec = registry.get(transport)
+        self.pool = spec.load().make_pool(layout, num_blocks, torch.device("cpu")) if spec.pool else None
         self.tensor = self.pool.tensor if self.pool else torch.zeros(layout.shape(num_blocks), dtype=layout.dtype)
         self.cache = KVCacheView(list(self.tensor.unbind(0)), layout.block_size, layout.token_bytes)
         self.ledger = GrantLedger(layout.num_layers, layout.token_bytes, lease_s=IO_TIMEOUT_S)

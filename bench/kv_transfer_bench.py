@@ -56,14 +56,14 @@ from pdserve.bench.kv_links import (  # noqa: E402
     IO_TIMEOUT_S, DecodeSide, MemcpyLink, RawSocketLink, RawUcxLink, TransportLink, connect, layer_checksums,
 )
 from pdserve.engine.kv_cache import KVLayout  # noqa: E402
-from pdserve.kvtransfer import shm_transport  # noqa: E402
+from pdserve.kvtransfer import registry  # noqa: E402
 from pdserve.kvtransfer.handshake import PeerInfo, host_id  # noqa: E402
 from pdserve.kvtransfer.integrity import checksum  # noqa: E402
 from pdserve.kvtransfer.layout import KVCacheView  # noqa: E402
-from pdserve.kvtransfer.ucx_worker import UcxWorker, ucx_available, ucx_unavailable_reason  # noqa: E402
+from pdserve.kvtransfer.ucx_worker import UcxWorker, ucx_available  # noqa: E402
 
 MIB = 1 << 20
-ALL_TRANSPORTS = ("tcp", "shm", "ucx")
+ALL_TRANSPORTS = tuple(name for name in registry.TRANSPORT_NAMES if name != "cuda_ipc")  # CPU caches here
 MAX_SAMPLE_MULTIPLIER = 8  # small payloads get more samples: repeats x min(8, 64 MiB / size)
 MAX_ENGINE_STEPS = 64  # a 1k-token prefill takes one step (two with a smaller token budget)
 
@@ -456,10 +456,9 @@ def run(args) -> dict:
     skipped = {}
     transports = []
     for t in args.transports:
-        if t == "ucx" and not ucx_available():
-            skipped[t] = ucx_unavailable_reason()
-        elif t == "shm" and shm_transport.unavailable_reason(torch.device("cpu")):
-            skipped[t] = shm_transport.unavailable_reason(torch.device("cpu"))
+        reason = registry.get(t).load().unavailable_reason(torch.device("cpu"))
+        if reason:
+            skipped[t] = reason
         else:
             transports.append(t)
     ucx_pair = (UcxWorker(), UcxWorker()) if "ucx" in transports else None
@@ -520,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5,
                         help="timed samples per method at >= 64 MiB; smaller payloads get up to 8x more (default 5)")
     parser.add_argument("--transports", type=parse_list, default=list(ALL_TRANSPORTS),
-                        help="pdserve transports to measure (default tcp,shm,ucx; ucx is skipped when not importable)")
+                        help=f"pdserve transports to measure (default {','.join(ALL_TRANSPORTS)}; unavailable ones are skipped with the reason)")
     parser.add_argument("--parts", type=parse_list, default=["micro", "real", "ttft"],
                         help="micro, real (a real request's KV), ttft (needs the default model); default all")
     parser.add_argument("--blocks", choices=("contiguous", "shuffled"), default="contiguous",
@@ -532,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     bad = [t for t in args.transports if t not in ALL_TRANSPORTS] + [p for p in args.parts if p not in ("micro", "real", "ttft")]
     if bad or args.repeats < 1 or args.ttft_repeats < 1 or args.prompt_tokens < 1 or any(s <= 0 for s in args.sizes_mib):
-        parser.error(f"bad arguments {bad or ''}: transports are tcp,shm,ucx; parts micro,real,ttft; counts and sizes > 0")
+        parser.error(f"bad arguments {bad or ''}: transports are {','.join(ALL_TRANSPORTS)}; parts micro,real,ttft; counts and sizes > 0")
 
     result = run(args)
     print(render(result))

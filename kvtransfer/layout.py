@@ -119,13 +119,14 @@ class KVCacheView:
     # -- reading (sender side; the receiver verifying what landed) -------------------------------
     def read(self, layer: int, slots: Slots, ready=None) -> "HostBytes":
         """Tokens of ``slots`` in ``layer`` as host bytes; ``ready``: a CUDA event the data waits for."""
-        if self.on_host and slots.contiguous:
-            return HostBytes(self._numpy[layer][slots.first : slots.first + len(slots)].reshape(-1))
+        if self.device.type == "cpu":
+            rows = self._numpy[layer]
+            if slots.contiguous and self.on_host:
+                return HostBytes(rows[slots.first : slots.first + len(slots)].reshape(-1))
+            # numpy, not torch: one thread (torch's thread pool would fight the engine's for the cores)
+            return HostBytes(rows[slots.array].reshape(-1), staged=True)
         nbytes = len(slots) * self.token_bytes
         host = self.host_staging.take(nbytes)
-        if self.device.type == "cpu":
-            torch.index_select(self.rows[layer], 0, slots.index, out=host[:nbytes].view(-1, self.token_bytes))
-            return HostBytes(host[:nbytes].numpy(), self.host_staging, host)
         with torch.cuda.stream(self.stream):
             if ready is not None:
                 self.stream.wait_event(ready)
@@ -164,16 +165,15 @@ class KVCacheView:
 
 
 class HostBytes:
-    """A unit's bytes in host memory (a view of the cache, or a staging buffer to give back)."""
+    """A unit's bytes in host memory (a view of the cache, a gathered copy, or a staging buffer
+    to give back)."""
 
-    __slots__ = ("data", "_pool", "_buffer")
+    __slots__ = ("data", "staged", "_pool", "_buffer")
 
-    def __init__(self, data: np.ndarray, pool: StagingPool | None = None, buffer: torch.Tensor | None = None) -> None:
+    def __init__(self, data: np.ndarray, pool: StagingPool | None = None, buffer: torch.Tensor | None = None,
+                 staged: bool = False) -> None:
         self.data, self._pool, self._buffer = data, pool, buffer
-
-    @property
-    def staged(self) -> bool:
-        return self._buffer is not None
+        self.staged = staged or buffer is not None  # a copy: the cache itself is not exposed
 
     def release(self) -> None:
         if self._buffer is not None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import xxhash
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +50,39 @@ def copy_into(rows: np.ndarray, slots: Slots, data: np.ndarray) -> None:
         np.copyto(rows[slots.first : slots.first + len(slots)], data)
     else:
         rows[slots.array] = data
+
+
+PIECE_BYTES = 256 << 10  # what fits in a core's L2: hashed while still in cache
+
+
+def pieces(slots: Slots, token_bytes: int):
+    """``slots`` cut into cache-sized pieces, as (row range or index array) per piece."""
+    step = max(1, PIECE_BYTES // token_bytes)
+    for i in range(0, len(slots), step):
+        if slots.contiguous:
+            yield slice(slots.first + i, slots.first + min(i + step, len(slots)))
+        else:
+            yield slots.array[i : i + step]
+
+
+def copy_and_hash(src: np.ndarray, src_slots: Slots, dst: np.ndarray, dst_slots: Slots) -> int:
+    """Copies the tokens of ``src_slots`` to ``dst_slots`` (host rows [num_slots, token_bytes]),
+    piece by piece, hashing each piece of what landed while it is in cache: one pass."""
+    digest = xxhash.xxh3_64()
+    token_bytes = src.shape[1]
+    for s, d in zip(pieces(src_slots, token_bytes), pieces(dst_slots, token_bytes), strict=True):
+        rows = src[s]
+        dst[d] = rows
+        digest.update(dst[d] if isinstance(d, slice) else rows)
+    return digest.intdigest()
+
+
+def hash_rows(rows: np.ndarray, slots: Slots) -> int:
+    """The checksum of the tokens of ``slots`` in host ``rows``, gathered piece by piece."""
+    digest = xxhash.xxh3_64()
+    for piece in pieces(slots, rows.shape[1]):
+        digest.update(rows[piece])
+    return digest.intdigest()
 
 
 class StagingPool:

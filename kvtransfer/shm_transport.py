@@ -2,9 +2,9 @@
 segment that prefill workers on the same machine map and write into directly (the CPU
 analogue of a one-sided RDMA write); a WRITTEN frame then carries the checksum.
 
-Sender: the source bytes (in place, or gathered), hashed while they are in cache, copied to
-their destination slots by one vectorized copy. Receiver: hashes what landed, gathered the
-same way: one pass over the bytes on each side.
+Sender: the unit is copied piece by piece (a few hundred KiB, vectorized gathers and scatters)
+and each piece of what landed is hashed while it is still in cache. Receiver: hashes what
+landed the same way. One pass over the bytes on each side.
 
 The decode side creates the segment; Python's resource tracker unlinks it even if the worker
 is killed. The prefill side maps it by name with a plain ``mmap`` (not ``SharedMemory``,
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from pdserve.kvtransfer.integrity import checksum
-from pdserve.kvtransfer.layout import copy_into
+from pdserve.kvtransfer.layout import copy_and_hash, copy_into, hash_rows
 from pdserve.kvtransfer.protocol import FrameHeader, FrameKind
 from pdserve.kvtransfer.transport_api import ReceiveContext, SendContext, Unit
 
@@ -125,16 +125,16 @@ class Sender:
     device = None  # it writes host memory
 
     def send(self, unit: Unit) -> None:
-        dst = unit.dst
-        data = self.ctx.cache.read(unit.layer, unit.src, unit.ready)
-        try:
+        cache, rows = self.ctx.cache, self.pool.layers[unit.layer]
+        if cache.on_host:
+            digest = copy_and_hash(cache.host_rows(unit.layer), unit.src, rows, unit.dst)
+        else:  # a staged copy (a GPU cache, or a test forcing that path)
+            data = cache.read(unit.layer, unit.src, unit.ready)
             digest = checksum(data.data)
-            rows = self.pool.layers[unit.layer]
-            copy_into(rows, dst, data.data)
-            if self.ctx.faults.take("corrupt"):
-                rows[dst.first, 0] ^= 0x5A  # a data byte of what landed, never our own cache
-        finally:
+            copy_into(rows, unit.dst, data.data)
             data.release()
+        if self.ctx.faults.take("corrupt"):
+            rows[unit.dst.first, 0] ^= 0x5A  # a data byte of what landed, never our own cache
         self.ctx.send_frame(FrameHeader(FrameKind.WRITTEN, unit.transfer_id, unit.layer, unit.start, unit.end, checksum=digest))
 
     def flush(self, transfer_id: int) -> None:
@@ -160,9 +160,13 @@ class Receiver:
             return
         ok = None
         try:
-            landed = cache.read(h.layer, grant.slots(cache, h.start, h.end))
-            ok = checksum(landed.data) == h.checksum
-            landed.release()
+            slots = grant.slots(cache, h.start, h.end)
+            if cache.on_host:
+                ok = hash_rows(cache.host_rows(h.layer), slots) == h.checksum
+            else:
+                landed = cache.read(h.layer, slots)
+                ok = checksum(landed.data) == h.checksum
+                landed.release()
         finally:
             ledger.end_write(grant, h.layer, h.start, h.end, ok)
 

@@ -65,3 +65,20 @@ def test_the_device_checksum_sees_every_byte():
     assert device_checksum(flipped) != digest
     assert device_checksum(rows[:39]) != digest  # the length counts
     assert xxhash.xxh3_64_intdigest(rows.numpy().tobytes()) != digest  # a different function from the host one
+
+
+@pytest.mark.parametrize("block_ids", [[3, 4, 5, 6], [6, 1, 4, 0]], ids=["contiguous", "fragmented"])
+def test_piecewise_copy_and_hash_equal_the_whole_unit(block_ids, monkeypatch):
+    from pdserve.kvtransfer import layout
+    from pdserve.kvtransfer.integrity import checksum
+    from pdserve.kvtransfer.layout import copy_and_hash, hash_rows
+
+    monkeypatch.setattr(layout, "PIECE_BYTES", 1000)  # several pieces per unit
+    rng = np.random.default_rng(0)
+    src = rng.integers(0, 256, (128, 96), dtype=np.uint8)
+    dst = np.zeros_like(src)
+    src_slots, dst_slots = slots_of([2, 0, 1, 3], 16, 5, 60), slots_of(block_ids, 16, 5, 60)
+    whole = checksum(src[src_slots.array])
+    assert copy_and_hash(src, src_slots, dst, dst_slots) == whole
+    assert np.array_equal(dst[dst_slots.array], src[src_slots.array])
+    assert hash_rows(dst, dst_slots) == whole

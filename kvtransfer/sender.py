@@ -54,6 +54,7 @@ class OutgoingTransfer:
         self.nbytes = 0
         self._report: Report | None = None
         self._reported = False
+        self._lock = threading.Lock()  # the ack thread, the sender thread and a broken connection may all resolve
         self._slots_for: tuple[list[int], int, int, Slots, Slots | None] | None = None
 
     # -- the engine thread ----------------------------------------------------------------------
@@ -95,9 +96,10 @@ class OutgoingTransfer:
     # -- connection threads ---------------------------------------------------------------------
     def resolve(self, outcome: TransferOutcome) -> None:
         """Reports the outcome once (never after a cancel)."""
-        if self._reported or self.cancelled or self._report is None:
-            return
-        self._reported = True
+        with self._lock:
+            if self._reported or self.cancelled or self._report is None:
+                return
+            self._reported = True
         self._report(outcome)
 
 

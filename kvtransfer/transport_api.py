@@ -59,7 +59,10 @@ class SendContext:
 
     def send_frame(self, header: FrameHeader, *payload) -> None:
         with self.send_lock:
-            send_buffers(self.sock, [header.pack(), *payload])
+            if payload:
+                send_buffers(self.sock, [header.pack(), *payload])
+            else:
+                self.sock.sendall(header.pack())
 
 
 @dataclass

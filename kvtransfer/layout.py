@@ -5,11 +5,13 @@ each token), one token's K and V in one layer are ``token_bytes`` contiguous byt
 ordered block by block, and tokens ``[start, end)`` of a request are the slots its block table
 maps them to. Each side maps the same token range with its own block ids and block size:
 that is the re-blocking. Everything here works on a whole unit (one layer, one token range)
-with vectorized index operations: Python work per layer, never per block.
+with vectorized index operations over rows of whole blocks where it can: Python work per
+layer, never per block.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 
@@ -25,6 +27,10 @@ class Slots:
     array: np.ndarray  # int64 slot numbers
     first: int  # the first slot
     contiguous: bool  # slots first, first + 1, ...: the unit is one byte range of the layer
+    # The same slots as rows of ``g`` consecutive, aligned tokens: (g, row numbers in a
+    # [num_slots / g, g, token_bytes] view), in token order. Whole-block rows when the range
+    # starts on a block boundary: host gathers and scatters then copy blocks, not tokens.
+    runs: tuple[tuple[int, np.ndarray], ...] = ()
     index: torch.Tensor | None = None  # ``array`` on the cache's device (for gathers there)
 
     def __len__(self) -> int:
@@ -39,50 +45,51 @@ def slots_of(block_ids: list[int], block_size: int, start: int, end: int, device
     positions = np.arange(start, end, dtype=np.int64)
     array = np.asarray(block_ids, dtype=np.int64)[positions // block_size] * block_size + positions % block_size
     contiguous = bool(len(array)) and bool((np.diff(array) == 1).all())
+    g = math.gcd(block_size, start)  # rows of g tokens never cross a block (g divides the block size)
+    body = len(array) - len(array) % g
+    runs = ((g, array[:body:g] // g),) if body else ()
+    if body < len(array):
+        runs += ((1, array[body:]),)
     index = torch.from_numpy(array).to(device) if device is not None else None
-    return Slots(array, int(array[0]) if len(array) else 0, contiguous, index)
+    return Slots(array, int(array[0]) if len(array) else 0, contiguous, runs, index)
 
 
-def copy_into(rows: np.ndarray, slots: Slots, data: np.ndarray) -> None:
-    """Writes token-ordered bytes ``data`` into ``slots`` of host ``rows`` [num_slots, token_bytes]."""
-    data = data.reshape(len(slots), -1)
+def gather(rows: np.ndarray, slots: Slots) -> np.ndarray:
+    """The tokens of ``slots`` in host ``rows`` [num_slots, token_bytes], token-ordered: a view
+    when they are contiguous, else one vectorized copy per run of rows."""
+    if slots.contiguous:
+        return rows[slots.first : slots.first + len(slots)]
+    token_bytes = rows.shape[1]
+    parts = [rows.reshape(-1, g, token_bytes)[index].reshape(-1, token_bytes) for g, index in slots.runs]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def scatter(rows: np.ndarray, slots: Slots, data: np.ndarray) -> None:
+    """Writes token-ordered bytes ``data`` into ``slots`` of host ``rows``."""
+    token_bytes = rows.shape[1]
+    data = data.reshape(-1, token_bytes)
     if slots.contiguous:
         np.copyto(rows[slots.first : slots.first + len(slots)], data)
-    else:
-        rows[slots.array] = data
-
-
-PIECE_BYTES = 256 << 10  # what fits in a core's L2: hashed while still in cache
-
-
-def pieces(slots: Slots, token_bytes: int):
-    """``slots`` cut into cache-sized pieces, as (row range or index array) per piece."""
-    step = max(1, PIECE_BYTES // token_bytes)
-    for i in range(0, len(slots), step):
-        if slots.contiguous:
-            yield slice(slots.first + i, slots.first + min(i + step, len(slots)))
-        else:
-            yield slots.array[i : i + step]
+        return
+    at = 0
+    for g, index in slots.runs:
+        count = len(index) * g
+        rows.reshape(-1, g, token_bytes)[index] = data[at : at + count].reshape(-1, g, token_bytes)
+        at += count
 
 
 def copy_and_hash(src: np.ndarray, src_slots: Slots, dst: np.ndarray, dst_slots: Slots) -> int:
-    """Copies the tokens of ``src_slots`` to ``dst_slots`` (host rows [num_slots, token_bytes]),
-    piece by piece, hashing each piece of what landed while it is in cache: one pass."""
-    digest = xxhash.xxh3_64()
-    token_bytes = src.shape[1]
-    for s, d in zip(pieces(src_slots, token_bytes), pieces(dst_slots, token_bytes), strict=True):
-        rows = src[s]
-        dst[d] = rows
-        digest.update(dst[d] if isinstance(d, slice) else rows)
-    return digest.intdigest()
+    """Copies the tokens of ``src_slots`` to ``dst_slots`` (host rows); returns the checksum of
+    the bytes, taken once, between the gather and the scatter."""
+    data = gather(src, src_slots)
+    digest = xxhash.xxh3_64_intdigest(data)
+    scatter(dst, dst_slots, data)
+    return digest
 
 
 def hash_rows(rows: np.ndarray, slots: Slots) -> int:
-    """The checksum of the tokens of ``slots`` in host ``rows``, gathered piece by piece."""
-    digest = xxhash.xxh3_64()
-    for piece in pieces(slots, rows.shape[1]):
-        digest.update(rows[piece])
-    return digest.intdigest()
+    """The checksum of the tokens of ``slots`` in host ``rows``."""
+    return xxhash.xxh3_64_intdigest(gather(rows, slots))
 
 
 class StagingPool:
@@ -158,7 +165,8 @@ class KVCacheView:
             if slots.contiguous and self.on_host:
                 return HostBytes(rows[slots.first : slots.first + len(slots)].reshape(-1))
             # numpy, not torch: one thread (torch's thread pool would fight the engine's for the cores)
-            return HostBytes(rows[slots.array].reshape(-1), staged=True)
+            data = gather(rows, slots)
+            return HostBytes((data.copy() if slots.contiguous else data).reshape(-1), staged=True)
         nbytes = len(slots) * self.token_bytes
         host = self.host_staging.take(nbytes)
         with torch.cuda.stream(self.stream):
@@ -187,7 +195,7 @@ class KVCacheView:
         """Copies token-ordered bytes into the slots of ``layer``."""
         rows = data.reshape(-1, self.token_bytes)
         if self.device.type == "cpu":
-            copy_into(self._numpy[layer], slots, rows)
+            scatter(self._numpy[layer], slots, rows)
             return
         with torch.cuda.stream(self.stream):
             staged = torch.from_numpy(rows).to(self.device, non_blocking=True)

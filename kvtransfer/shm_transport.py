@@ -2,9 +2,9 @@
 segment that prefill workers on the same machine map and write into directly (the CPU
 analogue of a one-sided RDMA write); a WRITTEN frame then carries the checksum.
 
-Sender: the unit is copied piece by piece (a few hundred KiB, vectorized gathers and scatters)
-and each piece of what landed is hashed while it is still in cache. Receiver: hashes what
-landed the same way. One pass over the bytes on each side.
+Sender: the unit is gathered (a view when it is one range, else one vectorized copy of whole
+blocks), hashed, and scattered into its destination slots. Receiver: hashes what landed,
+gathered the same way. One pass over the bytes on each side.
 
 The decode side creates the segment; Python's resource tracker unlinks it even if the worker
 is killed. The prefill side maps it by name with a plain ``mmap`` (not ``SharedMemory``,
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from pdserve.kvtransfer.integrity import checksum
-from pdserve.kvtransfer.layout import copy_and_hash, copy_into, hash_rows
+from pdserve.kvtransfer.layout import copy_and_hash, hash_rows, scatter
 from pdserve.kvtransfer.protocol import FrameHeader, FrameKind
 from pdserve.kvtransfer.transport_api import ReceiveContext, SendContext, Unit
 
@@ -131,7 +131,7 @@ class Sender:
         else:  # a staged copy (a GPU cache, or a test forcing that path)
             data = cache.read(unit.layer, unit.src, unit.ready)
             digest = checksum(data.data)
-            copy_into(rows, unit.dst, data.data)
+            scatter(rows, unit.dst, data.data)
             data.release()
         if self.ctx.faults.take("corrupt"):
             rows[unit.dst.first, 0] ^= 0x5A  # a data byte of what landed, never our own cache

@@ -68,17 +68,22 @@ def test_the_device_checksum_sees_every_byte():
 
 
 @pytest.mark.parametrize("block_ids", [[3, 4, 5, 6], [6, 1, 4, 0]], ids=["contiguous", "fragmented"])
-def test_piecewise_copy_and_hash_equal_the_whole_unit(block_ids, monkeypatch):
-    from pdserve.kvtransfer import layout
+@pytest.mark.parametrize("start, end", [(0, 64), (16, 50), (5, 60)], ids=["whole-blocks", "aligned-with-tail", "unaligned"])
+def test_block_rows_copy_and_hash_like_token_rows(block_ids, start, end):
     from pdserve.kvtransfer.integrity import checksum
-    from pdserve.kvtransfer.layout import copy_and_hash, hash_rows
+    from pdserve.kvtransfer.layout import copy_and_hash, gather, hash_rows
 
-    monkeypatch.setattr(layout, "PIECE_BYTES", 1000)  # several pieces per unit
     rng = np.random.default_rng(0)
     src = rng.integers(0, 256, (128, 96), dtype=np.uint8)
     dst = np.zeros_like(src)
-    src_slots, dst_slots = slots_of([2, 0, 1, 3], 16, 5, 60), slots_of(block_ids, 16, 5, 60)
+    src_slots, dst_slots = slots_of([2, 0, 1, 3], 16, start, end), slots_of(block_ids, 16, start, end)
+    if start % 16 == 0:
+        assert src_slots.runs[0][0] == 16  # whole blocks per row
     whole = checksum(src[src_slots.array])
+    assert np.array_equal(gather(src, src_slots), src[src_slots.array])
     assert copy_and_hash(src, src_slots, dst, dst_slots) == whole
     assert np.array_equal(dst[dst_slots.array], src[src_slots.array])
+    untouched = np.ones(len(dst), dtype=bool)
+    untouched[dst_slots.array] = False
+    assert not dst[untouched].any()
     assert hash_rows(dst, dst_slots) == whole

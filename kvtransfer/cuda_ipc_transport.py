@@ -166,7 +166,8 @@ class Sender:
                 copied = torch.cuda.Event()
                 copied.record(stream)
                 copied.synchronize()
-        self.ctx.send_frame(FrameHeader(FrameKind.WRITTEN, unit.transfer_id, unit.layer, unit.start, unit.end, checksum=digest))
+        self.ctx.send_frame(FrameHeader(FrameKind.WRITTEN, unit.transfer_id, unit.layer, unit.start, unit.end, checksum=digest),
+                            defer=True)
 
     def flush(self, transfer_id: int) -> None:
         pass  # each unit's copy has completed before its WRITTEN

@@ -177,6 +177,8 @@ class KVConnection:
                     next_renewal = time.monotonic() + self.renew_interval_s
                 if item:
                     self._handle(*item)
+                if self._queue.empty():
+                    self.ctx.flush()  # out of work: whatever was deferred leaves now
         except Exception as e:  # noqa: BLE001 - a dead sender must fail every waiter, not hang them
             log.warning("KV sender to %s stopped: %s", self.address, e)
             self._break(e)

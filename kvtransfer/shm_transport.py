@@ -135,7 +135,8 @@ class Sender:
             data.release()
         if self.ctx.faults.take("corrupt"):
             rows[unit.dst.first, 0] ^= 0x5A  # a data byte of what landed, never our own cache
-        self.ctx.send_frame(FrameHeader(FrameKind.WRITTEN, unit.transfer_id, unit.layer, unit.start, unit.end, checksum=digest))
+        self.ctx.send_frame(FrameHeader(FrameKind.WRITTEN, unit.transfer_id, unit.layer, unit.start, unit.end, checksum=digest),
+                            defer=True)
 
     def flush(self, transfer_id: int) -> None:
         pass  # the copies are done when send returns

@@ -29,6 +29,7 @@ from pdserve.kvtransfer.protocol import FrameHeader
 from pdserve.kvtransfer.sockets import send_buffers
 
 IO_TIMEOUT_S = 10.0  # once a unit has started, the rest of it must arrive within this
+MAX_DEFERRED_FRAMES = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,13 +57,25 @@ class SendContext:
     faults: FaultPlan
     ucx: object = None  # the process's UcxWorker, when UCX is offered
     send_lock: threading.Lock = field(default_factory=threading.Lock)
+    deferred: list[bytes] = field(default_factory=list)
 
-    def send_frame(self, header: FrameHeader, *payload) -> None:
+    def send_frame(self, header: FrameHeader, *payload, defer: bool = False) -> None:
+        """Sends a frame, after any deferred ones. ``defer``: a header-only frame that may wait
+        for a few more (the connection also flushes whenever it runs out of work), so a burst
+        of small units costs a system call per few units, and the receiver still verifies
+        while the sender copies."""
         with self.send_lock:
-            if payload:
-                send_buffers(self.sock, [header.pack(), *payload])
-            else:
-                self.sock.sendall(header.pack())
+            if defer and len(self.deferred) < MAX_DEFERRED_FRAMES - 1:
+                self.deferred.append(header.pack())
+                return
+            buffers, self.deferred = [*self.deferred, header.pack(), *payload], []
+            send_buffers(self.sock, buffers)
+
+    def flush(self) -> None:
+        with self.send_lock:
+            if self.deferred:
+                buffers, self.deferred = self.deferred, []
+                send_buffers(self.sock, buffers)
 
 
 @dataclass

@@ -102,7 +102,7 @@ class TransportLink:
             raise
 
     def sample(self) -> float:
-        self.decode.tensor.numpy().fill(0)  # numpy: no torch worker threads left spinning into the timed part
+        self.decode.tensor.view(torch.uint8).numpy().fill(0)  # numpy: no torch worker threads left spinning into the timed part
         transfer_id, landed = self.decode.grant(self.dst_blocks, self.num_tokens)
         acked = Waiter()
         started = time.perf_counter()

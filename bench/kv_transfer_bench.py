@@ -293,7 +293,7 @@ def measure_ttft(args, transports: list[str], ucx_pair) -> dict:
         kv = landed = acked = None
         if t is not None:
             decode = decodes[t]
-            decode.tensor.numpy().fill(0)
+            decode.tensor.view(torch.uint8).numpy().fill(0)
             transfer_id, landed = decode.grant(dst_blocks, n)
             kv = KVSend(conns[t].open(transfer_id, dst_blocks, block_size, n), ack_timeout_s=IO_TIMEOUT_S)
             engine.connector.pipelined = mode == "pipelined"

@@ -87,3 +87,17 @@ def test_block_rows_copy_and_hash_like_token_rows(block_ids, start, end):
     untouched[dst_slots.array] = False
     assert not dst[untouched].any()
     assert hash_rows(dst, dst_slots) == whole
+
+
+def test_one_range_copies_hash_piece_by_piece(monkeypatch):
+    from pdserve.kvtransfer import layout
+    from pdserve.kvtransfer.integrity import checksum
+
+    monkeypatch.setattr(layout, "PIECE_BYTES", 1000)  # several pieces
+    rng = np.random.default_rng(1)
+    src = rng.integers(0, 256, (128, 96), dtype=np.uint8)
+    dst = np.zeros_like(src)
+    src_slots, dst_slots = slots_of([1, 2, 3], 16, 3, 45), slots_of([5, 6, 7], 16, 3, 45)
+    assert src_slots.contiguous and dst_slots.contiguous
+    assert layout.copy_and_hash(src, src_slots, dst, dst_slots) == checksum(src[19:61])
+    assert np.array_equal(dst[83:125], src[19:61]) and not dst[:83].any() and not dst[125:].any()

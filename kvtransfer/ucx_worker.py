@@ -18,11 +18,13 @@ receive completes (with nothing in it) and from then on nothing can land in its 
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import logging
 import os
 import select
 import threading
+import weakref
 from collections import deque
 from typing import Callable
 
@@ -40,6 +42,7 @@ except Exception as e:  # noqa: BLE001 - any failure means: no UCX here
 
 TAG_BITS = 40  # a tag is (connection tag << TAG_BITS) | sequence number
 Done = Callable[[BaseException | None], None]
+_LIVE: "weakref.WeakSet[UcxWorker]" = weakref.WeakSet()  # closed at exit: UCX must not die under its thread
 
 
 def ucx_available() -> bool:
@@ -71,6 +74,7 @@ class UcxWorker:
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="ucx-progress", daemon=True)
         self._thread.start()
+        _LIVE.add(self)
 
     # -- any thread ---------------------------------------------------------------------------
     def connect(self, peer_address: bytes) -> concurrent.futures.Future:
@@ -109,9 +113,13 @@ class UcxWorker:
         self._submit(cancel, lambda e: log.warning("could not cancel a UCX receive: %s", e))
 
     def close(self) -> None:
+        if self._stopped:
+            return
         self._stopped = True
         self._wake()
         self._thread.join(5)
+        if self._thread.is_alive():
+            log.warning("the UCX progress thread did not stop in 5 s")
 
     # -- the UCX thread ---------------------------------------------------------------------------
     def _submit(self, command: Callable[[], None], on_error: Callable[[BaseException], None]) -> None:
@@ -172,3 +180,9 @@ class UcxWorker:
                     done(e)
                 else:
                     done(None)
+
+
+@atexit.register
+def _close_live_workers() -> None:
+    for worker in list(_LIVE):
+        worker.close()

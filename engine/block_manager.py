@@ -41,6 +41,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}  # hash -> block id
+        self.cache_version = 0  # changes whenever ``cached`` does
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.evictions = 0
@@ -76,20 +77,18 @@ class BlockManager:
         return found
 
     # -- allocation -----------------------------------------------------------------------
-    def can_allocate(self, seq: Sequence, num_tokens: int, hits: list[int] | None = None) -> bool:
-        """``hits``: ``usable_hits(seq, num_tokens)`` when the caller has it already."""
-        hits = self.usable_hits(seq, num_tokens) if hits is None else hits
+    def can_allocate(self, seq: Sequence, num_tokens: int, hits: list[int]) -> bool:
+        """``hits``: ``usable_hits(seq, ...)``, looked up once by the caller."""
         reusable_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         return self.blocks_needed(num_tokens) - len(hits) <= self.num_free - reusable_free
 
-    def allocate(self, seq: Sequence, num_tokens: int, hits: list[int] | None = None) -> None:
-        """Gives ``seq`` blocks for its first ``num_tokens`` tokens, reusing cached prefix blocks
-        (``hits``: ``usable_hits(seq, num_tokens)`` when the caller has it already)."""
+    def allocate(self, seq: Sequence, num_tokens: int, hits: list[int]) -> None:
+        """Gives ``seq`` blocks for its first ``num_tokens`` tokens, sharing the cached prefix
+        blocks ``hits`` (``usable_hits(seq, ...)``); the rest are fresh."""
         assert not seq.block_table, "sequence already holds blocks"
-        hits = self.usable_hits(seq, num_tokens) if hits is None else hits
         if not self.can_allocate(seq, num_tokens, hits):
             raise MemoryError("not enough free KV blocks")
-        self.prefix_queries += num_tokens // self.block_size
+        self.prefix_queries += seq.num_tokens // self.block_size
         self.prefix_hits += len(hits)
         for block_id in hits:
             self._ref(block_id)
@@ -99,21 +98,6 @@ class BlockManager:
             seq.block_table.append(self._take_free())
         seq.num_cached_tokens = len(hits) * self.block_size
         seq.num_computed_tokens = seq.num_cached_tokens
-
-    def allocate_for_tokens(self, token_ids: list[int], num_tokens: int) -> tuple[list[int], int]:
-        """Blocks for ``num_tokens`` tokens whose K/V will be written from outside (a decode
-        worker's reservation): cached full blocks of ``token_ids`` are shared, the rest fresh.
-        Returns (block ids, tokens already cached)."""
-        hits = self.cached_prefix_blocks(token_ids[:num_tokens])
-        fresh = self.blocks_needed(num_tokens) - len(hits)
-        reusable_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
-        if fresh > self.num_free - reusable_free:
-            raise MemoryError("not enough free KV blocks")
-        self.prefix_queries += len(token_ids) // self.block_size
-        self.prefix_hits += len(hits)
-        for block_id in hits:
-            self._ref(block_id)
-        return hits + [self._take_free() for _ in range(fresh)], len(hits) * self.block_size
 
     def allocate_blocks_raw(self, count: int) -> list[int]:
         """``count`` fresh blocks (caller checked ``num_free``)."""
@@ -143,6 +127,7 @@ class BlockManager:
             if block.hash == NO_HASH and h not in self.cached:  # same content twice: keep the first
                 block.hash, block.token_ids = h, tokens
                 self.cached[h] = block.block_id
+                self.cache_version += 1
 
     def free_blocks(self, block_ids: list[int]) -> None:
         # Reversed, so a sequence's tail (the least shareable part) is evicted first.
@@ -160,11 +145,12 @@ class BlockManager:
         seq.num_computed_tokens = 0
 
     # -- internals ------------------------------------------------------------------------
-    def usable_hits(self, seq: Sequence, num_tokens: int) -> list[int]:
-        """The cached blocks ``allocate`` would reuse for ``seq`` (no side effects)."""
-        hits = self.cached_prefix_blocks(seq.token_ids[:num_tokens])
-        # At least one token must run through the model to produce the next token's logits.
-        while hits and len(hits) * self.block_size >= seq.num_tokens:
+    def usable_hits(self, seq: Sequence, computes_logits: bool = True) -> list[int]:
+        """The cached blocks ``allocate`` would share for ``seq``'s prompt (no side effects).
+        ``computes_logits``: the prompt runs through the model here, so at least its last
+        token must be computed (a prompt whose K/V arrive from elsewhere may hit in full)."""
+        hits = self.cached_prefix_blocks(seq.token_ids)
+        while computes_logits and hits and len(hits) * self.block_size >= seq.num_tokens:
             hits.pop()
         return hits
 
@@ -181,5 +167,6 @@ class BlockManager:
             del self.cached[block.hash]
             block.hash, block.token_ids = NO_HASH, ()
             self.evictions += 1
+            self.cache_version += 1
         block.ref_count = 1
         return block_id

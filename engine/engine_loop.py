@@ -1,9 +1,11 @@
 """Runs an ``LLMEngine`` on its own thread and serves it to asyncio code.
 
-The engine thread loops: apply queued commands, run one step, hand each request's outputs
-to its asyncio queue. Commands (add, abort, anything touching the engine) run between steps,
-in order; gRPC handlers await their results. A request's stream ends at its finish reason;
-a consumer that goes away (client cancel, deadline) aborts the request, freeing its blocks.
+The engine thread is the only one that touches engine state. It loops: apply queued commands
+(add, abort, anything else), run one step, hand each request's outputs to its asyncio queue,
+publish a stats snapshot. With nothing to compute it sleeps until a command arrives, a KV
+transfer reports its outcome (the connector wakes it), or the next deadline. A request's
+stream ends with its last output; a consumer that goes away (client cancel, deadline) aborts
+the request, freeing its blocks.
 """
 
 from __future__ import annotations
@@ -12,13 +14,15 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from typing import AsyncIterator, Callable, TypeVar
 
-from pdserve.engine.llm_engine import LLMEngine, RequestOutput
-from pdserve.engine.sequence import FinishReason
+from pdserve.engine.llm_engine import EngineStats, LLMEngine
+from pdserve.engine.request_output import RequestOutput
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+IDLE_WAIT_S = 0.5  # longest sleep with nothing to do (nothing is missed: every event wakes the thread)
 
 
 class EngineError(RuntimeError):
@@ -34,6 +38,8 @@ class EngineLoop:
         self._stopped = threading.Event()
         self._streams: dict[str, asyncio.Queue] = {}
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._stats = engine.stats(with_digest=True)
+        engine.connector.wake = self._wakeup.set
         self.steps = 0
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -46,7 +52,11 @@ class EngineLoop:
         self._wakeup.set()
         await asyncio.to_thread(self._thread.join, 10)
 
-    # -- commands -----------------------------------------------------------------------------
+    # -- any thread ---------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        """The engine's stats as of its last iteration (prefix-cache digest included)."""
+        return self._stats
+
     def call(self, fn: Callable[[LLMEngine], T]) -> asyncio.Future:
         """Runs ``fn(engine)`` on the engine thread between steps; await the result."""
         future = self._loop.create_future()
@@ -60,44 +70,42 @@ class EngineLoop:
 
     # -- streams ------------------------------------------------------------------------------
     async def generate(self, request_id: str, start: Callable[[LLMEngine], object]) -> AsyncIterator[RequestOutput]:
-        """Runs ``start(engine)`` (which adds the request) and yields its outputs until it finishes.
+        """Runs ``start(engine)`` (which adds the request) and yields its outputs until the last.
 
-        ``start`` may raise ValueError (bad input) or MemoryError; they propagate here. If the
-        consumer stops early, the request is aborted.
+        ``start``'s errors (ValueError for bad input) propagate here, as does an output's
+        ``error`` (``RequestRejected``, ``TransferFailed``) and ``EngineError``. If the consumer
+        stops early, the request is aborted; a request that never started is left alone (its id
+        may belong to another request).
         """
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
-        finished = False
+        started = finished = False
         try:
-            early = await self.call(start)
-            if isinstance(early, RequestOutput):  # finished without a step (add_prefilled)
-                finished = True
-                yield early
-                return
+            await self.call(start)
+            started = True
             while True:
                 item = await stream.get()
                 if isinstance(item, Exception):
                     finished = True
                     raise item
-                finished = item.finish_reason is not None
+                finished = item.finished
+                if item.error is not None:
+                    raise item.error
                 yield item
                 if finished:
                     return
         finally:
             self._streams.pop(request_id, None)
-            if not finished:
+            if started and not finished:
                 self.abort(request_id)
 
     # -- the engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stopped.is_set():
+            self._wakeup.clear()  # before looking for work: a wake-up from now on is not lost
             self._apply_commands()
-            if not self.engine.has_unfinished():
-                self._wakeup.wait(0.5)
-                self._wakeup.clear()
-                continue
             try:
                 outputs = self.engine.step()
             except Exception as e:  # noqa: BLE001 - keep the worker alive, fail the batch
@@ -107,6 +115,15 @@ class EngineLoop:
             self.steps += 1
             if outputs:
                 self._loop.call_soon_threadsafe(self._deliver, outputs)
+            self._stats = self.engine.stats(with_digest=True)
+            if not outputs and not self.engine.scheduler.running:
+                self._wakeup.wait(self._idle_wait())
+
+    def _idle_wait(self) -> float:
+        deadline = self.engine.next_deadline()
+        if deadline is None:
+            return IDLE_WAIT_S
+        return min(IDLE_WAIT_S, max(0.0, deadline - time.monotonic()) + 0.001)
 
     def _apply_commands(self) -> None:
         while True:
@@ -128,11 +145,8 @@ class EngineLoop:
             stream = self._streams.get(out.request_id)
             if stream is not None:
                 stream.put_nowait(out)
-            elif out.finish_reason is FinishReason.PREFILLED:
-                # Nobody is waiting for this prefill any more: give its blocks back.
-                self.call(lambda e, rid=out.request_id: e.release(rid))
-            elif out.finish_reason is None:
-                self.abort(out.request_id)
+            elif not out.finished:
+                self.abort(out.request_id)  # nobody is waiting for it any more
 
     def _fail_all(self, error: Exception) -> None:
         ids = list(self.engine.requests)
@@ -154,4 +168,3 @@ def _settle(future: asyncio.Future, result: object, error: Exception | None) -> 
         future.set_exception(error)
     else:
         future.set_result(result)
-

@@ -34,6 +34,11 @@ class KVLayout:
         return KVFormat(self.cache_dtype, self.num_kv_heads, self.head_dim, self.dtype)
 
     @property
+    def stored_as(self) -> str:
+        """What a slot's values are, as peers compare it: the model dtype's name, or int8 / fp8."""
+        return self.cache_dtype if self.format.quantized else str(self.dtype).removeprefix("torch.")
+
+    @property
     def storage_dtype(self) -> torch.dtype:
         return self.format.storage_dtype
 

@@ -1,19 +1,15 @@
 """The in-process engine both worker roles wrap: add requests, step, collect outputs, abort.
 
-One thread owns it and calls every method, except ``reserve_blocks``, ``free_blocks`` and
-``stats``, which other threads may call: they and the bookkeeping parts of ``step`` take
-``self.lock`` (the forward pass itself runs without it, so a reservation never waits for a
-step to finish). Besides
-plain generation it offers the seam for disaggregation: a request can stop after its
-prefill and hand out its KV blocks (``prefill_only`` + ``take_prefilled``), and a request
-can start decoding from KV blocks that were filled from outside (``reserve_blocks`` +
-``add_prefilled``).
+One thread owns it (``engine_loop.EngineLoop``) and calls every method; other threads only
+read the stats snapshot it publishes. The KV handoff is a request parameter: ``kv_send`` ships
+a request's prompt K/V to a decode worker as it is computed and holds the blocks until they
+are acknowledged; ``kv_receive`` reserves blocks for a prompt whose K/V a prefill worker
+sends, and decodes once they have landed (see ``kv_connector``).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -23,11 +19,12 @@ import torch
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.kv_cache import KVCache, KVLayout, num_blocks_for_budget, parse_memory
+from pdserve.engine.kv_connector import KVConnector, KVReceive, KVSend
 from pdserve.engine.loader import load_model, parse_dtype, pick_device
-from pdserve.engine.model import LayerHook
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.model_store import resolve_model
+from pdserve.engine.request_output import RequestOutput, RequestRejected
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -37,15 +34,6 @@ from pdserve.kernels import select_backend
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: FinishReason | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-
-
 @dataclass(frozen=True, slots=True)
 class EngineStats:
     blocks_total: int
@@ -53,7 +41,7 @@ class EngineStats:
     blocks_cached: int
     running: int
     waiting: int
-    prefilled_held: int
+    prefilled_held: int  # prefills whose blocks wait for the decode side's acknowledgement
     preemptions: int
     prefix_queries: int
     prefix_hits: int
@@ -62,16 +50,7 @@ class EngineStats:
     cached_block_hashes: tuple[int, ...] = ()
     prefill_tokens_per_s: float = 0.0
     rejected: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class PrefilledKV:
-    """A finished prefill whose blocks the engine holds until ``release``."""
-
-    request_id: str
-    token_ids: list[int]  # prompt + the first generated token
-    block_ids: list[int]
-    num_computed_tokens: int  # tokens whose K/V are in ``block_ids`` (the prompt)
+    waiting_for_kv: int = 0  # reservations whose K/V a prefill worker is sending
 
 
 class LLMEngine:
@@ -98,13 +77,11 @@ class LLMEngine:
             self.blocks, self.swap,
         )
         self.runner = ModelRunner(self.model, self.kv_cache.layers, config.block_size, self.device)
+        self.connector = KVConnector(self.scheduler, self.blocks, self.model_config.num_layers, self.model_config.vocab_size,
+                                     self._finish_reason)
         self.requests: dict[str, Sequence] = {}
-        self.prefilled: dict[str, Sequence] = {}
-        self.lock = threading.RLock()
         self.prefill_rate = 0.0  # tokens/s of recent prefill steps (an EMA), for TTFT estimates
-        # Set by a prefill worker: called with each step's schedule, returns a hook run after
-        # every layer so that layer's K/V can leave while the next layer computes.
-        self.on_forward: Callable[[SchedulerOutput], LayerHook | None] | None = None
+        self._digest: tuple[int, tuple[int, ...]] = (-1, ())  # (block cache version, its hashes)
         log.info(
             "engine loaded: %s %s on %s, %d KV blocks of %d tokens (%.0f MiB), attention=%s",
             self.model_config.architecture, str(self.dtype).removeprefix("torch."), self.device, num_blocks, config.block_size,
@@ -158,21 +135,25 @@ class LLMEngine:
         sampling: SamplingParams,
         *,
         priority: int = 0,
-        prefill_only: bool = False,
         num_prior_output_tokens: int = 0,
         ttft_budget_s: float | None = None,
+        kv_send: KVSend | None = None,
+        kv_receive: KVReceive | None = None,
     ) -> None:
         """Queues a request. ``num_prior_output_tokens``: how many of the prompt's last tokens
         were generated earlier (a migrated or resumed request). ``ttft_budget_s``: reject the
-        request (finish reason ``rejected``) if it has not started by then."""
+        request (``RequestRejected``) if it has not started by then; with ``kv_receive``, this
+        bounds the wait for free blocks. ``kv_send``/``kv_receive``: the KV handoff."""
         if ttft_budget_s is not None and not ttft_budget_s > 0:
             raise ValueError(f"ttft_budget_ms: must be > 0, got {ttft_budget_s * 1e3}")
-        if request_id in self.requests or request_id in self.prefilled:
+        if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
+        if kv_send is not None and kv_receive is not None:
+            raise ValueError("a request either sends its KV or receives it, not both")
         self.validate(prompt_token_ids, sampling, num_prior_output_tokens)
         seq = Sequence(
-            request_id, list(prompt_token_ids), len(prompt_token_ids), sampling,
-            priority=priority, prefill_only=prefill_only, num_prior_output_tokens=num_prior_output_tokens,
+            request_id, list(prompt_token_ids), len(prompt_token_ids), sampling, priority=priority,
+            num_prior_output_tokens=num_prior_output_tokens, kv_send=kv_send, kv_receive=kv_receive,
         )
         if ttft_budget_s is not None:
             seq.start_deadline = seq.arrival_time + ttft_budget_s
@@ -181,29 +162,42 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """Drops a request wherever it is and frees its blocks; False if it is unknown."""
-        if request_id in self.prefilled:
-            self.release(request_id)
-            return True
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
-        with self.lock:
+        if not self.connector.abort(seq):
             self.scheduler.remove(seq)
             self.blocks.free(seq)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.ABORT
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or self.connector.num_releasing > 0
+
+    def next_deadline(self) -> float | None:
+        """When the engine must step again even if nothing else happens (a start deadline, an overdue ack)."""
+        deadlines = [d for d in (self.scheduler.next_deadline(), self.connector.next_deadline()) if d is not None]
+        return min(deadlines, default=None)
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        with self.lock:
-            schedule = self.scheduler.schedule()
-            rejected = [self._reject(seq) for seq in schedule.expired]
-        if schedule.empty:
-            return rejected
-        hook = self.on_forward(schedule) if self.on_forward else None
+        """One scheduling round: apply finished transfers, admit, run one forward pass (if
+        anything is scheduled) and return every request's new outputs."""
+        outputs = self.connector.drain()
+        schedule = self.scheduler.schedule()
+        for seq in schedule.expired:
+            seq.status = SequenceStatus.FINISHED
+            outputs.append(RequestOutput.failed(seq.request_id, RequestRejected("could not start in time"), seq.num_prompt_tokens))
+        outputs += [self.connector.open_grant(seq) for seq in schedule.reserved]
+        if not schedule.empty:
+            outputs += self._forward(schedule)
+        for out in outputs:
+            if out.finished:
+                self.requests.pop(out.request_id, None)
+        return outputs
+
+    def _forward(self, schedule: SchedulerOutput) -> list[RequestOutput]:
+        hook = self.connector.save_hook(schedule)
         started = time.perf_counter()
         sampled = self.runner.run(schedule, hook)
         if schedule.prefills:
@@ -211,42 +205,44 @@ class LLMEngine:
             rate = tokens / max(time.perf_counter() - started, 1e-6)
             self.prefill_rate = rate if not self.prefill_rate else 0.8 * self.prefill_rate + 0.2 * rate
 
-        with self.lock:
-            for chunk in schedule.chunks:
-                chunk.seq.num_computed_tokens = chunk.start + chunk.num_tokens
-            outputs = []
-            for chunk, token_id in sampled:
-                seq = chunk.seq
-                seq.token_ids.append(token_id)
-                self.blocks.commit_full_blocks(seq)
-                reason = self._finish_reason(seq, token_id)
-                if reason is not None:
-                    self._finish(seq, reason)
-                outputs.append(RequestOutput(seq.request_id, [token_id], reason, seq.num_prompt_tokens, seq.num_cached_tokens))
-            for chunk in schedule.prefills:
-                if not chunk.completes:
-                    self.blocks.commit_full_blocks(chunk.seq)
-        return rejected + outputs
-
-    def _reject(self, seq: Sequence) -> RequestOutput:
-        del self.requests[seq.request_id]
-        seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.REJECTED
-        return RequestOutput(seq.request_id, [], FinishReason.REJECTED, seq.num_prompt_tokens, 0)
+        for chunk in schedule.chunks:
+            chunk.seq.num_computed_tokens = chunk.start + chunk.num_tokens
+        outputs = []
+        for chunk, token_id in sampled:
+            seq = chunk.seq
+            seq.token_ids.append(token_id)
+            self.blocks.commit_full_blocks(seq)
+            reason = self._finish_reason(seq, token_id)
+            if reason is not None:
+                self._finish(seq, reason)
+            elif seq.kv_send is not None:
+                self.connector.prompt_done(seq)  # keeps its blocks until the decode side has the K/V
+            outputs.append(RequestOutput(seq.request_id, [token_id], reason, seq.num_prompt_tokens, seq.num_cached_tokens,
+                                         finished=reason is not None))
+        for chunk in schedule.prefills:
+            if not chunk.completes:
+                self.blocks.commit_full_blocks(chunk.seq)
+        return outputs
 
     def stats(self, with_digest: bool = False) -> EngineStats:
         """``with_digest``: include the hashes of every cached block (for KV-aware routing)."""
-        with self.lock:
-            b = self.blocks.stats()
-            pending = [*self.scheduler.waiting, *(s for s in self.scheduler.running if s.is_prefilling)]
-            return EngineStats(
-                blocks_total=b.num_blocks, blocks_free=b.num_free, blocks_cached=b.num_cached,
-                running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-                prefilled_held=len(self.prefilled), preemptions=self.scheduler.num_preemptions,
-                prefix_queries=b.prefix_queries, prefix_hits=b.prefix_hits, evictions=b.evictions,
-                queued_prefill_tokens=sum(s.num_tokens - s.num_computed_tokens for s in pending),
-                cached_block_hashes=tuple(self.blocks.cached) if with_digest else (),
-                prefill_tokens_per_s=self.prefill_rate, rejected=self.scheduler.num_rejected,
-            )
+        b = self.blocks.stats()
+        pending = [*self.scheduler.waiting, *(s for s in self.scheduler.running if s.is_prefilling)]
+        return EngineStats(
+            blocks_total=b.num_blocks, blocks_free=b.num_free, blocks_cached=b.num_cached,
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            prefilled_held=len(self.connector.sending), preemptions=self.scheduler.num_preemptions,
+            prefix_queries=b.prefix_queries, prefix_hits=b.prefix_hits, evictions=b.evictions,
+            queued_prefill_tokens=sum(s.num_tokens - s.num_computed_tokens for s in pending if s.kv_receive is None),
+            cached_block_hashes=self._cached_hashes() if with_digest else (),
+            prefill_tokens_per_s=self.prefill_rate, rejected=self.scheduler.num_rejected,
+            waiting_for_kv=len(self.scheduler.waiting_for_kv),
+        )
+
+    def _cached_hashes(self) -> tuple[int, ...]:
+        if self._digest[0] != self.blocks.cache_version:
+            self._digest = (self.blocks.cache_version, tuple(self.blocks.cached))
+        return self._digest[1]
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         sp = seq.sampling
@@ -254,75 +250,11 @@ class LLMEngine:
             return FinishReason.STOP
         if seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
-        if seq.prefill_only:
-            return FinishReason.PREFILLED
         return None
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.kv_send is not None:
+            seq.kv_send.transfer.cancel()  # the first token ends it: the decode side is not needed
         self.scheduler.remove(seq)
-        del self.requests[seq.request_id]
+        self.blocks.free(seq)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
-        if seq.prefill_only:
-            self.prefilled[seq.request_id] = seq  # kept for export, even if already finished
-        else:
-            self.blocks.free(seq)
-
-    # -- the disaggregation seam -------------------------------------------------------------
-    def take_prefilled(self, request_id: str) -> PrefilledKV:
-        seq = self.prefilled[request_id]
-        return PrefilledKV(request_id, list(seq.token_ids), list(seq.block_table), seq.num_tokens - 1)
-
-    def release(self, request_id: str) -> None:
-        """Frees a finished prefill's blocks (they stay in the prefix cache until evicted)."""
-        seq = self.prefilled.pop(request_id, None)
-        if seq is not None:
-            with self.lock:
-                self.blocks.free(seq)
-
-    def reserve_blocks(self, token_ids: list[int], num_tokens: int) -> tuple[list[int], int]:
-        """Blocks for K/V that will arrive from elsewhere, sharing any cached prefix of
-        ``token_ids``; returns (block ids, tokens already cached). MemoryError if they do not fit."""
-        with self.lock:
-            return self.blocks.allocate_for_tokens(token_ids, num_tokens)
-
-    def free_blocks(self, block_ids: list[int]) -> None:
-        with self.lock:
-            self.blocks.free_blocks(block_ids)
-
-    def add_prefilled(
-        self,
-        request_id: str,
-        token_ids: list[int],
-        num_prompt_tokens: int,
-        sampling: SamplingParams,
-        block_ids: list[int],
-        *,
-        priority: int = 0,
-        num_prior_output_tokens: int = 0,
-        num_cached_tokens: int = 0,
-    ) -> RequestOutput | None:
-        """Starts decoding a request whose first ``len(token_ids) - 1`` tokens have K/V in
-        ``block_ids`` and whose last token was sampled elsewhere. The blocks now belong to the
-        engine (they are freed on every error). Returns a finished output if that last token
-        already ends the request."""
-        if request_id in self.requests:
-            self.free_blocks(block_ids)
-            raise ValueError(f"request_id: {request_id!r} is already in use")
-        seq = Sequence(request_id, list(token_ids), num_prompt_tokens, sampling, priority=priority,
-                       num_prior_output_tokens=num_prior_output_tokens)
-        seq.block_table = list(block_ids)
-        seq.num_computed_tokens = len(token_ids) - 1
-        seq.num_cached_tokens = num_cached_tokens
-        with self.lock:
-            seq.block_hashes = [self.blocks.blocks[b].hash for b in block_ids[: num_cached_tokens // self.config.block_size]]
-            if not self.blocks.ensure_capacity(seq, seq.num_tokens):
-                self.blocks.free(seq)
-                raise MemoryError("not enough free KV blocks")
-            reason = self._finish_reason(seq, seq.last_token_id)
-            if reason is not None and reason is not FinishReason.PREFILLED:
-                self.blocks.free(seq)
-                return RequestOutput(request_id, [], reason, num_prompt_tokens, 0)
-            self.blocks.commit_full_blocks(seq)
-            self.requests[request_id] = seq
-            self.scheduler.add_running(seq)
-        return None

@@ -10,6 +10,11 @@ latest admitted) is preempted: its blocks are swapped out to host memory when a 
 configured (GPUs), else freed and recomputed later. Swapped-out sequences come back before
 any new request is admitted. A waiting request whose TTFT budget has passed is rejected
 rather than served late.
+
+A request whose prompt K/V come from a prefill worker (``seq.kv_receive``) waits in the same
+queue; admitting it reserves blocks for its prompt and first token (sharing cached prefix
+blocks) and parks it as waiting for remote KV, without spending the step's token budget. The
+engine's KV connector moves it into the running batch once its blocks have been filled.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ class SchedulerOutput:
     prefills: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     expired: list[Sequence] = field(default_factory=list)  # could not start within their TTFT budget
+    reserved: list[Sequence] = field(default_factory=list)  # now waiting for their K/V from a prefill worker
 
     @property
     def chunks(self) -> list[ScheduledChunk]:
@@ -79,6 +85,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []  # preempted with their K/V in host memory
+        self.waiting_for_kv: list[Sequence] = []  # blocks reserved, K/V arriving from a prefill worker
         self.num_preemptions = 0
         self.num_rejected = 0
         self._step = 0
@@ -91,14 +98,15 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=lambda s: (s.priority, s.arrival_time))
 
-    def add_running(self, seq: Sequence) -> None:
-        """Admits a sequence whose blocks and K/V are already in place (a KV handoff)."""
+    def admit_landed(self, seq: Sequence) -> None:
+        """A sequence waiting for remote KV has its blocks filled: it joins the running batch."""
+        self.waiting_for_kv.remove(seq)
         seq.status = SequenceStatus.RUNNING
         seq.admitted_at = self._step
         self.running.append(seq)
 
     def remove(self, seq: Sequence) -> None:
-        for queue in (self.running, self.waiting, self.swapped):
+        for queue in (self.running, self.waiting, self.swapped, self.waiting_for_kv):
             if seq in queue:
                 queue.remove(seq)
         if seq.swapped_blocks:
@@ -107,7 +115,11 @@ class Scheduler:
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.swapped)
+        return len(self.waiting) + len(self.running) + len(self.swapped) + len(self.waiting_for_kv)
+
+    def next_deadline(self) -> float | None:
+        """The earliest start deadline of a waiting request (the engine must wake by then)."""
+        return min((s.start_deadline for s in self.waiting if s.start_deadline is not None), default=None)
 
     # -- the step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -140,11 +152,18 @@ class Scheduler:
 
         self._swap_in()
         out.expired = self._expire_waiting()
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not self.swapped:
+        while self.waiting and len(self.running) + len(self.waiting_for_kv) < self.config.max_num_seqs and not self.swapped:
             seq = self.waiting[0]
-            hits = self.blocks.usable_hits(seq, seq.num_tokens)
+            if seq.kv_receive is not None:
+                if not self._reserve_for_remote_kv(seq):
+                    break  # strict priority order: nothing overtakes the head of the queue
+                out.reserved.append(seq)
+                continue
+            if budget == 0:
+                break
+            hits = self.blocks.usable_hits(seq)
             if not self.blocks.can_allocate(seq, seq.num_tokens, hits):
-                break  # strict priority order: nothing overtakes the head of the queue
+                break
             # Size the first chunk before allocating, so a prompt that waits for an emptier
             # step neither takes blocks nor counts as a prefix-cache lookup yet.
             uncached = seq.num_tokens - len(hits) * self.blocks.block_size
@@ -152,14 +171,29 @@ class Scheduler:
                 break
             self.blocks.allocate(seq, seq.num_tokens, hits)
             chunk = self._chunk_size(seq.num_tokens - seq.num_computed_tokens, budget, nothing_scheduled=out.empty)
-            self.waiting.pop(0)
-            seq.status = SequenceStatus.RUNNING
-            seq.admitted_at = self._step
-            seq.start_deadline = None  # it has started
+            self._admit(seq)
             self.running.append(seq)
             out.prefills.append(ScheduledChunk(seq, seq.num_computed_tokens, chunk))
             budget -= chunk
         return out
+
+    def _reserve_for_remote_kv(self, seq: Sequence) -> bool:
+        """Blocks for the prompt and its first token (so joining the batch once the K/V have
+        landed cannot fail), sharing whatever prefix is cached here; False if they do not fit."""
+        hits = self.blocks.usable_hits(seq, computes_logits=False)
+        if not self.blocks.can_allocate(seq, seq.num_tokens + 1, hits):
+            return False
+        self.blocks.allocate(seq, seq.num_tokens + 1, hits)
+        self._admit(seq)
+        seq.status = SequenceStatus.WAITING_FOR_REMOTE_KV
+        self.waiting_for_kv.append(seq)
+        return True
+
+    def _admit(self, seq: Sequence) -> None:
+        self.waiting.pop(0)
+        seq.status = SequenceStatus.RUNNING
+        seq.admitted_at = self._step
+        seq.start_deadline = None  # it has started
 
     def _chunk_size(self, remaining: int, budget: int, nothing_scheduled: bool) -> int:
         """Prompt tokens to run this step out of ``remaining`` (0: wait for a later step)."""
@@ -185,11 +219,14 @@ class Scheduler:
         re-prefills prompt + output later)."""
         self.running.remove(seq)
         self.num_preemptions += 1
-        if self.swap is not None and not seq.is_prefilling and self.swap.can_hold(len(seq.block_table)):
-            seq.swapped_blocks = self.swap.swap_out(seq.block_table)
-            computed = seq.num_computed_tokens
+        # Only the blocks holding computed K/V go to host memory: the table may already have
+        # grown a block for the next token (and a handed-off request holds one for its first).
+        computed = self.blocks.blocks_needed(seq.num_computed_tokens)
+        if self.swap is not None and not seq.is_prefilling and self.swap.can_hold(computed):
+            seq.swapped_blocks = self.swap.swap_out(seq.block_table[:computed])
+            num_computed = seq.num_computed_tokens
             self.blocks.free(seq)
-            seq.num_computed_tokens = computed
+            seq.num_computed_tokens = num_computed
             seq.status = SequenceStatus.WAITING
             self.swapped.append(seq)
             return
@@ -199,14 +236,20 @@ class Scheduler:
     def _swap_in(self) -> None:
         """Brings swapped-out sequences back, most important first, while blocks allow."""
         self.swapped.sort(key=_importance)
-        while self.swapped and len(self.running) < self.config.max_num_seqs:
+        while self.swapped and len(self.running) + len(self.waiting_for_kv) < self.config.max_num_seqs:
             seq = self.swapped[0]
-            needed = self.blocks.blocks_needed(seq.num_computed_tokens)
+            needed = len(seq.swapped_blocks)
             if needed > self.blocks.num_free:
                 return
             self.swapped.pop(0)
             device_blocks = self.blocks.allocate_blocks_raw(needed)
-            self.swap.swap_in(seq.swapped_blocks, device_blocks)
+            try:
+                self.swap.swap_in(seq.swapped_blocks, device_blocks)
+            except BaseException:  # nothing leaks; the engine fails the step and aborts its requests
+                self.blocks.free_blocks(device_blocks)
+                self.swap.release(seq.swapped_blocks)
+                seq.swapped_blocks = []
+                raise
             seq.swapped_blocks, seq.block_table = [], device_blocks
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

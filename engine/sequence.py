@@ -5,22 +5,29 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.engine.kv_connector import KVReceive, KVSend
 
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # blocks reserved; a prefill worker is filling them
     RUNNING = "running"
+    SENDING_KV = "sending_kv"  # prefilled here; blocks held until the decode side acknowledges them
     FINISHED = "finished"
 
 
 class FinishReason(str, enum.Enum):
+    """Why generation ended. Control outcomes (a prefill handed off, a request rejected, a
+    transfer failed) are not finish reasons: see ``RequestOutput``."""
+
     STOP = "stop"  # EOS or a stop token id (stop strings are the router's)
     LENGTH = "length"  # max_tokens, or the model's context is full
     ABORT = "abort"
-    PREFILLED = "prefilled"  # a prefill-only request has its KV and first token
-    REJECTED = "rejected"  # could not start within its TTFT budget
 
 
 @dataclass(eq=False, slots=True)
@@ -31,10 +38,13 @@ class Sequence:
     sampling: SamplingParams
     priority: int = 0  # lower value = more important (vLLM's convention)
     arrival_time: float = field(default_factory=time.monotonic)
-    prefill_only: bool = False  # stop after the first token and keep the blocks for export
     # Tokens the request had generated before it came here (migration, recompute): they count
     # towards max_tokens and the sampler's seed index.
     num_prior_output_tokens: int = 0
+    # The KV handoff: ship the prompt's K/V elsewhere (prefill side), or receive it from
+    # elsewhere instead of computing it (decode side). At most one is set.
+    kv_send: KVSend | None = None
+    kv_receive: KVReceive | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     block_table: list[int] = field(default_factory=list)
@@ -42,7 +52,7 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache
     admitted_at: int = -1  # scheduler step counter at admission (preemption picks the latest)
-    start_deadline: float | None = None  # monotonic time by which the first token must start
+    start_deadline: float | None = None  # monotonic time by which the request must be admitted
     swapped_blocks: list[int] = field(default_factory=list)  # host slots while swapped out
 
     @property

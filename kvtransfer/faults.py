@@ -1,8 +1,8 @@
 """Fault injection for the KV sender, for tests and chaos runs: ``PDSERVE_KV_FAULTS``.
 
-``corrupt=N`` flips a byte in the checksum of the first N units sent (the receiver sees a
-mismatch); ``stall=N`` makes the first N transfers stop before DONE (the receiver's lease
-runs out). Unset, it costs one attribute check per unit.
+``corrupt=N`` flips a byte of the K/V data of the first N units sent, after their checksum
+was taken (the receiver must notice); ``stall=N`` makes the first N transfers stop before
+DONE (the receiver's lease runs out). Unset, it costs one attribute check per unit.
 """
 
 from __future__ import annotations

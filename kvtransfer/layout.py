@@ -1,92 +1,258 @@
-"""Maps token ranges of a request onto byte ranges of a paged cache layer, without copies.
+"""The KV cache as transports see it: per layer, ``token_bytes`` bytes per token slot.
 
-A cache layer is ``[num_blocks, block_size, 2, kv_heads, head_dim]``: each token's K and V
-are ``token_bytes`` contiguous bytes, so tokens ``[start, end)`` of a request are a few runs
-of consecutive slots, one per block (merged when block ids are consecutive). Each side maps
-the same token range with its own block ids and block size: that is the re-blocking.
+Whatever the cache's element type (floats, or quantized values with their scales packed into
+each token), one token's K and V in one layer are ``token_bytes`` contiguous bytes, slots are
+ordered block by block, and tokens ``[start, end)`` of a request are the slots its block table
+maps them to. Each side maps the same token range with its own block ids and block size:
+that is the re-blocking. Everything here works on a whole unit (one layer, one token range)
+with vectorized index operations over rows of whole blocks where it can: Python work per
+layer, never per block.
 """
 
 from __future__ import annotations
 
+import math
+import threading
+from dataclasses import dataclass
+
 import numpy as np
 import torch
+import xxhash
 
 
-def slot_runs(block_ids: list[int], block_size: int, start: int, end: int) -> list[tuple[int, int]]:
-    """Runs ``(first_slot, num_slots)`` holding tokens ``[start, end)``."""
+@dataclass(frozen=True, slots=True)
+class Slots:
+    """The cache slots holding tokens [start, end) of a request, in token order."""
+
+    array: np.ndarray  # int64 slot numbers
+    first: int  # the first slot
+    contiguous: bool  # slots first, first + 1, ...: the unit is one byte range of the layer
+    # The same slots as rows of ``g`` consecutive, aligned tokens: (g, row numbers in a
+    # [num_slots / g, g, token_bytes] view), in token order. Whole-block rows when the range
+    # starts on a block boundary: host gathers and scatters then copy blocks, not tokens.
+    runs: tuple[tuple[int, np.ndarray], ...] = ()
+    index: torch.Tensor | None = None  # ``array`` on the cache's device (for gathers there)
+
+    def __len__(self) -> int:
+        return len(self.array)
+
+
+def slots_of(block_ids: list[int], block_size: int, start: int, end: int, device: torch.device | None = None) -> Slots:
+    """Where tokens [start, end) of a request live, given its block table (``ValueError`` if
+    they do not fit it); ``device``: also as a tensor there."""
     if not 0 <= start <= end <= len(block_ids) * block_size:
         raise ValueError(f"tokens [{start}, {end}) do not fit {len(block_ids)} blocks of {block_size}")
-    runs: list[tuple[int, int]] = []
-    pos = start
-    while pos < end:
-        block, offset = divmod(pos, block_size)
-        n = min(block_size - offset, end - pos)
-        slot = block_ids[block] * block_size + offset
-        if runs and runs[-1][0] + runs[-1][1] == slot:
-            runs[-1] = (runs[-1][0], runs[-1][1] + n)
-        else:
-            runs.append((slot, n))
-        pos += n
-    return runs
+    positions = np.arange(start, end, dtype=np.int64)
+    array = np.asarray(block_ids, dtype=np.int64)[positions // block_size] * block_size + positions % block_size
+    contiguous = bool(len(array)) and bool((np.diff(array) == 1).all())
+    g = math.gcd(block_size, start)  # rows of g tokens never cross a block (g divides the block size)
+    body = len(array) - len(array) % g
+    runs = ((g, array[:body:g] // g),) if body else ()
+    if body < len(array):
+        runs += ((1, array[body:]),)
+    index = torch.from_numpy(array).to(device) if device is not None else None
+    return Slots(array, int(array[0]) if len(array) else 0, contiguous, runs, index)
 
 
-def host_bytes(layer: torch.Tensor) -> np.ndarray:
-    """A flat uint8 view of a CPU cache layer (shares memory)."""
-    if layer.device.type != "cpu":
-        raise ValueError("host_bytes needs a CPU tensor")
-    return layer.view(torch.uint8).reshape(-1).numpy()
+def gather(rows: np.ndarray, slots: Slots) -> np.ndarray:
+    """The tokens of ``slots`` in host ``rows`` [num_slots, token_bytes], token-ordered: a view
+    when they are contiguous, else one vectorized copy per run of rows."""
+    if slots.contiguous:
+        return rows[slots.first : slots.first + len(slots)]
+    token_bytes = rows.shape[1]
+    parts = [rows.reshape(-1, g, token_bytes)[index].reshape(-1, token_bytes) for g, index in slots.runs]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-def run_views(layer_bytes: np.ndarray, runs: list[tuple[int, int]], token_bytes: int) -> list[memoryview]:
-    return [memoryview(layer_bytes[s * token_bytes : (s + n) * token_bytes]) for s, n in runs]
+def scatter(rows: np.ndarray, slots: Slots, data: np.ndarray) -> None:
+    """Writes token-ordered bytes ``data`` into ``slots`` of host ``rows``."""
+    token_bytes = rows.shape[1]
+    data = data.reshape(-1, token_bytes)
+    if slots.contiguous:
+        np.copyto(rows[slots.first : slots.first + len(slots)], data)
+        return
+    at = 0
+    for g, index in slots.runs:
+        count = len(index) * g
+        rows.reshape(-1, g, token_bytes)[index] = data[at : at + count].reshape(-1, g, token_bytes)
+        at += count
 
 
-class CacheLayers:
-    """Byte access to a cache's layers for a transport.
+PIECE_BYTES = 256 << 10  # a piece of a one-range copy that stays in a core's L2 to be hashed
 
-    On CPU the views alias the cache (zero copy both ways). On a GPU, bytes pass through a
-    host copy; the CUDA IPC and UCX transports avoid that path.
+
+def copy_and_hash(src: np.ndarray, src_slots: Slots, dst: np.ndarray, dst_slots: Slots) -> int:
+    """Copies the tokens of ``src_slots`` to ``dst_slots`` (host rows); returns the checksum of
+    the bytes, taken once: between the gather and the scatter, or, when both sides are one
+    range, piece by piece on what landed while it is still in cache."""
+    if not (src_slots.contiguous and dst_slots.contiguous):
+        data = gather(src, src_slots)
+        digest = xxhash.xxh3_64_intdigest(data)
+        scatter(dst, dst_slots, data)
+        return digest
+    hasher, step = xxhash.xxh3_64(), max(1, PIECE_BYTES // src.shape[1])
+    for at in range(0, len(src_slots), step):
+        n = min(step, len(src_slots) - at)
+        landed = dst[dst_slots.first + at : dst_slots.first + at + n]
+        np.copyto(landed, src[src_slots.first + at : src_slots.first + at + n])
+        hasher.update(landed)
+    return hasher.intdigest()
+
+
+def hash_rows(rows: np.ndarray, slots: Slots) -> int:
+    """The checksum of the tokens of ``slots`` in host ``rows``."""
+    return xxhash.xxh3_64_intdigest(gather(rows, slots))
+
+
+class StagingPool:
+    """Reusable byte buffers for units that cannot be read or written in place (a fragmented
+    range, a GPU cache behind a host transport): no allocation per unit. Pinned when the
+    cache is on a GPU. Thread-safe."""
+
+    MIN_BYTES = 1 << 16
+    MAX_KEPT_BYTES = 256 << 20
+
+    def __init__(self, pinned: bool = False, device: torch.device | None = None) -> None:
+        self.pinned = pinned
+        self.device = device or torch.device("cpu")
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._kept = 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A uint8 buffer of at least ``nbytes`` (slice it); hand it back with ``give``."""
+        size = max(self.MIN_BYTES, 1 << max(0, nbytes - 1).bit_length())
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                self._kept -= size
+                return free.pop()
+        pin = self.pinned and self.device.type == "cpu"
+        return torch.empty(size, dtype=torch.uint8, device=self.device, pin_memory=pin)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        size = buffer.numel()
+        with self._lock:
+            if self._kept + size <= self.MAX_KEPT_BYTES:
+                self._free.setdefault(size, []).append(buffer)
+                self._kept += size
+
+
+class KVCacheView:
+    """Byte access to a cache's layers for the transports (registered once per worker).
+
+    On a CPU cache, units are read and written in place when their slots are contiguous and
+    gathered/scattered through a staging buffer otherwise. On a GPU cache, host transports go
+    through pinned staging buffers. ``force_staging`` takes the staged path on a CPU cache too
+    (how the GPU path is tested without a GPU).
     """
 
-    def __init__(self, layers: list[torch.Tensor], block_size: int) -> None:
-        self.layers = layers
+    def __init__(self, layers: list[torch.Tensor], block_size: int, token_bytes: int, *, force_staging: bool = False) -> None:
         self.block_size = block_size
-        first = layers[0]
-        self.token_bytes = first[0, 0].numel() * first.element_size()
-        self.on_host = first.device.type == "cpu"
-        self._host = [host_bytes(layer) for layer in layers] if self.on_host else None
+        self.token_bytes = token_bytes
+        self.device = layers[0].device
+        self.rows = [layer.view(torch.uint8).reshape(-1, token_bytes) for layer in layers]
+        self.on_host = self.device.type == "cpu" and not force_staging
+        self.host_staging = StagingPool(pinned=self.device.type == "cuda")
+        self.device_staging = StagingPool(device=self.device)
+        self._numpy = [rows.numpy() for rows in self.rows] if self.device.type == "cpu" else None
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     @property
     def num_layers(self) -> int:
-        return len(self.layers)
+        return len(self.rows)
 
-    def read(self, layer: int, block_ids: list[int], start: int, end: int) -> list[memoryview]:
-        runs = slot_runs(block_ids, self.block_size, start, end)
-        if self.on_host:
-            return run_views(self._host[layer], runs, self.token_bytes)
-        slots = self._slots(runs)
-        rows = self.layers[layer].flatten(0, 1).index_select(0, slots).cpu()
-        return [memoryview(host_bytes(rows))]
+    def slots(self, block_ids: list[int], start: int, end: int) -> Slots:
+        return slots_of(block_ids, self.block_size, start, end, self.device)
 
-    def write_target(self, layer: int, block_ids: list[int], start: int, end: int):
-        """Returns (views to fill, commit()) for tokens [start, end) of ``layer``."""
-        runs = slot_runs(block_ids, self.block_size, start, end)
-        if self.on_host:
-            return run_views(self._host[layer], runs, self.token_bytes), lambda: None
-        target = self.layers[layer]
-        staging = torch.empty((end - start, *target.shape[2:]), dtype=target.dtype, pin_memory=True)
-        slots = self._slots(runs)
+    def host_rows(self, layer: int) -> np.ndarray:
+        """Layer ``layer`` as a [num_slots, token_bytes] numpy array (CPU caches)."""
+        return self._numpy[layer]
 
-        def commit() -> None:
-            target.flatten(0, 1).index_copy_(0, slots, staging.to(target.device, non_blocking=False))
+    # -- reading (sender side; the receiver verifying what landed) -------------------------------
+    def read(self, layer: int, slots: Slots, ready=None) -> "HostBytes":
+        """Tokens of ``slots`` in ``layer`` as host bytes; ``ready``: a CUDA event the data waits for."""
+        if self.device.type == "cpu":
+            rows = self._numpy[layer]
+            if slots.contiguous and self.on_host:
+                return HostBytes(rows[slots.first : slots.first + len(slots)].reshape(-1))
+            # numpy, not torch: one thread (torch's thread pool would fight the engine's for the cores)
+            data = gather(rows, slots)
+            return HostBytes((data.copy() if slots.contiguous else data).reshape(-1), staged=True)
+        nbytes = len(slots) * self.token_bytes
+        host = self.host_staging.take(nbytes)
+        with torch.cuda.stream(self.stream):
+            if ready is not None:
+                self.stream.wait_event(ready)
+            rows = self.gather_on_device(layer, slots)
+            host[:nbytes].view(-1, self.token_bytes).copy_(rows, non_blocking=True)
+            self.stream.synchronize()
+        return HostBytes(host[:nbytes].numpy(), self.host_staging, host)
 
-        return [memoryview(host_bytes(staging))], commit
+    def gather_on_device(self, layer: int, slots: Slots) -> torch.Tensor:
+        if slots.contiguous:
+            return self.rows[layer][slots.first : slots.first + len(slots)]
+        return self.rows[layer].index_select(0, slots.index)
 
-    def device_rows(self, layer: int, block_ids: list[int], start: int, end: int) -> torch.Tensor:
-        """Tokens [start, end) of a layer as a tensor on the cache's device (a gathered copy)."""
-        slots = self._slots(slot_runs(block_ids, self.block_size, start, end))
-        return self.layers[layer].flatten(0, 1).index_select(0, slots)
+    # -- writing (receiver side) -----------------------------------------------------------------
+    def write_target(self, layer: int, slots: Slots) -> "WriteTarget":
+        """Where to put the bytes of ``slots`` in ``layer``: in place, or a staging buffer that
+        ``commit`` scatters into the cache."""
+        if self.on_host and slots.contiguous:
+            return WriteTarget(self, layer, slots, self._numpy[layer][slots.first : slots.first + len(slots)].reshape(-1))
+        host = self.host_staging.take(len(slots) * self.token_bytes)
+        return WriteTarget(self, layer, slots, host[: len(slots) * self.token_bytes].numpy(), host)
 
-    def _slots(self, runs: list[tuple[int, int]]) -> torch.Tensor:
-        device = self.layers[0].device
-        return torch.cat([torch.arange(s, s + n, device=device) for s, n in runs])
+    def scatter(self, layer: int, slots: Slots, data: np.ndarray) -> None:
+        """Copies token-ordered bytes into the slots of ``layer``."""
+        rows = data.reshape(-1, self.token_bytes)
+        if self.device.type == "cpu":
+            scatter(self._numpy[layer], slots, rows)
+            return
+        with torch.cuda.stream(self.stream):
+            staged = torch.from_numpy(rows).to(self.device, non_blocking=True)
+            if slots.contiguous:
+                self.rows[layer][slots.first : slots.first + len(slots)].copy_(staged)
+            else:
+                self.rows[layer].index_copy_(0, slots.index, staged)
+            self.stream.synchronize()
+
+
+class HostBytes:
+    """A unit's bytes in host memory (a view of the cache, a gathered copy, or a staging buffer
+    to give back)."""
+
+    __slots__ = ("data", "staged", "_pool", "_buffer")
+
+    def __init__(self, data: np.ndarray, pool: StagingPool | None = None, buffer: torch.Tensor | None = None,
+                 staged: bool = False) -> None:
+        self.data, self._pool, self._buffer = data, pool, buffer
+        self.staged = staged or buffer is not None  # a copy: the cache itself is not exposed
+
+    def release(self) -> None:
+        if self._buffer is not None:
+            self._pool.give(self._buffer)
+            self._buffer = None
+
+
+class WriteTarget:
+    """A buffer to receive one unit into, and how it reaches the cache."""
+
+    __slots__ = ("view", "layer", "slots", "data", "_buffer")
+
+    def __init__(self, view: KVCacheView, layer: int, slots: Slots, data: np.ndarray, buffer: torch.Tensor | None = None) -> None:
+        self.view, self.layer, self.slots, self.data, self._buffer = view, layer, slots, data, buffer
+
+    @property
+    def in_place(self) -> bool:
+        return self._buffer is None
+
+    def commit(self) -> None:
+        """Scatters a staged unit into the cache (nothing to do in place)."""
+        if self._buffer is not None:
+            self.view.scatter(self.layer, self.slots, self.data)
+
+    def release(self) -> None:
+        if self._buffer is not None:
+            self.view.host_staging.give(self._buffer)
+            self._buffer = None

@@ -1,9 +1,14 @@
 """The KV-transfer wire format: fixed-size frame headers, then raw K/V bytes.
 
-Every frame starts with a 52-byte little-endian header. A DATA frame carries the K/V of
-tokens ``[start, end)`` of one layer of one transfer, token-major, exactly as both caches
-store them (so block sizes may differ between the two sides), with an xxh3-64 checksum of
-the payload.
+Every frame starts with a 52-byte little-endian header. A unit is tokens ``[start, end)`` of
+one layer of one transfer, token-major, each token ``token_bytes`` bytes exactly as both
+caches store them (so block sizes may differ between the two sides); its frame carries the
+checksum of those bytes. A DATA frame brings the bytes along (TCP); WRITTEN says they were
+written into the receiver's memory already (shared memory, CUDA IPC); UCX_DATA says they
+follow as one UCX tagged message.
+
+Handshake: HELLO (PeerInfo as JSON); with a cluster credential, CHALLENGE (a nonce) and AUTH
+(an HMAC proving the credential); then HELLO_OK or REJECT.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import struct
 from dataclasses import dataclass
 
 MAGIC = b"PDKV"
-VERSION = 1
+VERSION = 2  # 2: HMAC challenge-response (no credential in HELLO), token_bytes in the layout check, RENEW
 HEADER = struct.Struct("<4sBBHQIIIqQQ")
 HEADER_SIZE = HEADER.size
 # Handshake and control payloads are small; K/V payloads are bounded by the grant they target.
@@ -28,7 +33,10 @@ class FrameKind(enum.IntEnum):
     DONE = 5  # prefill -> decode: all layers sent; aux = first generated token
     ACK = 6  # decode -> prefill: aux = AckStatus; payload = message
     WRITTEN = 7  # prefill -> decode: a one-sided write of [start, end) of a layer landed (shm, CUDA IPC)
-    UCX_DATA = 8  # prefill -> decode: [start, end) of a layer follows over UCX; aux = first message tag
+    UCX_DATA = 8  # prefill -> decode: [start, end) of a layer follows over UCX; aux = the message's tag
+    CHALLENGE = 9  # decode -> prefill: payload = a nonce to authenticate with
+    AUTH = 10  # prefill -> decode: payload = HMAC of the nonces under the cluster credential
+    RENEW = 11  # prefill -> decode: the transfer is still wanted (queued or computing): extend its lease
 
 
 class AckStatus(enum.IntEnum):

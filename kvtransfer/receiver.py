@@ -1,257 +1,152 @@
-"""The decode side's ledger of expected transfers, shared by every transport.
+"""The decode side of the KV handoff: accepts prefill workers' connections and lands their K/V
+in granted blocks.
 
-A *grant* is a set of reserved blocks a prefill worker may fill for one request. Transport
-threads look grants up by id, bracket every write with ``begin_write``/``end_write`` and
-report what landed; the decode worker (asyncio) awaits completion. A grant that does not
-complete within its lease fails and its blocks are freed: never while a transport thread is
-still writing into them, and, when peers write into our memory directly (shared memory,
-CUDA IPC), only after a short quarantine so a late one-sided write cannot land in blocks
-that already belong to another request.
+Each connection starts with the handshake (credential, compatibility, the transport, whose
+receiving half is then built for it) and carries frames: the transport's units (DATA, WRITTEN
+or UCX_DATA), RENEW (a transfer is still wanted: extend its lease) and DONE (verify coverage
+and checksums, then ACK). Whatever a peer sends, only its own connection ends.
 """
 
 from __future__ import annotations
 
-import asyncio
-import enum
 import logging
-import secrets
+import select
+import socket
 import threading
-import time
-from collections import Counter
-from dataclasses import dataclass, field
-from typing import Callable
 
-import numpy as np
-
-from pdserve.kvtransfer.layout import CacheLayers
-from pdserve.kvtransfer.protocol import AckStatus
+from pdserve.kvtransfer import registry
+from pdserve.kvtransfer.grants import GrantLedger
+from pdserve.kvtransfer.handshake import HandshakeError, PeerInfo, reject, server_handshake
+from pdserve.kvtransfer.layout import KVCacheView
+from pdserve.kvtransfer.protocol import HEADER_SIZE, AckStatus, FrameHeader, FrameKind, ProtocolError
+from pdserve.kvtransfer.sockets import IdleTimeout, configure, recv_header, recv_payload, send_frame, shutdown
+from pdserve.kvtransfer.transport_api import IO_TIMEOUT_S, ReceiveContext
 
 log = logging.getLogger(__name__)
-
-DEFAULT_LEASE_S = 30.0
-
-
-class TransferFailed(Exception):
-    def __init__(self, reason: str, status: AckStatus = AckStatus.PROTOCOL_ERROR) -> None:
-        super().__init__(reason)
-        self.status = status
-
-
-class GrantState(enum.Enum):
-    ACTIVE = "active"
-    COMPLETE = "complete"
-    FAILED = "failed"
-
-
-@dataclass(frozen=True, slots=True)
-class TransferResult:
-    first_token_id: int
-    transport: str
-    nbytes: int
-
-
-@dataclass(eq=False)
-class Grant:
-    transfer_id: int
-    block_ids: list[int]
-    num_tokens: int
-    num_layers: int
-    deadline: float
-    future: asyncio.Future
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    state: GrantState = GrantState.ACTIVE
-    corrupted: bool = False
-    nbytes: int = 0
-    owns_blocks: bool = True  # False once the engine took the blocks, or they were freed
-    writers: int = 0  # transport writes in progress
-    free_when_idle: bool = False  # failed during a write: the last writer frees
-    pending_done: tuple[int, str, Callable[[AckStatus], None]] | None = None  # DONE seen, writes still landing
-    landed: np.ndarray = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.landed = np.zeros((self.num_layers, self.num_tokens), dtype=bool)
-
-    @property
-    def transfer_key(self) -> str:
-        return f"{self.transfer_id:016x}"
+HANDSHAKE_TIMEOUT_S = 10.0
 
 
 class KVReceiver:
-    def __init__(
-        self,
-        cache: CacheLayers,
-        loop: asyncio.AbstractEventLoop,
-        free_blocks: Callable[[list[int]], None],
-        lease_s: float = DEFAULT_LEASE_S,
-        quarantine_s: float = 0.0,
-    ) -> None:
+    def __init__(self, ledger: GrantLedger, cache: KVCacheView, local: PeerInfo, host: str, port: int, *,
+                 secret: bytes | None = None, ucx=None) -> None:
+        self.ledger = ledger
         self.cache = cache
-        self.loop = loop
-        self._free_blocks = free_blocks
-        self.lease_s = lease_s
-        self.quarantine_s = quarantine_s  # > 0 when peers may write into our memory directly
-        self.grants: dict[int, Grant] = {}
-        self.quarantined = 0
-        self.counters: Counter[str] = Counter()
-
-    # -- decode worker side (event loop) ------------------------------------------------------
-    def grant(self, block_ids: list[int], num_tokens: int, lease_s: float | None = None, skip_tokens: int = 0) -> Grant:
-        """Expects tokens [skip_tokens, num_tokens) of every layer in ``block_ids`` (the first
-        ``skip_tokens`` are already there: shared prefix blocks)."""
-        transfer_id = secrets.randbits(63)
-        grant = Grant(
-            transfer_id, list(block_ids), num_tokens, self.cache.num_layers,
-            time.monotonic() + (lease_s or self.lease_s), self.loop.create_future(),
-        )
-        grant.landed[:, :skip_tokens] = True
-        self.grants[transfer_id] = grant
-        return grant
-
-    async def wait(self, grant: Grant) -> TransferResult:
-        """The transfer's result; raises TransferFailed (its blocks are then being freed)."""
-        timeout = max(0.0, grant.deadline - time.monotonic())
-        try:
-            return await asyncio.wait_for(asyncio.shield(grant.future), timeout)
-        except asyncio.TimeoutError:
-            self.counters["lease_expired"] += 1
-            self.fail(grant, "lease expired before the KV cache arrived")
-            raise TransferFailed("lease expired before the KV cache arrived") from None
-
-    def take(self, grant: Grant) -> list[int]:
-        """Hands a completed grant's blocks to the engine."""
-        with grant.lock:
-            assert grant.state is GrantState.COMPLETE
-            grant.owns_blocks = False
-        self.grants.pop(grant.transfer_id, None)
-        return grant.block_ids
-
-    def fail(self, grant: Grant, reason: str, status: AckStatus = AckStatus.PROTOCOL_ERROR) -> None:
-        """Ends an active grant (cancel, expiry, error); never blocks. No-op once complete or failed."""
-        with grant.lock:
-            if grant.state is not GrantState.ACTIVE:
-                return
-            grant.state = GrantState.FAILED
-        self._cleanup_failed(grant, reason, status)
-
-    def _cleanup_failed(self, grant: Grant, reason: str, status: AckStatus) -> None:
-        """After a grant turned FAILED: free its blocks (now, or by the last writer) and tell the waiter."""
-        with grant.lock:
-            release = grant.owns_blocks and grant.writers == 0
-            grant.free_when_idle = grant.owns_blocks and grant.writers > 0
-            if release:
-                grant.owns_blocks = False
-            pending, grant.pending_done = grant.pending_done, None
-        self.grants.pop(grant.transfer_id, None)
-        if release:
-            self._release(grant.block_ids)
-        if pending is not None:
-            pending[2](AckStatus.INCOMPLETE)
-        self._resolve(grant, TransferFailed(reason, status))
-
-    def reap_expired(self) -> int:
-        now = time.monotonic()
-        expired = [g for g in list(self.grants.values()) if g.deadline < now and g.state is GrantState.ACTIVE]
-        for grant in expired:
-            log.warning("transfer %s: lease expired, freeing %d blocks", grant.transfer_key, len(grant.block_ids))
-            self.counters["lease_expired"] += 1
-            self.fail(grant, "lease expired before the KV cache arrived")
-        return len(expired)
+        self.local = local
+        self.secret = secret
+        self.ucx = ucx
+        self._listener = socket.create_server((host, port), backlog=64)
+        self.port = self._listener.getsockname()[1]
+        self._stopped = threading.Event()
+        self._conns: set[socket.socket] = set()
+        self._thread = threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True)
 
     @property
-    def num_active(self) -> int:
-        return len(self.grants) + self.quarantined
+    def counters(self):
+        return self.ledger.counters
 
-    # -- transport side (any thread) ------------------------------------------------------------
-    def lookup(self, transfer_id: int) -> Grant | None:
-        return self.grants.get(transfer_id)
+    def start(self) -> None:
+        self._thread.start()
 
-    def check_range(self, grant: Grant, layer: int, start: int, end: int, nbytes: int) -> str | None:
-        """Why a unit may not be written into this grant, or None."""
-        if not 0 <= layer < grant.num_layers:
-            return f"layer {layer} out of range"
-        if not 0 <= start < end <= grant.num_tokens:
-            return f"tokens [{start}, {end}) outside the {grant.num_tokens} granted"
-        if nbytes != (end - start) * self.cache.token_bytes:
-            return f"{nbytes} bytes do not match {end - start} tokens"
-        if grant.landed[layer, start:end].any():
-            return f"tokens [{start}, {end}) of layer {layer} sent twice"
-        return None
+    def stop(self) -> None:
+        self._stopped.set()
+        self._listener.close()
+        for conn in list(self._conns):
+            shutdown(conn)
 
-    def begin_write(self, grant: Grant) -> bool:
-        """A transport is about to write into the grant's blocks; False: it must discard instead."""
-        with grant.lock:
-            if grant.state is not GrantState.ACTIVE:
-                return False
-            grant.writers += 1
-            return True
-
-    def end_write(self, grant: Grant, layer: int, start: int, end: int, checksum_ok: bool | None) -> None:
-        """``checksum_ok`` None: the write broke off and nothing landed."""
-        release = False
-        with grant.lock:
-            grant.writers -= 1
-            if checksum_ok is not None:
-                grant.landed[layer, start:end] = True
-                grant.nbytes += (end - start) * self.cache.token_bytes
-            if checksum_ok is False:
-                grant.corrupted = True
-                self.counters["checksum_mismatch"] += 1
-            if grant.free_when_idle and grant.writers == 0:
-                grant.free_when_idle = grant.owns_blocks = False
-                release = True
-            deferred = grant.pending_done if grant.writers == 0 else None
-            if deferred is not None:
-                grant.pending_done = None
-        if release:
-            self._release(grant.block_ids)
-        if deferred is not None:
-            deferred[2](self.finish(grant, deferred[0], deferred[1]))
-
-    def finish(self, grant: Grant, first_token_id: int, transport: str, reply: Callable[[AckStatus], None] | None = None) -> AckStatus | None:
-        """The sender is done: verify coverage and integrity, then complete or fail. Returns
-        None when writes are still landing; ``reply`` then gets the status later."""
-        with grant.lock:
-            if grant.state is not GrantState.ACTIVE:
-                return AckStatus.UNKNOWN_TRANSFER
-            if grant.writers and reply is not None:
-                grant.pending_done = (first_token_id, transport, reply)
-                return None
-            if grant.corrupted:
-                status, reason = AckStatus.CHECKSUM_MISMATCH, "KV checksum mismatch: the cache arrived corrupted"
-            elif not grant.landed.all():
-                status, reason = AckStatus.INCOMPLETE, "transfer finished with K/V missing"
-            else:
-                grant.state = GrantState.COMPLETE
-                self.counters[f"transfers_{transport}"] += 1
-                self.counters[f"bytes_{transport}"] += grant.nbytes
-                log.debug("transfer %s complete over %s (%d bytes)", grant.transfer_key, transport, grant.nbytes)
-                self._resolve(grant, TransferResult(first_token_id, transport, grant.nbytes))
-                return AckStatus.OK
-            grant.state = GrantState.FAILED  # final now: no later DONE may complete it
-        self.loop.call_soon_threadsafe(self._cleanup_failed, grant, reason, status)
-        return status
-
-    # -- internals ----------------------------------------------------------------------------
-    def _release(self, block_ids: list[int]) -> None:
-        if self.quarantine_s <= 0:
-            self._free_blocks(block_ids)
-            return
-        self.quarantined += 1
-
-        def free() -> None:
-            self.quarantined -= 1
-            self._free_blocks(block_ids)
-
-        self.loop.call_soon_threadsafe(self.loop.call_later, self.quarantine_s, free)
-
-    def _resolve(self, grant: Grant, outcome: TransferResult | Exception) -> None:
-        def settle() -> None:
-            if grant.future.done():
+    def _accept_loop(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                readable, _, _ = select.select([self._listener], [], [], 0.5)
+                if not readable:
+                    continue
+                conn, peer = self._listener.accept()
+            except (OSError, ValueError):
                 return
-            if isinstance(outcome, Exception):
-                grant.future.set_exception(outcome)
-                grant.future.exception()  # mark retrieved: a cancelled waiter may never read it
-            else:
-                grant.future.set_result(outcome)
+            threading.Thread(target=_Connection(self, conn, peer).serve, name="kv-conn", daemon=True).start()
 
-        self.loop.call_soon_threadsafe(settle)
+
+class _Connection:
+    def __init__(self, server: KVReceiver, sock: socket.socket, peer: tuple) -> None:
+        self.server = server
+        self.ledger = server.ledger
+        self.sock = sock
+        self.peer = peer
+        self.transport = ""
+        self.receiver = None
+        self._ack_lock = threading.Lock()  # ACKs may come from the UCX thread too
+
+    def serve(self) -> None:
+        self.server._conns.add(self.sock)
+        try:
+            if self._handshake():
+                self._frames()
+        except (ConnectionError, TimeoutError, OSError) as e:
+            if not self.server._stopped.is_set():
+                log.info("KV connection from %s closed: %s", self.peer, e)
+        except ProtocolError as e:
+            log.warning("KV connection from %s dropped: protocol error: %s", self.peer, e)
+            self.ledger.counters["protocol_errors"] += 1
+        except Exception as e:  # noqa: BLE001 - whatever a peer sends, only its connection ends
+            log.warning("KV connection from %s dropped: %s: %s", self.peer, type(e).__name__, e)
+            self.ledger.counters["protocol_errors"] += 1
+        finally:
+            if self.receiver is not None:
+                self.receiver.close()
+            self.server._conns.discard(self.sock)
+            shutdown(self.sock)
+
+    def _handshake(self) -> bool:
+        configure(self.sock, HANDSHAKE_TIMEOUT_S)
+        ctx = ReceiveContext(self.sock, self.server.cache, self.ledger, self.server.ucx, str(self.peer),
+                             self.server.local.extra, self._ack)
+
+        def reply_extra(transport: str) -> dict:
+            self.receiver = registry.get(transport).load().Receiver(ctx)
+            return {**self.receiver.hello_extra(), "lease_s": self.ledger.lease_s}
+
+        try:
+            _, self.transport = server_handshake(self.sock, self.server.local, self.server.secret, reply_extra)
+        except HandshakeError as e:
+            log.warning("KV handshake from %s refused: %s", self.peer, e)
+            self.ledger.counters["handshakes_refused"] += 1
+            reject(self.sock, e)
+            return False
+        log.info("KV connection from %s: transport %s", self.peer, self.transport)
+        configure(self.sock, IO_TIMEOUT_S)
+        return True
+
+    def _frames(self) -> None:
+        buf = bytearray(HEADER_SIZE)
+        handlers = {FrameKind.DONE: self._done, FrameKind.RENEW: self._renew, **self.receiver.handlers}
+        while not self.server._stopped.is_set():
+            try:
+                header = recv_header(self.sock, buf)
+            except IdleTimeout:
+                continue
+            handler = handlers.get(header.kind)
+            if handler is None:
+                raise ProtocolError(f"unexpected {header.kind.name} frame on a {self.transport} connection")
+            handler(header)
+
+    def _renew(self, h: FrameHeader) -> None:
+        recv_payload(self.sock, h.payload_len)
+        grant = self.ledger.lookup(h.transfer_id)
+        if grant is not None:
+            self.ledger.renew(grant)
+
+    def _done(self, h: FrameHeader) -> None:
+        recv_payload(self.sock, h.payload_len)
+        grant = self.ledger.lookup(h.transfer_id)
+        if grant is None:
+            self._ack(h.transfer_id, AckStatus.UNKNOWN_TRANSFER)
+            return
+        status = self.ledger.finish(grant, h.aux, self.transport, reply=lambda s: self._ack(h.transfer_id, s))
+        if status is not None:
+            self._ack(h.transfer_id, status)
+
+    def _ack(self, transfer_id: int, status: AckStatus) -> None:
+        try:
+            with self._ack_lock:
+                send_frame(self.sock, FrameHeader(FrameKind.ACK, transfer_id=transfer_id, aux=int(status)))
+        except OSError as e:
+            log.info("could not acknowledge transfer %016x: %s", transfer_id, e)

@@ -1,13 +1,32 @@
-"""Blocking-socket helpers: scatter/gather I/O straight from and into cache memory."""
+"""Blocking-socket I/O for the control channel and the TCP data path.
+
+Sockets stay in blocking mode (no per-call timeout juggling) with kernel-level send/receive
+timeouts, and receives ask for the whole buffer at once (MSG_WAITALL): a layer's payload
+arrives in one system call, straight into its destination.
+"""
 
 from __future__ import annotations
 
-import select
 import socket
+import struct
 
-from pdserve.kvtransfer.protocol import HEADER_SIZE, FrameHeader
+from pdserve.kvtransfer.protocol import HEADER_SIZE, FrameHeader, ProtocolError
 
 _IOV_MAX = 512  # stay under the kernel's 1024 iovecs per sendmsg
+
+
+class IdleTimeout(Exception):
+    """Nothing arrived within the socket's timeout (not an error between frames)."""
+
+
+def configure(sock: socket.socket, io_timeout_s: float) -> None:
+    """Blocking mode, no Nagle delay, and ``io_timeout_s`` on every send and receive."""
+    sock.settimeout(None)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    seconds = int(io_timeout_s)
+    timeval = struct.pack("ll", seconds, int((io_timeout_s - seconds) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
 
 
 def send_buffers(sock: socket.socket, buffers: list) -> None:
@@ -15,7 +34,10 @@ def send_buffers(sock: socket.socket, buffers: list) -> None:
     views = [memoryview(b).cast("B") for b in buffers if len(b)]
     i = 0
     while i < len(views):
-        sent = sock.sendmsg(views[i : i + _IOV_MAX])
+        try:
+            sent = sock.sendmsg(views[i : i + _IOV_MAX])
+        except BlockingIOError:
+            raise TimeoutError("KV peer stopped reading") from None
         while sent:
             if sent >= len(views[i]):
                 sent -= len(views[i])
@@ -25,10 +47,14 @@ def send_buffers(sock: socket.socket, buffers: list) -> None:
                 sent = 0
 
 
-def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
-    view = view.cast("B")
+def recv_exact(sock: socket.socket, buffer) -> None:
+    """Fills ``buffer`` completely; ConnectionError on EOF, TimeoutError if the peer stalls."""
+    view = memoryview(buffer).cast("B")
     while view:
-        n = sock.recv_into(view)
+        try:
+            n = sock.recv_into(view, len(view), socket.MSG_WAITALL)
+        except BlockingIOError:
+            raise TimeoutError("KV peer stalled in the middle of a frame") from None
         if n == 0:
             raise ConnectionError("peer closed the connection")
         view = view[n:]
@@ -38,30 +64,35 @@ def discard(sock: socket.socket, nbytes: int, scratch: bytearray) -> None:
     """Reads and drops ``nbytes`` to keep the stream in sync after a refused frame."""
     view = memoryview(scratch)
     while nbytes:
-        n = sock.recv_into(view[: min(nbytes, len(view))])
-        if n == 0:
-            raise ConnectionError("peer closed the connection")
-        nbytes -= n
+        chunk = view[: min(nbytes, len(view))]
+        recv_exact(sock, chunk)
+        nbytes -= len(chunk)
 
 
 def recv_header(sock: socket.socket, buf: bytearray) -> FrameHeader:
-    recv_into_exact(sock, memoryview(buf)[:HEADER_SIZE])
+    """The next frame header; IdleTimeout if none started within the socket's timeout."""
+    view = memoryview(buf)[:HEADER_SIZE]
+    try:
+        n = sock.recv_into(view, HEADER_SIZE, socket.MSG_WAITALL)
+    except BlockingIOError:
+        raise IdleTimeout() from None
+    if n == 0:
+        raise ConnectionError("peer closed the connection")
+    if n < HEADER_SIZE:
+        recv_exact(sock, view[n:])
     return FrameHeader.unpack(buf)
 
 
-def recv_payload(sock: socket.socket, nbytes: int) -> bytes:
+def recv_payload(sock: socket.socket, nbytes: int, limit: int | None = None) -> bytes:
+    if limit is not None and nbytes > limit:
+        raise ProtocolError(f"payload of {nbytes} bytes exceeds {limit}")
     buf = bytearray(nbytes)
-    recv_into_exact(sock, memoryview(buf))
+    recv_exact(sock, buf)
     return bytes(buf)
 
 
 def send_frame(sock: socket.socket, header: FrameHeader, payload: bytes = b"") -> None:
     send_buffers(sock, [header.pack(), payload])
-
-
-def wait_readable(sock: socket.socket, timeout: float) -> bool:
-    readable, _, _ = select.select([sock], [], [], timeout)
-    return bool(readable)
 
 
 def split_address(address: str) -> tuple[str, int]:

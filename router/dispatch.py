@@ -18,8 +18,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import grpc
@@ -61,10 +62,13 @@ class DispatchError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Attempt:
-    """What one try sends: the original prompt plus the tokens the client already has."""
+    """What one try sends: the original prompt plus the tokens the client already has.
+    ``key`` is the router's own id for the try, unique in the cluster: the workers key their
+    state on it (a client's request_id need not be unique; it is passed along for logs)."""
 
     request: ValidatedRequest
     prior: list[int]
+    key: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     @property
     def token_ids(self) -> list[int]:
@@ -241,18 +245,18 @@ def _remaining_budget_ms(attempt: Attempt) -> float:
 def _decode_request(attempt: Attempt, prefill_locally: bool) -> pb.DecodeRequest:
     req = attempt.request
     return pb.DecodeRequest(
-        request_id=req.request_id, token_ids=attempt.token_ids, sampling=sampling_to_proto(req.sampling),
-        priority=req.priority, prefill_locally=prefill_locally, num_prior_output_tokens=len(attempt.prior),
-        ttft_budget_ms=_remaining_budget_ms(attempt),
+        request_id=attempt.key, client_request_id=req.request_id, token_ids=attempt.token_ids,
+        sampling=sampling_to_proto(req.sampling), priority=req.priority, prefill_locally=prefill_locally,
+        num_prior_output_tokens=len(attempt.prior), ttft_budget_ms=_remaining_budget_ms(attempt),
     )
 
 
 def _prefill_request(attempt: Attempt, target: pb.KvTarget) -> pb.PrefillRequest:
     req = attempt.request
     return pb.PrefillRequest(
-        request_id=req.request_id, token_ids=attempt.token_ids, sampling=sampling_to_proto(req.sampling),
-        priority=req.priority, num_prior_output_tokens=len(attempt.prior), target=target,
-        ttft_budget_ms=_remaining_budget_ms(attempt),
+        request_id=attempt.key, client_request_id=req.request_id, token_ids=attempt.token_ids,
+        sampling=sampling_to_proto(req.sampling), priority=req.priority, num_prior_output_tokens=len(attempt.prior),
+        target=target, ttft_budget_ms=_remaining_budget_ms(attempt),
     )
 
 

@@ -12,7 +12,7 @@ import os
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from pdserve.kvtransfer.peer import PeerInfo, host_id
+from pdserve.kvtransfer.handshake import PeerInfo, host_id
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
@@ -43,7 +43,7 @@ CREDENTIAL = "fuzz-credential"
 
 def peer_dict(**changes) -> dict:
     base = dict(model_fingerprint="fuzz", dtype="float32", num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM,
-                block_size=BLOCK, transports=["tcp"], host_id=host_id(), role="prefill", auth_token=CREDENTIAL, extra={})
+                block_size=BLOCK, transports=["tcp"], host_id=host_id(), role="prefill", extra={}, token_bytes=TOKEN_BYTES)
     return {**base, **changes}
 
 

@@ -10,9 +10,11 @@ import torch
 from conftest import PROMPTS
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.kv_connector import KVReceive, KVSend, TransferOutcome
+from pdserve.engine.request_output import KVSent, RequestRejected
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import FinishReason
-from pdserve.kernels.reference import gather_kv, write_kv
+from pdserve.kvtransfer.layout import KVCacheView
 
 pytestmark = pytest.mark.e2e  # loads the default model
 MAX_NEW = 20
@@ -43,7 +45,7 @@ def run(engine: LLMEngine, arrivals: list[tuple[int, str, list[int], SamplingPar
 
 def assert_all_free(engine: LLMEngine) -> None:
     assert not engine.has_unfinished()
-    assert not engine.prefilled
+    assert not engine.connector.sending
     assert engine.blocks.num_free == engine.blocks.num_blocks
 
 
@@ -148,38 +150,61 @@ def test_abort_frees_blocks_and_others_continue(engine, prompt_ids, hf_reference
     assert_all_free(engine)
 
 
+class LocalHandoff:
+    """Both worker halves of one transfer, in-process: each layer is copied between the two
+    engines' caches as the prefill forward computes it (what kvtransfer does over a wire)."""
+
+    def __init__(self, prefill: LLMEngine, decode: LLMEngine) -> None:
+        self.src = KVCacheView(prefill.kv_cache.layers, prefill.config.block_size, prefill.kv_layout.token_bytes)
+        self.dst = KVCacheView(decode.kv_cache.layers, decode.config.block_size, decode.kv_layout.token_bytes)
+        self.layers_sent = 0
+
+    # the decode side's IncomingKV
+    def grant(self, block_ids, num_tokens, skip_tokens, report) -> int:
+        self.dst_blocks, self.num_tokens, self.decode_report = block_ids, num_tokens, report
+        return 1
+
+    # the prefill side's OutgoingKV
+    def send_layer(self, layer, block_ids, start, end) -> None:
+        data = self.src.read(layer, self.src.slots(block_ids, start, end))
+        self.dst.scatter(layer, self.dst.slots(self.dst_blocks, start, end), data.data)
+        data.release()
+        self.layers_sent += 1
+
+    def finish(self, first_token_id, report) -> None:
+        self.decode_report(TransferOutcome(True, first_token_id=first_token_id, transport="local"))
+        report(TransferOutcome(True, transport="local", nbytes=123))
+
+    def cancel(self, *transfer_id_and_reason) -> None:  # both halves' cancel
+        raise AssertionError("nothing cancels this transfer")
+
+
 def test_seam_prefill_here_decode_there(model_dir, prompt_ids, hf_reference):
-    """Prefill in one engine, copy the KV blocks into another (with another block size), decode there."""
-    prefill = make_engine(model_dir, block_size=16)
+    """Prefill in one engine, decode in another (another block size): the KV connector on both
+    sides, with the bytes copied layer by layer during the prefill's forward pass."""
+    prefill = make_engine(model_dir, block_size=16, max_num_batched_tokens=128)  # chunked: several steps
     decode = make_engine(model_dir, block_size=32)
     ids = prompt_ids[-1]
-    prefill.add_request("r", ids, GREEDY, prefill_only=True)
-    first = []
-    while prefill.has_unfinished():
-        for out in prefill.step():
-            first += out.new_token_ids
-            assert out.finish_reason is FinishReason.PREFILLED
-    kv = prefill.take_prefilled("r")
-    assert kv.num_computed_tokens == len(ids) and kv.token_ids == ids + first
+    handoff = LocalHandoff(prefill, decode)
+    decode.add_request("r", ids, GREEDY, kv_receive=KVReceive(handoff))
+    [reserved] = decode.step()
+    assert reserved.kv.num_tokens == len(ids) and reserved.kv.num_cached_tokens == 0 and not reserved.finished
 
-    block_ids, cached = decode.reserve_blocks(kv.token_ids, kv.num_computed_tokens)
-    assert cached == 0
-    src_table = torch.tensor(kv.block_ids)
-    bs = decode.config.block_size
-    positions = torch.arange(kv.num_computed_tokens)
-    slots = torch.tensor(block_ids)[positions // bs] * bs + positions % bs
-    for src_layer, dst_layer in zip(prefill.kv_cache.layers, decode.kv_cache.layers):
-        k, v = gather_kv(src_layer, src_table, kv.num_computed_tokens)
-        write_kv(dst_layer, k, v, slots)
-    prefill.release("r")
+    prefill.add_request("r", ids, GREEDY, kv_send=KVSend(handoff))
+    outputs = []
+    while prefill.has_unfinished():
+        outputs += prefill.step()
+    first, acked = outputs
+    assert first.new_token_ids and not first.finished and first.finish_reason is None
+    assert acked.finished and acked.kv == KVSent("local", 123) and acked.new_token_ids == []
+    assert handoff.layers_sent == prefill.model_config.num_layers * -(-len(ids) // 128)
     assert_all_free(prefill)
 
-    assert decode.add_prefilled("r", kv.token_ids, len(ids), GREEDY, block_ids) is None
     rest = []
     while decode.has_unfinished():
         for out in decode.step():
             rest += out.new_token_ids
-    assert first + rest == hf_reference.greedy(ids, MAX_NEW)
+    assert first.new_token_ids + rest == hf_reference.greedy(ids, MAX_NEW)
     assert_all_free(decode)
 
 
@@ -280,9 +305,9 @@ def test_ttft_budget_rejects_requests_that_cannot_start_in_time(model_dir, promp
     outcomes = {}
     while engine.has_unfinished():
         for out in engine.step():
-            if out.finish_reason is not None:
-                outcomes[out.request_id] = out.finish_reason
-    assert outcomes["impatient"] is FinishReason.REJECTED
+            if out.finished:
+                outcomes[out.request_id] = out.error or out.finish_reason
+    assert isinstance(outcomes["impatient"], RequestRejected)
     assert outcomes["patient"] in (FinishReason.STOP, FinishReason.LENGTH)
     with pytest.raises(ValueError, match="ttft_budget_ms"):
         engine.add_request("zero", prompt_ids[1], GREEDY, ttft_budget_s=0)

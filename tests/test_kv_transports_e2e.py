@@ -10,7 +10,7 @@ import pytest
 
 from conftest import PROMPTS
 from pdserve.client import build_request
-from pdserve.kvtransfer.ucx import ucx_available
+from pdserve.kvtransfer.ucx_worker import ucx_available, ucx_unavailable_reason
 from pdserve.v1 import pdserve_pb2 as pb
 from processes import Proc, Stack
 from test_stack_e2e import assert_blocks_all_free, cluster_stats, collect
@@ -30,7 +30,10 @@ def worker_counters(stats: pb.ClusterStats, role: str) -> dict:
     return next(dict(w.counters) for w in stats.workers if w.role == role)
 
 
-@pytest.mark.parametrize("transport", ["tcp", "shm"] + (["ucx"] if ucx_available() else []))
+UCX = pytest.param("ucx", marks=pytest.mark.skipif(not ucx_available(), reason=ucx_unavailable_reason()))
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm", UCX])
 async def test_each_transport_gives_hf_greedy_output(transport, hf_reference):
     stack = Stack.up("--kv-transport", transport, *ARGS)
     try:
@@ -106,3 +109,20 @@ async def test_prefill_and_decode_with_different_block_sizes(hf_reference):
     finally:
         for proc in procs:
             assert proc.stop() == 0
+
+
+async def test_requests_sharing_a_client_request_id_do_not_collide(hf_reference):
+    """Issue 13, defect 2: workers keyed their state on the client's request_id, so two requests
+    with the same id (a client retrying) leaked the decode worker's blocks or cut the other's
+    transfer short on the prefill worker. Workers now key on the router's own id."""
+    stack = Stack.up("--kv-transport", "tcp", *ARGS)
+    try:
+        prompts = (PROMPTS[0], PROMPTS[2], PROMPTS[3])
+        results = await asyncio.gather(*(
+            collect(stack.address, build_request(p, max_tokens=MAX_NEW, temperature=0, request_id="same-id")) for p in prompts))
+        for prompt, (ids, _, messages) in zip(prompts, results):
+            assert ids == hf_reference.greedy(hf_reference.tokenizer(prompt).input_ids, MAX_NEW)
+            assert {m.request_id for m in messages} == {"same-id"}  # the client's id is echoed
+        await assert_blocks_all_free(stack.address)
+    finally:
+        stack.down()

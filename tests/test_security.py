@@ -19,8 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import PROMPTS
 from pdserve.client import build_request
-from pdserve.kvtransfer.client import KVConnection
-from pdserve.kvtransfer.peer import HandshakeError, PeerInfo, host_id
+from pdserve.kvtransfer.handshake import HandshakeError, PeerInfo, host_id
+from pdserve.kvtransfer.sender import KVConnection
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc
 from processes import Stack
@@ -139,9 +139,9 @@ async def test_kv_port_refuses_an_unauthenticated_peer(stack):
     stats = await cluster_stats_with_token(stack)
     decode = next(w for w in stats.workers if w.role == "decode")
     fake = PeerInfo(model_fingerprint="x", dtype="float32", num_layers=30, num_kv_heads=3, head_dim=64, block_size=16,
-                    transports=("tcp",), host_id=host_id(), auth_token="not-the-cluster-token")
-    with pytest.raises(HandshakeError, match="unauthenticated"):
-        KVConnection(kv_address, fake, cache=None)  # refused in the handshake, before the cache is touched
+                    transports=("tcp",), host_id=host_id())
+    with pytest.raises(HandshakeError, match="unauthenticated"):  # refused in the handshake, before the cache is touched
+        KVConnection(kv_address, fake, cache=None, secret=b"not-the-cluster-token")
     after = await cluster_stats_with_token(stack)
     decode_after = next(w for w in after.workers if w.role == "decode")
     assert decode_after.counters["kv_handshakes_refused"] == decode.counters.get("kv_handshakes_refused", 0) + 1

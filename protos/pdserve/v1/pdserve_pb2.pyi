@@ -138,7 +138,7 @@ class KvTarget(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., kv_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., skip_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "num_prior_output_tokens", "priority", "target", "ttft_budget_ms")
+    __slots__ = ("request_id", "token_ids", "sampling", "num_prior_output_tokens", "priority", "target", "ttft_budget_ms", "client_request_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,7 @@ class PrefillRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     TTFT_BUDGET_MS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: ResolvedSampling
@@ -153,7 +154,8 @@ class PrefillRequest(_message.Message):
     priority: int
     target: KvTarget
     ttft_budget_ms: float
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ..., num_prior_output_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., target: _Optional[_Union[KvTarget, _Mapping]] = ..., ttft_budget_ms: _Optional[float] = ...) -> None: ...
+    client_request_id: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ..., num_prior_output_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., target: _Optional[_Union[KvTarget, _Mapping]] = ..., ttft_budget_ms: _Optional[float] = ..., client_request_id: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "finish_reason", "num_cached_tokens", "transport", "prefill_ms", "transfer_ms")
@@ -172,7 +174,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., transport: _Optional[str] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "num_prior_output_tokens", "priority", "prefill_locally", "ttft_budget_ms")
+    __slots__ = ("request_id", "token_ids", "sampling", "num_prior_output_tokens", "priority", "prefill_locally", "ttft_budget_ms", "client_request_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +182,7 @@ class DecodeRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     PREFILL_LOCALLY_FIELD_NUMBER: _ClassVar[int]
     TTFT_BUDGET_MS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: ResolvedSampling
@@ -187,7 +190,8 @@ class DecodeRequest(_message.Message):
     priority: int
     prefill_locally: bool
     ttft_budget_ms: float
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ..., num_prior_output_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., prefill_locally: _Optional[bool] = ..., ttft_budget_ms: _Optional[float] = ...) -> None: ...
+    client_request_id: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ..., num_prior_output_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., prefill_locally: _Optional[bool] = ..., ttft_budget_ms: _Optional[float] = ..., client_request_id: _Optional[str] = ...) -> None: ...
 
 class Reservation(_message.Message):
     __slots__ = ("target",)

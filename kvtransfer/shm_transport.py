@@ -1,0 +1,175 @@
+"""Same-host shared memory: the decode worker's KV cache lives in a POSIX shared-memory
+segment that prefill workers on the same machine map and write into directly (the CPU
+analogue of a one-sided RDMA write); a WRITTEN frame then carries the checksum.
+
+Sender: the unit is gathered (a view when it is one range, else one vectorized copy of whole
+blocks), hashed, and scattered into its destination slots. Receiver: hashes what landed,
+gathered the same way. One pass over the bytes on each side.
+
+The decode side creates the segment; Python's resource tracker unlinks it even if the worker
+is killed. The prefill side maps it by name with a plain ``mmap`` (not ``SharedMemory``,
+whose tracker would unlink the decode worker's segment when the prefill worker exits).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+from multiprocessing import shared_memory
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pdserve.kvtransfer.integrity import checksum
+from pdserve.kvtransfer.layout import copy_and_hash, hash_rows, scatter
+from pdserve.kvtransfer.protocol import FrameHeader, FrameKind
+from pdserve.kvtransfer.transport_api import ReceiveContext, SendContext, Unit
+
+SHM_DIR = Path("/dev/shm")
+PREFIX = "pdserve-kv-"
+
+
+def unavailable_reason(device) -> str | None:
+    if getattr(device, "type", "cpu") != "cpu":
+        return "shared memory needs a CPU KV cache"
+    if not (SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)):
+        return "shared memory needs a writable /dev/shm"
+    return None
+
+
+def make_pool(layout, num_blocks: int, device) -> "SharedKVPool":
+    remove_stale_segments()
+    return SharedKVPool(layout, num_blocks)
+
+
+class SharedKVPool:
+    """A KV cache tensor backed by a named shared-memory segment (decode side)."""
+
+    def __init__(self, layout, num_blocks: int) -> None:
+        self.layout = layout
+        self.num_blocks = num_blocks
+        nbytes = layout.num_layers * num_blocks * layout.block_bytes
+        self.name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+        self._shm = shared_memory.SharedMemory(name=self.name, create=True, size=nbytes)
+        flat = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=nbytes)
+        self.tensor = flat.view(layout.storage_dtype).view(layout.shape(num_blocks))
+
+    @property
+    def nbytes(self) -> int:
+        return self._shm.size
+
+    def describe(self) -> dict:
+        """What a peer needs to map the pool (sent in the handshake)."""
+        return {"shm_name": self.name, "shm_bytes": self.layout.num_layers * self.num_blocks * self.layout.block_bytes}
+
+    def close(self) -> None:
+        try:
+            self._shm.unlink()
+        except FileNotFoundError:
+            pass
+        try:
+            self._shm.close()
+        except BufferError:
+            pass  # the engine still holds views; the mapping goes away with the process
+
+
+class MappedKVPool:
+    """A peer's ``SharedKVPool`` mapped into this process (prefill side): [slots, token_bytes] per layer."""
+
+    def __init__(self, name: str, nbytes: int, num_layers: int, token_bytes: int) -> None:
+        if not isinstance(name, str) or not name.startswith(PREFIX) or "/" in name:
+            raise ValueError(f"not a pdserve KV segment: {name!r}")
+        fd = os.open(SHM_DIR / name, os.O_RDWR)
+        try:
+            if os.fstat(fd).st_size < nbytes:
+                raise ValueError(f"segment {name} is smaller than announced")
+            self._map = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        self.layers = list(np.frombuffer(self._map, dtype=np.uint8).reshape(num_layers, -1, token_bytes))
+
+    def close(self) -> None:
+        self.layers = []
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # a view is still alive; the mapping goes with the process
+
+
+def remove_stale_segments() -> int:
+    """Unlinks segments whose creating process is gone (left by a killed decode worker)."""
+    removed = 0
+    if not SHM_DIR.is_dir():
+        return 0
+    for path in SHM_DIR.glob(f"{PREFIX}*"):
+        try:
+            pid = int(path.name[len(PREFIX):].split("-")[0])
+        except ValueError:
+            continue
+        if not Path(f"/proc/{pid}").exists():
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
+class Sender:
+    name = "shm"
+
+    def __init__(self, ctx: SendContext) -> None:
+        self.ctx = ctx
+        extra = ctx.remote_extra
+        self.pool = MappedKVPool(extra["shm_name"], extra["shm_bytes"], ctx.cache.num_layers, ctx.cache.token_bytes)
+
+    device = None  # it writes host memory
+
+    def send(self, unit: Unit) -> None:
+        cache, rows = self.ctx.cache, self.pool.layers[unit.layer]
+        if cache.on_host:
+            digest = copy_and_hash(cache.host_rows(unit.layer), unit.src, rows, unit.dst)
+        else:  # a staged copy (a GPU cache, or a test forcing that path)
+            data = cache.read(unit.layer, unit.src, unit.ready)
+            digest = checksum(data.data)
+            scatter(rows, unit.dst, data.data)
+            data.release()
+        if self.ctx.faults.take("corrupt"):
+            rows[unit.dst.first, 0] ^= 0x5A  # a data byte of what landed, never our own cache
+        self.ctx.send_frame(FrameHeader(FrameKind.WRITTEN, unit.transfer_id, unit.layer, unit.start, unit.end, checksum=digest),
+                            defer=True)
+
+    def flush(self, transfer_id: int) -> None:
+        pass  # the copies are done when send returns
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+class Receiver:
+    def __init__(self, ctx: ReceiveContext) -> None:
+        self.ctx = ctx
+        self.handlers = {FrameKind.WRITTEN: self._written}
+
+    def hello_extra(self) -> dict:
+        return {}
+
+    def _written(self, h: FrameHeader) -> None:
+        """The peer wrote [start, end) of a layer into our shared pool; verify it."""
+        ledger, cache = self.ctx.ledger, self.ctx.cache
+        grant = ledger.admit(h.transfer_id, h.layer, h.start, h.end, (h.end - h.start) * cache.token_bytes, "WRITTEN")
+        if grant is None:
+            return
+        ok = None
+        try:
+            slots = grant.slots(cache, h.start, h.end)
+            if cache.on_host:
+                ok = hash_rows(cache.host_rows(h.layer), slots) == h.checksum
+            else:
+                landed = cache.read(h.layer, slots)
+                ok = checksum(landed.data) == h.checksum
+                landed.release()
+        finally:
+            ledger.end_write(grant, h.layer, h.start, h.end, ok)
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,134 @@
+"""UCX: the unit's header on the control connection, its bytes as one UCX tagged message
+(RDMA across hosts; shared memory / CMA on one host, as UCX decides).
+
+Sender: the unit's bytes (in place, or gathered into a staging buffer that lives until UCX
+is done with it), hashed, announced by a UCX_DATA header carrying the message's tag, then
+sent. Every send's completion is tracked per transfer: DONE leaves only after all of them
+succeeded, and a failed send fails the transfer. Receiver: one receive per unit, posted at
+the destination itself when it is contiguous (else into a staging buffer scattered on
+arrival), verified when it completes. A grant that fails while receives are posted cancels
+them, and its blocks are not reported free until UCX has completed each one.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from collections import Counter
+
+from pdserve.kvtransfer.integrity import checksum
+from pdserve.kvtransfer.protocol import FrameHeader, FrameKind, ProtocolError
+from pdserve.kvtransfer.tcp_transport import flipped
+from pdserve.kvtransfer.transport_api import IO_TIMEOUT_S, ReceiveContext, SendContext, Unit
+from pdserve.kvtransfer.ucx_worker import TAG_BITS, ucx_available, ucx_unavailable_reason
+
+_SEQUENCE_MASK = (1 << TAG_BITS) - 1
+
+
+def unavailable_reason(device) -> str | None:
+    return None if ucx_available() else ucx_unavailable_reason()
+
+
+class Sender:
+    name = "ucx"
+
+    def __init__(self, ctx: SendContext) -> None:
+        if ctx.ucx is None:
+            raise ValueError("the decode worker chose UCX but UCX is not running here")
+        self.ctx = ctx
+        self.peer = bytes.fromhex(ctx.remote_extra["ucx_address"])
+        self.tag = int(ctx.remote_extra["ucx_tag"])
+        ctx.ucx.connect(self.peer).result(timeout=IO_TIMEOUT_S)
+        self.sequence = 0
+        self._in_flight: Counter[int] = Counter()  # transfer id -> sends not completed yet
+        self._errors: dict[int, BaseException] = {}
+        self._done = threading.Condition()
+
+    def send(self, unit: Unit) -> None:
+        data = self.ctx.cache.read(unit.layer, unit.src, unit.ready)
+        try:
+            payload = data.data
+            digest = checksum(payload)
+            if self.ctx.faults.take("corrupt"):
+                payload = flipped(payload)
+            sequence, self.sequence = self.sequence, self.sequence + 1
+            self.ctx.send_frame(FrameHeader(FrameKind.UCX_DATA, unit.transfer_id, unit.layer, unit.start, unit.end,
+                                            aux=sequence & _SEQUENCE_MASK, checksum=digest))
+        except BaseException:
+            data.release()
+            raise
+        with self._done:
+            self._in_flight[unit.transfer_id] += 1
+
+        def sent(error: BaseException | None) -> None:  # on the UCX thread
+            data.release()
+            with self._done:
+                self._in_flight[unit.transfer_id] -= 1
+                if error is not None:
+                    self._errors.setdefault(unit.transfer_id, error)
+                self._done.notify_all()
+
+        self.ctx.ucx.send(self.peer, payload, (self.tag << TAG_BITS) | (sequence & _SEQUENCE_MASK), sent)
+
+    def flush(self, transfer_id: int) -> None:
+        with self._done:
+            if not self._done.wait_for(lambda: self._in_flight[transfer_id] <= 0, IO_TIMEOUT_S):
+                raise TimeoutError("UCX sends did not complete")
+            del self._in_flight[transfer_id]
+            error = self._errors.pop(transfer_id, None)
+        if error is not None:
+            raise ConnectionError(f"UCX send failed: {error}")
+
+    def close(self) -> None:
+        pass
+
+
+class Receiver:
+    def __init__(self, ctx: ReceiveContext) -> None:
+        self.ctx = ctx
+        self.tag = secrets.randbits(23) + 1
+        self.max_bytes = ctx.cache.rows[0].shape[0] * ctx.cache.token_bytes  # a whole layer
+        self.handlers = {FrameKind.UCX_DATA: self._ucx_data}
+
+    def hello_extra(self) -> dict:
+        return {"ucx_address": self.ctx.ucx.address.hex(), "ucx_tag": self.tag} if self.ctx.ucx else {}
+
+    def _ucx_data(self, h: FrameHeader) -> None:
+        ucx, ledger, cache = self.ctx.ucx, self.ctx.ledger, self.ctx.cache
+        if ucx is None:
+            raise ProtocolError("UCX_DATA frame, but UCX is not running here")
+        nbytes = (h.end - h.start) * cache.token_bytes
+        if not 0 < nbytes <= self.max_bytes:
+            raise ProtocolError(f"UCX_DATA frame for tokens [{h.start}, {h.end}) of a {self.max_bytes}-byte layer")
+        tag = (self.tag << TAG_BITS) | (h.aux & _SEQUENCE_MASK)
+        grant = ledger.admit(h.transfer_id, h.layer, h.start, h.end, nbytes, "UCX_DATA")
+        if grant is None:  # drain the message anyway, so the sender's send completes
+            scratch = cache.host_staging.take(nbytes)
+            ucx.recv(scratch[:nbytes].numpy(), tag, lambda error: cache.host_staging.give(scratch))
+            return
+        try:
+            target = cache.write_target(h.layer, grant.slots(cache, h.start, h.end))
+        except BaseException:
+            ledger.end_write(grant, h.layer, h.start, h.end, None)
+            raise
+        cancelled = threading.Event()
+
+        def cancel() -> None:
+            cancelled.set()
+            ucx.cancel_recv(tag)
+
+        def landed(error: BaseException | None) -> None:  # on the UCX thread
+            ok = None
+            try:
+                if error is None and not cancelled.is_set():
+                    ok = checksum(target.data) == h.checksum
+                    target.commit()
+            finally:
+                target.release()
+                ledger.end_write(grant, h.layer, h.start, h.end, ok, cancel)
+
+        ledger.on_cancel(grant, cancel)
+        ucx.recv(target.data, tag, landed)
+
+    def close(self) -> None:
+        pass

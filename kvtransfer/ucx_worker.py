@@ -1,0 +1,188 @@
+"""UCX (via ``ucxx``, the maintained successor of ucx-py) on one dedicated thread.
+
+One thread owns a UCX worker and is the only one that touches it: other threads queue
+commands, and completions come back as callbacks on this thread. It sleeps in epoll on the
+worker's event fd and a wake-up pipe; when woken it runs queued commands, progresses the
+worker and collects completions.
+
+Endpoints are created from the peer's *worker address* (exchanged in our own handshake)
+with UCX error handling off: that is what lets UCX pick shared memory / CMA on one host
+(listener endpoints force error handling, which rules those out and falls back to TCP).
+
+Completion without scanning every pending request: requests wait in one FIFO per peer (sends)
+or per connection tag (receives), and UCX matches the messages of one peer in the order they
+were sent, so only each queue's head is checked. Cancelling a posted receive: ucxx offers no
+per-request cancel, so the worker sends itself an empty message with the receive's tag; the
+receive completes (with nothing in it) and from then on nothing can land in its buffer.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import logging
+import os
+import select
+import threading
+import weakref
+from collections import deque
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+# Before importing ucxx: keep UCX quiet about variables it does not know.
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+_IMPORT_ERROR: str | None = None
+try:
+    from ucxx._lib import libucxx as _ucx
+    from ucxx._lib.arr import Array
+    from ucxx.types import Tag
+except Exception as e:  # noqa: BLE001 - any failure means: no UCX here
+    _IMPORT_ERROR = f"{type(e).__name__}: {e}"
+
+TAG_BITS = 40  # a tag is (connection tag << TAG_BITS) | sequence number
+Done = Callable[[BaseException | None], None]
+_LIVE: "weakref.WeakSet[UcxWorker]" = weakref.WeakSet()  # closed at exit: UCX must not die under its thread
+
+
+def ucx_available() -> bool:
+    return _IMPORT_ERROR is None
+
+
+def ucx_unavailable_reason() -> str:
+    return f"ucxx is not importable ({_IMPORT_ERROR}); install it with: pip install 'pdserve[ucx]'"
+
+
+class UcxWorker:
+    def __init__(self) -> None:
+        if not ucx_available():
+            raise RuntimeError(ucx_unavailable_reason())
+        self._context = _ucx.UCXContext({})
+        self._worker = _ucx.UCXWorker(self._context, enable_delayed_submission=False, enable_python_future=False)
+        self._worker.init_blocking_progress_mode()
+        self.address: bytes = self._worker.address.tobytes()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._epoll = select.epoll()
+        self._epoll.register(self._worker.epoll_file_descriptor, select.EPOLLIN)
+        self._epoll.register(self._wake_r, select.EPOLLIN)
+        self._commands: deque[Callable[[], None]] = deque()
+        self._queues: dict[object, deque] = {}  # FIFO of (request, keepalive, done) per peer / connection
+        self._endpoints: dict[bytes, object] = {}
+        self._self_endpoint = None
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="ucx-progress", daemon=True)
+        self._thread.start()
+        _LIVE.add(self)
+
+    # -- any thread ---------------------------------------------------------------------------
+    def connect(self, peer_address: bytes) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def connect() -> None:
+            self._endpoint(peer_address)
+            future.set_result(None)
+
+        self._submit(connect, lambda e: future.set_exception(e))
+        return future
+
+    def send(self, peer_address: bytes, buffer, tag: int, done: Done) -> None:
+        """Sends ``buffer`` (kept alive until ``done``) as one tagged message."""
+        def send() -> None:
+            array = Array(buffer)
+            self._track(peer_address, self._endpoint(peer_address).tag_send(array, Tag(tag)), (array, buffer), done)
+
+        self._submit(send, done)
+
+    def recv(self, buffer, tag: int, done: Done) -> None:
+        """Posts a receive of one tagged message into ``buffer``, in place."""
+        def recv() -> None:
+            array = Array(buffer)
+            self._track(("recv", tag >> TAG_BITS), self._worker.tag_recv(array, Tag(tag)), (array, buffer), done)
+
+        self._submit(recv, done)
+
+    def cancel_recv(self, tag: int) -> None:
+        """Completes a posted receive with an empty message of its own: nothing lands after."""
+        def cancel() -> None:
+            empty = bytearray(1)
+            array = Array(memoryview(empty)[:0])
+            self._track(self.address, self._endpoint(self.address).tag_send(array, Tag(tag)), (array, empty), lambda e: None)
+
+        self._submit(cancel, lambda e: log.warning("could not cancel a UCX receive: %s", e))
+
+    def close(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        self._wake()
+        self._thread.join(5)
+        if self._thread.is_alive():
+            log.warning("the UCX progress thread did not stop in 5 s")
+
+    # -- the UCX thread ---------------------------------------------------------------------------
+    def _submit(self, command: Callable[[], None], on_error: Callable[[BaseException], None]) -> None:
+        def guarded() -> None:
+            try:
+                command()
+            except Exception as e:  # noqa: BLE001 - reported to the caller
+                on_error(e)
+
+        self._commands.append(guarded)
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass  # a wake-up is already pending
+
+    def _endpoint(self, peer_address: bytes):
+        endpoint = self._endpoints.get(peer_address)
+        if endpoint is None:
+            address = _ucx.UCXAddress.create_from_buffer(peer_address)
+            endpoint = self._endpoints[peer_address] = self._worker.create_endpoint_from_worker_address(address, False)
+        return endpoint
+
+    def _track(self, queue_key, request, keepalive, done: Done) -> None:
+        self._queues.setdefault(queue_key, deque()).append((request, keepalive, done))
+
+    def _run(self) -> None:
+        while not self._stopped:
+            while self._commands:
+                self._commands.popleft()()
+            while self._worker.progress_once():
+                pass
+            self._complete()
+            if self._commands or not self._worker.arm():
+                continue  # more work, or events came in while we progressed
+            self._epoll.poll(1.0)
+            try:
+                os.read(self._wake_r, 4096)
+            except BlockingIOError:
+                pass
+        for queue in self._queues.values():
+            for _, _, done in queue:
+                done(RuntimeError("UCX worker stopped"))
+        self._queues.clear()
+        for endpoint in self._endpoints.values():
+            endpoint.close_blocking(period=10**8)
+        self._endpoints.clear()
+
+    def _complete(self) -> None:
+        for queue in self._queues.values():
+            while queue and queue[0][0].completed:
+                request, _, done = queue.popleft()
+                try:
+                    request.check_error()
+                except Exception as e:  # noqa: BLE001 - reported to whoever waits
+                    done(e)
+                else:
+                    done(None)
+
+
+@atexit.register
+def _close_live_workers() -> None:
+    for worker in list(_LIVE):
+        worker.close()

@@ -1,0 +1,292 @@
+"""Every KV transport in one process over real sockets (and real UCX / shared memory):
+re-blocking between block sizes, prefix-aware partial transfers, the staged path a GPU cache
+takes (forced here over host memory), corrupted data, stalls, bad units, UCX send errors and
+cancelled receives, and CUDA IPC's data path on CPU tensors."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+import torch
+
+from kv_sides import LAYERS, TOKEN_BYTES, UCX_SKIP_REASON, Decode, Prefill, assert_same_tokens, peer
+from pdserve.kvtransfer import cuda_ipc_transport
+from pdserve.kvtransfer.protocol import FrameHeader, FrameKind
+
+UCX = pytest.param("ucx", marks=pytest.mark.skipif(UCX_SKIP_REASON is not None, reason=str(UCX_SKIP_REASON)))
+TRANSPORTS = ["tcp", "shm", UCX]
+
+
+@pytest.mark.parametrize("staging", [False, True], ids=["in-place", "staged"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_transfer_lands_with_reblocking(transport, staging):
+    """Prefill blocks of 16 tokens, decode blocks of 8, shuffled block ids, chunked sends."""
+    decode = Decode(transport, block_size=8, force_staging=staging)
+    prefill = Prefill(transport, block_size=16, force_staging=staging)
+    try:
+        conn = prefill.connect(decode.address)
+        assert conn.name == transport
+        n, dst, src = 45, [9, 3, 17, 4, 25, 0], [5, 2, 11]
+        tid = decode.grant(dst, n)
+        sent = prefill.ship(conn, tid, src, dst, 8, n, chunks=(0, 13, 30))
+        assert sent.ok and sent.transport == transport and sent.nbytes == n * LAYERS * TOKEN_BYTES
+        landed = decode.outcome(tid)
+        assert landed.ok and landed.first_token_id == 42 and landed.transport == transport
+        assert_same_tokens(prefill.layers, src, decode.layers, dst, n)
+        assert decode.ledger.counters[f"transfers_{transport}"] == 1 and decode.ledger.num_active == 0
+        conn.close()
+    finally:
+        prefill.close()
+        decode.close()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_contiguous_blocks_travel_in_place(transport):
+    decode, prefill = Decode(transport, block_size=16), Prefill(transport, block_size=16)
+    try:
+        conn = prefill.connect(decode.address)
+        tid = decode.grant([4, 5, 6], 40)
+        assert prefill.ship(conn, tid, [1, 2, 3], [4, 5, 6], 16, 40).ok
+        assert decode.outcome(tid).ok
+        assert_same_tokens(prefill.layers, [1, 2, 3], decode.layers, [4, 5, 6], 40)
+        conn.close()
+    finally:
+        prefill.close()
+        decode.close()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_cached_prefix_is_not_sent_again(transport):
+    decode, prefill = Decode(transport), Prefill(transport)
+    try:
+        conn = prefill.connect(decode.address)
+        marker = decode.layers[0][0].clone()
+        tid = decode.grant([0, 1, 2], 20, skip_tokens=8)  # block 0 is a shared prefix: already here
+        sent = prefill.ship(conn, tid, [3, 4], [0, 1, 2], 8, 20, skip_tokens=8)
+        assert sent.ok and sent.nbytes == 12 * LAYERS * TOKEN_BYTES
+        assert decode.outcome(tid).ok
+        assert torch.equal(decode.layers[0][0], marker)  # untouched
+        assert_same_tokens(prefill.layers, [3, 4], decode.layers, [0, 1, 2], 20, start=8)
+        conn.close()
+    finally:
+        prefill.close()
+        decode.close()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_corrupted_data_is_detected_and_the_grant_fails(transport):
+    """The fault flips a byte of the K/V themselves (after the checksum was taken)."""
+    decode, prefill = Decode(transport), Prefill(transport, faults="corrupt=1")
+    try:
+        conn = prefill.connect(decode.address)
+        tid = decode.grant([1, 2], 10)
+        sent = prefill.ship(conn, tid, [0], [1, 2], 8, 10)
+        assert not sent.ok and sent.corrupted
+        landed = decode.outcome(tid)
+        assert not landed.ok and landed.corrupted and "checksum" in landed.reason
+        assert decode.ledger.counters["checksum_mismatch"] == 1
+        assert torch.equal(prefill.layers[0][0], Prefill(transport).layers[0][0])  # our own cache was not touched
+        tid2 = decode.grant([5], 8)  # the connection keeps working; the next transfer lands
+        assert prefill.ship(conn, tid2, [3], [5], 8, 8).ok and decode.outcome(tid2).ok
+        conn.close()
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_payload_altered_on_the_wire_is_refused():
+    """A DATA frame whose bytes differ from what its checksum covers, sent by hand."""
+    decode, prefill = Decode("tcp"), Prefill("tcp")
+    try:
+        conn = prefill.connect(decode.address)
+        tid = decode.grant([1], 8)
+        from pdserve.kvtransfer.integrity import checksum
+
+        for layer in range(LAYERS):
+            payload = bytearray(prefill.layers[layer][0, :8].numpy().tobytes())
+            digest = checksum(bytes(payload))
+            payload[100] ^= 1
+            conn.ctx.send_frame(FrameHeader(FrameKind.DATA, tid, layer, 0, 8, payload_len=len(payload), checksum=digest), payload)
+        transfer = conn.open(tid, [1], 8, 8)
+        outcome = prefill.finish(transfer)
+        assert not outcome.ok and outcome.corrupted and decode.outcome(tid).corrupted
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_stalled_transfer_expires_and_late_data_is_refused():
+    decode, prefill = Decode("tcp", lease_s=0.3), Prefill("tcp", faults="stall=1")
+    try:
+        conn = prefill.connect(decode.address)
+        tid = decode.grant([1, 2], 12)
+        transfer = prefill.start(conn, tid, [0], [1, 2], 8, 12)
+        transfer.finish(1, prefill.outcomes.reporter(transfer))  # the fault plan swallows this DONE
+        deadline = time.monotonic() + 5
+        while not decode.ledger.reap_expired() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        landed = decode.outcome(tid)
+        assert not landed.ok and "lease expired" in landed.reason
+        assert decode.ledger.counters["lease_expired"] == 1 and decode.ledger.num_active == 0
+        late = prefill.start(conn, tid, [0], [1, 2], 8, 12)  # a late unit for the dead transfer is refused
+        tid2 = decode.grant([4], 8)
+        assert prefill.ship(conn, tid2, [1], [4], 8, 8).ok
+        assert decode.ledger.counters["units_refused"] >= 1
+        late.cancel()
+        conn.close()
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_malformed_and_oversized_frames_drop_only_that_peer():
+    decode, prefill = Decode("tcp"), Prefill("tcp")
+    try:
+        host, port = decode.address.split(":")
+        garbage = socket.create_connection((host, int(port)))
+        garbage.sendall(b"GET / HTTP/1.1\r\n" + b"x" * 100)
+        assert garbage.recv(10) == b""  # dropped
+        garbage.close()
+
+        conn = prefill.connect(decode.address)
+        tid = decode.grant([1], 8)
+        conn.ctx.send_frame(FrameHeader(FrameKind.DATA, tid, 0, 0, 8, payload_len=1 << 40))  # bigger than any layer
+        deadline = time.monotonic() + 5
+        while decode.ledger.counters["protocol_errors"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert decode.ledger.counters["protocol_errors"] == 2
+
+        good = prefill.connect(decode.address)
+        tid2 = decode.grant([2], 8)
+        assert prefill.ship(good, tid2, [0], [2], 8, 8).ok
+        good.close()
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_units_outside_the_grant_are_refused():
+    decode, prefill = Decode("tcp"), Prefill("tcp")
+    try:
+        conn = prefill.connect(decode.address)
+        tid = decode.grant([1], 8)
+        payload = bytes(8 * TOKEN_BYTES)
+        for bad in (
+            FrameHeader(FrameKind.DATA, tid, LAYERS + 5, 0, 8, payload_len=len(payload)),  # no such layer
+            FrameHeader(FrameKind.DATA, tid, 0, 4, 12, payload_len=len(payload)),  # past the grant
+            FrameHeader(FrameKind.DATA, 12345, 0, 0, 8, payload_len=len(payload)),  # not a transfer we granted
+        ):
+            conn.ctx.send_frame(bad, payload)
+        transfer = conn.open(tid, [1], 8, 8)
+        transfer.send_layer(0, [0], 0, 8)
+        transfer.send_layer(0, [0], 0, 8)  # the same tokens twice
+        for layer in range(1, LAYERS):
+            transfer.send_layer(layer, [0], 0, 8)
+        assert prefill.finish(transfer).ok
+        assert decode.ledger.counters["units_refused"] == 4 and decode.ledger.counters["protocol_errors"] == 0
+        conn.close()
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_bad_source_range_fails_only_that_transfer():
+    decode, prefill = Decode("tcp"), Prefill("tcp")
+    try:
+        conn = prefill.connect(decode.address)
+        tid = decode.grant([1, 2], 16)
+        transfer = prefill.start(conn, tid, [0], [1, 2], 8, 16, chunks=(0,))  # 16 tokens in one 16-token block: fine
+        transfer.send_layer(0, [0], 10, 40)  # past the source table
+        outcome = prefill.finish(transfer)
+        assert outcome.ok  # tokens [10, 16) of layer 0 were already sent; the range is clipped to the grant
+        tid2 = decode.grant([3, 4], 16)
+        bad = conn.open(tid2, [3, 4], 8, 16)
+        bad.send_layer(0, [], 0, 16)  # a source table that cannot hold the tokens
+        outcome = prefill.finish(bad)
+        assert not outcome.ok and "do not fit" in outcome.reason
+        conn.close()
+    finally:
+        prefill.close()
+        decode.close()
+
+
+# -- UCX: send errors surface, cancelled receives really stop -----------------------------------------
+
+
+@pytest.mark.skipif(UCX_SKIP_REASON is not None, reason=str(UCX_SKIP_REASON))
+def test_a_failed_ucx_send_fails_the_transfer(monkeypatch):
+    decode, prefill = Decode("ucx"), Prefill("ucx")
+    try:
+        conn = prefill.connect(decode.address)
+        real_send = prefill.ucx.send
+        calls = []
+
+        def failing(peer, buffer, tag, done):
+            calls.append(tag)
+            if len(calls) == 2:
+                done(RuntimeError("simulated UCX error"))
+            else:
+                real_send(peer, buffer, tag, done)
+
+        monkeypatch.setattr(prefill.ucx, "send", failing)
+        tid = decode.grant([1, 2], 10)
+        outcome = prefill.ship(conn, tid, [0], [1, 2], 8, 10)
+        assert not outcome.ok and "UCX send failed" in outcome.reason
+    finally:
+        prefill.close()
+        decode.close()
+
+
+@pytest.mark.skipif(UCX_SKIP_REASON is not None, reason=str(UCX_SKIP_REASON))
+def test_a_cancelled_ucx_receive_holds_its_blocks_until_ucx_lets_go(monkeypatch):
+    decode, prefill = Decode("ucx"), Prefill("ucx")
+    try:
+        conn = prefill.connect(decode.address)
+        monkeypatch.setattr(prefill.ucx, "send", lambda peer, buffer, tag, done: done(None))  # announced, never sent
+        tid = decode.grant([1, 2], 10)
+        transfer = prefill.start(conn, tid, [0], [1, 2], 8, 10)
+        deadline = time.monotonic() + 5
+        grant = decode.ledger.lookup(tid)
+        while grant.writers < LAYERS and time.monotonic() < deadline:  # three receives posted, none can complete
+            time.sleep(0.01)
+        assert grant.writers == LAYERS
+        decode.ledger.cancel(tid, "request gone")
+        landed = decode.outcome(tid)  # comes only once every posted receive has completed
+        assert not landed.ok and grant.writers == 0 and decode.ledger.num_active == 0
+        transfer.cancel()
+        conn.close()
+    finally:
+        prefill.close()
+        decode.close()
+
+
+# -- CUDA IPC's data path, on CPU tensors (the pool "opened" by handle is the decode cache) -----------------
+
+
+def test_cuda_ipc_path_on_cpu_tensors(monkeypatch):
+    """The CUDA IPC sender and receiver on CPU tensors: gathers, scatters into the peer pool,
+    and the device hash (a Triton kernel, run by its interpreter here)."""
+    decode = Decode("tcp", block_size=8)
+    monkeypatch.setattr(cuda_ipc_transport, "open_pool", lambda desc, cache: (decode.cache.rows, lambda: None))
+    decode.receiver.local = peer(["cuda_ipc"], 8, extra={"cuda_ipc": {"pci_bus_id": "0000:01:00.0"}})
+    prefill = Prefill("tcp", block_size=16, faults="")
+    prefill.info = peer(["cuda_ipc"], 16, extra={"cuda_devices": ["0000:01:00.0"]})
+    try:
+        conn = prefill.connect(decode.address)
+        assert conn.name == "cuda_ipc" and conn.one_sided
+        n, dst, src = 21, [7, 2, 9], [3, 1]
+        tid = decode.grant(dst, n)
+        assert prefill.ship(conn, tid, src, dst, 8, n, chunks=(0, 5)).ok
+        assert decode.outcome(tid).ok
+        assert_same_tokens(prefill.layers, src, decode.layers, dst, n)
+
+        prefill.faults = conn.ctx.faults = type(prefill.faults)("corrupt=1")
+        tid = decode.grant([11, 12], 10)
+        outcome = prefill.ship(conn, tid, [0], [11, 12], 8, 10)
+        assert not outcome.ok and outcome.corrupted
+        conn.close()
+    finally:
+        prefill.close()
+        decode.close()

@@ -1,42 +1,46 @@
-"""Engine settings shared by every worker role."""
+"""Engine settings shared by every worker role, and the name lists they choose from.
+
+Torch-free: the CLI and the router import it. Each field becomes a flag, an environment
+variable and a YAML key (pdserve/config.py).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 
+from pdserve.config import setting
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
-
-
-def _opt(default, help: str, choices: tuple | None = None):
-    return field(default=default, metadata={"help": help, "choices": choices})
+PREEMPTION_MODES = ("auto", "swap", "recompute")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    model: str | None = _opt(None, "model: a Hugging Face folder or a .gguf file (default: SmolLM2-135M-Instruct)")
-    dtype: str = _opt("auto", "weights and KV cache dtype; auto: bfloat16 where the hardware has it, else float32 (CPU) / float16 (GPU)", ("auto", "float32", "bfloat16", "float16"))
-    kv_cache_dtype: str = _opt("auto", "KV cache storage: auto (the model dtype), or int8/fp8 values with per-token, per-head scales (half the memory and transfer bytes)", KV_CACHE_DTYPES)
-    quantization: str = _opt("none", "weight quantization of the linear layers: int8 (per channel), int4 (groups of 32; a GGUF's own Q4/Q8 blocks are kept)", QUANTIZATIONS)
-    device: str = _opt("auto", "torch device; auto picks CUDA when present")
-    block_size: int = _opt(16, "KV cache block size in tokens")
-    kv_cache_memory: str = _opt("auto", "KV cache budget: '2GiB', bytes, or a fraction of free memory")
-    max_num_seqs: int = _opt(64, "most sequences in one running batch")
-    max_num_batched_tokens: int = _opt(1024, "token budget of one forward pass (chunked prefill)")
-    enable_chunked_prefill: bool = _opt(True, "split long prompts across steps")
-    enable_prefix_caching: bool = _opt(True, "reuse the KV of shared prompt prefixes")
-    preemption_mode: str = _opt("auto", "when KV blocks run out: swap to host memory or recompute; auto: swap on GPUs",
-                                ("auto", "swap", "recompute"))
-    swap_space: str = _opt("4GiB", "host memory for swapped-out KV blocks (preemption_mode swap)")
-    attention_backend: str = _opt("auto", "attention kernels", ("auto", "torch", "cpu", "triton"))
-    cache_dir: str | None = _opt(None, "where converted models are kept (default ~/.cache/pdserve)")
-    num_threads: int | None = _opt(None, "torch CPU threads for this process")
+    model: str | None = setting(None, "model: a Hugging Face folder or a .gguf file (default: SmolLM2-135M-Instruct)")
+    dtype: str = setting("auto", "weights and KV cache dtype; auto: bfloat16 where the hardware has it, else float32 (CPU) / float16 (GPU)", choices=DTYPES)
+    kv_cache_dtype: str = setting("auto", "KV cache storage: auto (the model dtype), or int8/fp8 values with per-token, per-head scales (half the memory and transfer bytes)", choices=KV_CACHE_DTYPES)
+    quantization: str = setting("none", "weight quantization of the linear layers: int8 (per channel), int4 (groups of 32; a GGUF's own Q4/Q8 blocks are kept)", choices=QUANTIZATIONS)
+    device: str = setting("auto", "torch device; auto picks CUDA when present")
+    block_size: int = setting(16, "KV cache block size in tokens")
+    kv_cache_memory: str = setting("auto", "KV cache budget: '2GiB', bytes, or a fraction of free memory")
+    max_num_seqs: int = setting(64, "most sequences in one running batch")
+    max_num_batched_tokens: int = setting(1024, "token budget of one forward pass (chunked prefill)")
+    enable_chunked_prefill: bool = setting(True, "split long prompts across steps")
+    enable_prefix_caching: bool = setting(True, "reuse the KV of shared prompt prefixes")
+    preemption_mode: str = setting("auto", "when KV blocks run out: swap to host memory or recompute; auto: swap on GPUs", choices=PREEMPTION_MODES)
+    swap_space: str = setting("4GiB", "host memory for swapped-out KV blocks (preemption_mode swap)")
+    attention_backend: str = setting("auto", "attention kernels", choices=ATTENTION_BACKENDS)
+    cache_dir: str | None = setting(None, "where converted models are kept (default ~/.cache/pdserve)")
+    num_threads: int | None = setting(None, "torch CPU threads for this process")
 
     def __post_init__(self) -> None:
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        for f in fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"{f.name} must be one of {', '.join(choices)}, got {getattr(self, f.name)!r}")
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
             raise ValueError(f"block_size must be an integer in [1, 1024], got {self.block_size!r}")
         if self.num_threads is not None and self.num_threads < 1:

@@ -30,6 +30,7 @@ from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.engine.sequence import FinishReason, Sequence, SequenceStatus
 from pdserve.engine.swap import SwapSpace
 from pdserve.kernels import select_backend
+from pdserve.request_rules import check_prompt_tokens, check_sampling, check_ttft_budget_ms
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +91,6 @@ class LLMEngine:
 
     def _swap_space(self, num_blocks: int) -> SwapSpace | None:
         mode = self.config.preemption_mode
-        if mode not in ("auto", "swap", "recompute"):
-            raise ValueError(f"preemption_mode must be auto, swap or recompute, got {mode!r}")
         if mode == "recompute" or (mode == "auto" and self.device.type != "cuda"):
             return None
         nbytes, fraction = parse_memory(self.config.swap_space)
@@ -106,25 +105,14 @@ class LLMEngine:
         return self.model_config.max_position
 
     def validate(self, prompt_token_ids: list[int], sampling: SamplingParams, num_prior_output_tokens: int = 0) -> None:
-        """``num_prior_output_tokens``: trailing prompt tokens that were generated earlier."""
-        if not prompt_token_ids:
-            raise ValueError("prompt_token_ids: the prompt must not be empty")
+        """The router's rules (pdserve/request_rules.py) on what reached this worker, plus what
+        only the worker knows. ``num_prior_output_tokens``: trailing prompt tokens generated earlier."""
         vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt_token_ids: token id {bad!r} is outside the vocabulary [0, {vocab})")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt_token_ids: {len(prompt_token_ids)} tokens leave no room in the model's context of {self.max_model_len}"
-            )
+        check_prompt_tokens(prompt_token_ids, vocab_size=vocab, max_model_len=self.max_model_len)
         if not 0 <= num_prior_output_tokens < sampling.max_tokens:
             raise ValueError(f"num_prior_output_tokens: {num_prior_output_tokens} must be in [0, max_tokens)")
-        if len(prompt_token_ids) - num_prior_output_tokens + sampling.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"max_tokens: {len(prompt_token_ids) - num_prior_output_tokens} prompt tokens + max_tokens "
-                f"{sampling.max_tokens} exceed the model's context of {self.max_model_len}"
-            )
-        sampling.check_vocab(vocab)
+        check_sampling(sampling, vocab_size=vocab, prompt_len=len(prompt_token_ids) - num_prior_output_tokens,
+                       max_model_len=self.max_model_len)
         if self.blocks.blocks_needed(len(prompt_token_ids) + 1) > self.blocks.num_blocks:
             raise ValueError(f"prompt_token_ids: {len(prompt_token_ids)} tokens do not fit this worker's KV cache")
 
@@ -144,8 +132,8 @@ class LLMEngine:
         were generated earlier (a migrated or resumed request). ``ttft_budget_s``: reject the
         request (``RequestRejected``) if it has not started by then; with ``kv_receive``, this
         bounds the wait for free blocks. ``kv_send``/``kv_receive``: the KV handoff."""
-        if ttft_budget_s is not None and not ttft_budget_s > 0:
-            raise ValueError(f"ttft_budget_ms: must be > 0, got {ttft_budget_s * 1e3}")
+        if ttft_budget_s is not None:
+            check_ttft_budget_ms(ttft_budget_s * 1e3)
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         if kv_send is not None and kv_receive is not None:

@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from pdserve.engine.engine_config import ATTENTION_BACKENDS
 from pdserve.kernels import reference
 from pdserve.kernels.kv_format import KV_CACHE_DTYPES, KVFormat
 from pdserve.kernels.layer_ops import TORCH_LAYER_OPS, LayerOps, select_layer_ops
@@ -125,7 +126,7 @@ def cpu_backend(fmt: KVFormat | None = None) -> AttentionBackend | None:
     )
 
 
-BACKENDS = ("auto", "torch", "cpu", "triton")
+BACKENDS = ATTENTION_BACKENDS
 
 
 def select_backend(device: torch.device, name: str = "auto", fmt: KVFormat | None = None) -> AttentionBackend:

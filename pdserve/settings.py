@@ -10,10 +10,11 @@ import socket
 from dataclasses import dataclass
 
 from pdserve.config import setting
+from pdserve.kvtransfer.registry import TRANSPORT_CHOICES
 from pdserve.placement import parse_devices
 from pdserve.router.policy import POLICY_NAMES as ROUTING_POLICIES
 
-KV_TRANSPORTS = ("auto", "ucx", "shm", "tcp", "cuda_ipc")
+KV_TRANSPORTS = TRANSPORT_CHOICES  # the one list lives in the transport registry
 DEFAULT_ROUTER_PORT = 50051
 DEFAULT_KV_LEASE_S = 30.0
 

@@ -23,6 +23,7 @@ from pdserve.engine.request_output import RequestOutput
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 IDLE_WAIT_S = 0.5  # longest sleep with nothing to do (nothing is missed: every event wakes the thread)
+STATS_EVERY_S = 0.05  # how often a busy engine publishes its stats (the digest costs a pass over the cache)
 
 
 class EngineError(RuntimeError):
@@ -39,6 +40,7 @@ class EngineLoop:
         self._streams: dict[str, asyncio.Queue] = {}
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._stats = engine.stats(with_digest=True)
+        self._stats_at = time.monotonic()
         engine.connector.wake = self._wakeup.set
         self.steps = 0
 
@@ -82,14 +84,25 @@ class EngineLoop:
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
         started = finished = False
+        pending = None  # an output taken off the queue while coalescing, not yet handed out
         try:
             await self.call(start)
             started = True
             while True:
-                item = await stream.get()
+                item = pending if pending is not None else await stream.get()
+                pending = None
                 if isinstance(item, Exception):
                     finished = True
                     raise item
+                # Tokens that piled up while the consumer was busy go out as one output, so a
+                # slow stream catches up in one message instead of one per step.
+                while _tokens_only(item) and not item.finished and not stream.empty():
+                    following = stream.get_nowait()
+                    if isinstance(following, RequestOutput) and _tokens_only(following):
+                        item = _merged(item, following)
+                    else:
+                        pending = following
+                        break
                 finished = item.finished
                 if item.error is not None:
                     raise item.error
@@ -115,8 +128,10 @@ class EngineLoop:
             self.steps += 1
             if outputs:
                 self._loop.call_soon_threadsafe(self._deliver, outputs)
-            self._stats = self.engine.stats(with_digest=True)
-            if not outputs and not self.engine.scheduler.running:
+            idle = not outputs and not self.engine.scheduler.running
+            if idle or time.monotonic() - self._stats_at >= STATS_EVERY_S:
+                self._stats, self._stats_at = self.engine.stats(with_digest=True), time.monotonic()
+            if idle:
                 self._wakeup.wait(self._idle_wait())
 
     def _idle_wait(self) -> float:
@@ -159,6 +174,15 @@ class EngineLoop:
                     self._streams[rid].put_nowait(error)
 
         self._loop.call_soon_threadsafe(notify)
+
+
+def _tokens_only(out: RequestOutput) -> bool:
+    return out.kv is None and out.error is None
+
+
+def _merged(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    return RequestOutput(first.request_id, first.new_token_ids + then.new_token_ids, then.finish_reason,
+                         first.num_prompt_tokens, first.num_cached_tokens, finished=then.finished)
 
 
 def _settle(future: asyncio.Future, result: object, error: Exception | None) -> None:

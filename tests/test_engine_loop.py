@@ -1,0 +1,75 @@
+"""The engine thread's asyncio bridge, on a scripted engine (no model)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.request_output import KVReservation, RequestOutput
+from pdserve.engine.sequence import FinishReason
+
+
+class ScriptedEngine:
+    """Emits one token per step for each added request, finishing after ``length`` tokens."""
+
+    def __init__(self, length: int, reservation_first: bool = False) -> None:
+        self.length, self.reservation_first = length, reservation_first
+        self.requests: dict[str, int] = {}
+        self.connector = SimpleNamespace(wake=None)
+        self.scheduler = SimpleNamespace(running=[])
+
+    def stats(self, with_digest: bool = False):
+        return SimpleNamespace(running=len(self.requests))
+
+    def next_deadline(self):
+        return None
+
+    def add(self, rid: str) -> None:
+        self.requests[rid] = 0
+        self.scheduler.running = list(self.requests)
+
+    def abort(self, rid: str) -> None:
+        self.requests.pop(rid, None)
+        self.scheduler.running = list(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        outputs = []
+        for rid, n in list(self.requests.items()):
+            if n == 0 and self.reservation_first:
+                outputs.append(RequestOutput(rid, [], None, 3, 0, kv=KVReservation(1, [0], 3, 0)))
+            done = n + 1 == self.length
+            outputs.append(RequestOutput(rid, [100 + n], FinishReason.LENGTH if done else None, 3, 0, finished=done))
+            self.requests[rid] = n + 1
+            if done:
+                self.abort(rid)
+        return outputs
+
+
+async def _collect(engine: ScriptedEngine, pause_s: float) -> list[RequestOutput]:
+    loop = EngineLoop(engine)
+    loop.start()
+    try:
+        got = []
+        async for out in loop.generate("r", lambda e: e.add("r")):
+            got.append(out)
+            await asyncio.sleep(pause_s)  # a slow consumer: the engine runs ahead
+        return got
+    finally:
+        await loop.stop()
+
+
+async def test_tokens_that_pile_up_go_out_together_in_order():
+    outputs = await _collect(ScriptedEngine(length=40), pause_s=0.05)
+    tokens = [t for out in outputs for t in out.new_token_ids]
+    assert tokens == [100 + i for i in range(40)]  # nothing lost, nothing reordered
+    assert len(outputs) < 40  # coalesced
+    assert outputs[-1].finished and outputs[-1].finish_reason is FinishReason.LENGTH
+    assert not any(out.finished for out in outputs[:-1])
+
+
+async def test_a_reservation_is_never_merged_with_tokens():
+    outputs = await _collect(ScriptedEngine(length=5, reservation_first=True), pause_s=0.05)
+    assert isinstance(outputs[0].kv, KVReservation) and outputs[0].new_token_ids == []
+    assert [t for out in outputs[1:] for t in out.new_token_ids] == [100, 101, 102, 103, 104]
+    assert all(out.kv is None for out in outputs[1:])

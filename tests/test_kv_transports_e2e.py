@@ -126,3 +126,18 @@ async def test_requests_sharing_a_client_request_id_do_not_collide(hf_reference)
         await assert_blocks_all_free(stack.address)
     finally:
         stack.down()
+
+
+async def test_quantized_weights_and_8bit_kv_through_the_stack(hf_reference):
+    """int4 weights and an int8 KV cache on both pools: the KV (codes and scales) crosses the
+    handoff like any cache and the answer starts as the unquantized model's does."""
+    stack = Stack.up("--quantization", "int4", "--kv-cache-dtype", "int8", "--kv-cache-memory", "64MiB")
+    try:
+        prompt = PROMPTS[0]
+        ids, _, _ = await collect(stack.address, build_request(prompt, max_tokens=MAX_NEW, temperature=0))
+        assert ids[:2] == hf_reference.greedy(hf_reference.tokenizer(prompt).input_ids, 2)
+        assert sum(v for k, v in worker_counters(await cluster_stats(stack.address), "decode").items()
+                   if k.startswith("kv_transfers_")) >= 1
+        await assert_blocks_all_free(stack.address)
+    finally:
+        stack.down()

@@ -202,16 +202,15 @@ def measure_kv(engine, repeats: int, transports: list[str]) -> dict[str, Transfe
     import numpy as np
 
     from pdserve.bench import kv_transfer_bench as kvb
-    from pdserve.kvtransfer.ucx import UcxWorkerThread
+    from pdserve.kvtransfer.ucx_worker import UcxWorker
 
     mc = engine.model_config
     geometry = kvb.Geometry(mc.num_layers, mc.num_kv_heads, mc.head_dim, engine.config.block_size, engine.dtype)
-    ucx_pair = (UcxWorkerThread(), UcxWorkerThread()) if "ucx" in transports else None
+    ucx_pair = (UcxWorker(), UcxWorker()) if "ucx" in transports else None
     points: dict[str, list[tuple[float, float]]] = {t: [] for t in transports}
     try:
         for tokens in KV_TOKENS:
-            row = asyncio.run(kvb.measure_payload(f"{tokens} tokens", geometry, tokens, repeats, transports, "contiguous",
-                                                  tokens, ucx_pair))
+            row = kvb.measure_payload(f"{tokens} tokens", geometry, tokens, repeats, transports, "contiguous", tokens, ucx_pair)
             for t in transports:
                 points[t].append((row["bytes"] / 2**20, row["seconds_median"][t] * 1e3))
     finally:
@@ -329,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def write_profile(args: argparse.Namespace, parts: list[str], degrees: list[int], cores: int, config: EngineConfig) -> int:
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.kvtransfer.negotiate import local_transports
+    from pdserve.kvtransfer.registry import offered_transports
 
     load = os.getloadavg()[0]
     # Room for every measured shape in one step (the stacks keep the configured limits).
@@ -343,7 +342,7 @@ def write_profile(args: argparse.Namespace, parts: list[str], degrees: list[int]
         outliers.update((s.label, s.degree) for s in dropped)
         if dropped:
             print(f"degree {degree}: set aside as disturbed: {', '.join(s.label for s in dropped)}", file=sys.stderr)
-    transports = [t for t in local_transports("auto", engine.device) if t != "cuda_ipc"]
+    transports = [t for t in offered_transports("auto", engine.device) if t != "cuda_ipc"]
     kv_bytes = engine.kv_layout.token_bytes * engine.kv_layout.num_layers
     transfers = {t: TransferCost(0.0, 0.0) for t in transports}
     if "kv" in parts:

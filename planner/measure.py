@@ -4,8 +4,8 @@ Parts (``--parts``, all by default; a few minutes with a progress bar):
 
 - ``engine``: a real ``LLMEngine`` at each degree (torch threads: 1 and the machine's cores,
   taking turns shape by shape), timing ``step()`` on prompts alone (one and batched, 16 to 2048 tokens), chunks deep into
-  a long prompt, decode batches (1 to 64 sequences, contexts 64 to 2048, their KV put in
-  place through the engine's handoff seam so no prefill is needed to set them up) and decode
+  a long prompt, decode batches (1 to 64 sequences, contexts 64 to 2048, entering as handed-off
+  requests whose K/V "land" at once, so no prefill is needed to set them up) and decode
   batches with a prompt chunk beside them. Each step's exact shape comes from the engine's
   own schedule; the step cost model is fitted to the medians (``fit``).
 - ``kv``: one request's KV (this model's layout and dtype) through every transport that
@@ -56,13 +56,21 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
 
 
 class StepTimer:
-    """Times ``engine.step()`` and records the shape of what it ran (from the engine's own schedule)."""
+    """Times ``engine.step()`` and records the shape of what it ran (from the engine's own
+    schedule: the scheduler's ``schedule`` is wrapped to note each step's output)."""
 
     def __init__(self, engine) -> None:
         from pdserve.planner.sim_engine import SimEngine
 
         self.engine, self.shapes = engine, []
-        engine.on_forward = lambda schedule: self.shapes.append(SimEngine.shape(schedule))  # returns no layer hook
+        schedule = engine.scheduler.schedule
+
+        def noted():
+            out = schedule()
+            self.shapes.append(SimEngine.shape(out))
+            return out
+
+        engine.scheduler.schedule = noted
 
     def step(self) -> tuple[StepShape, float]:
         self.shapes.clear()
@@ -72,6 +80,24 @@ class StepTimer:
         return (self.shapes[0] if self.shapes else StepShape()), ms
 
 
+class LandsAtOnce:
+    """``IncomingKV`` for decode batches set up without a prefill: a grant's K/V "land" as soon as
+    it is opened (the blocks keep whatever they hold: the cost of a step does not depend on it)."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        self.ids = iter(range(1, 10**9))
+
+    def grant(self, block_ids: list[int], num_tokens: int, skip_tokens: int, report) -> int:
+        from pdserve.engine.kv_connector import TransferOutcome
+
+        report(TransferOutcome(True, first_token_id=self.rng.randrange(*TOKEN_RANGE), transport="none"))
+        return next(self.ids)
+
+    def cancel(self, transfer_id: int, reason: str) -> None:
+        pass  # it has reported already
+
+
 class EngineProbe:
     """Runs the measured shapes on one engine. Every repeat of a shape runs at each degree in
     turn, so load from other tenants of a shared machine hits every degree alike."""
@@ -79,6 +105,7 @@ class EngineProbe:
     def __init__(self, engine, degrees: list[int], repeats: int, bar: tqdm) -> None:
         self.engine, self.degrees, self.repeats, self.bar = engine, degrees, repeats, bar
         self.timer, self.rng, self.counter = StepTimer(engine), random.Random(0), iter(range(10**9))
+        self.lands = LandsAtOnce(self.rng)
 
     def run(self) -> list[StepSample]:
         import torch
@@ -115,10 +142,12 @@ class EngineProbe:
         self.engine.add_request(f"p{next(self.counter)}", _prompt(self.rng, tokens), self._sampling(1))
 
     def _add_decoding(self, context: int, max_tokens: int = 4) -> None:
-        rid, prompt = f"d{next(self.counter)}", _prompt(self.rng, context)
-        block_ids, cached = self.engine.reserve_blocks(prompt, context + 1)
-        self.engine.add_prefilled(rid, prompt + [self.rng.randrange(*TOKEN_RANGE)], context, self._sampling(max_tokens),
-                                  block_ids, num_cached_tokens=cached)
+        """A request whose prompt K/V come from "elsewhere": the next step reserves its blocks,
+        the one after admits it into the running batch."""
+        from pdserve.engine.kv_connector import KVReceive
+
+        self.engine.add_request(f"d{next(self.counter)}", _prompt(self.rng, context), self._sampling(max_tokens),
+                                kv_receive=KVReceive(self.lands))
 
     def _drain(self) -> None:
         for rid in list(self.engine.requests):
@@ -147,18 +176,22 @@ class EngineProbe:
             self._drain()
         return out
 
-    def _decode(self, batch: int, context: int):
+    def _start_decoding(self, batch: int, context: int) -> None:
+        """``batch`` sequences of ``context`` tokens in the running batch, past their first step."""
         for _ in range(batch):
             self._add_decoding(context)
-        self.engine.step()  # untimed: the batch's first step
+        self.engine.step()  # reserves their blocks (no forward pass)
+        self.engine.step()  # untimed: admitted as their K/V landed, the batch's first step
+        assert len(self.engine.scheduler.running) == batch, "the decode batch did not start"
+
+    def _decode(self, batch: int, context: int):
+        self._start_decoding(batch, context)
         out = self._timed()
         self._drain()
         return out
 
     def _mixed(self, batch: int, context: int, tokens: int):
-        for _ in range(batch):
-            self._add_decoding(context)
-        self.engine.step()
+        self._start_decoding(batch, context)
         self._add_prompt(tokens)
         out = self._timed()
         self._drain()
@@ -169,16 +202,15 @@ def measure_kv(engine, repeats: int, transports: list[str]) -> dict[str, Transfe
     import numpy as np
 
     from pdserve.bench import kv_transfer_bench as kvb
-    from pdserve.kvtransfer.ucx import UcxWorkerThread
+    from pdserve.kvtransfer.ucx_worker import UcxWorker
 
     mc = engine.model_config
     geometry = kvb.Geometry(mc.num_layers, mc.num_kv_heads, mc.head_dim, engine.config.block_size, engine.dtype)
-    ucx_pair = (UcxWorkerThread(), UcxWorkerThread()) if "ucx" in transports else None
+    ucx_pair = (UcxWorker(), UcxWorker()) if "ucx" in transports else None
     points: dict[str, list[tuple[float, float]]] = {t: [] for t in transports}
     try:
         for tokens in KV_TOKENS:
-            row = asyncio.run(kvb.measure_payload(f"{tokens} tokens", geometry, tokens, repeats, transports, "contiguous",
-                                                  tokens, ucx_pair))
+            row = kvb.measure_payload(f"{tokens} tokens", geometry, tokens, repeats, transports, "contiguous", tokens, ucx_pair)
             for t in transports:
                 points[t].append((row["bytes"] / 2**20, row["seconds_median"][t] * 1e3))
     finally:
@@ -296,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def write_profile(args: argparse.Namespace, parts: list[str], degrees: list[int], cores: int, config: EngineConfig) -> int:
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.kvtransfer.negotiate import local_transports
+    from pdserve.kvtransfer.registry import offered_transports
 
     load = os.getloadavg()[0]
     # Room for every measured shape in one step (the stacks keep the configured limits).
@@ -310,7 +342,7 @@ def write_profile(args: argparse.Namespace, parts: list[str], degrees: list[int]
         outliers.update((s.label, s.degree) for s in dropped)
         if dropped:
             print(f"degree {degree}: set aside as disturbed: {', '.join(s.label for s in dropped)}", file=sys.stderr)
-    transports = [t for t in local_transports("auto", engine.device) if t != "cuda_ipc"]
+    transports = [t for t in offered_transports("auto", engine.device) if t != "cuda_ipc"]
     kv_bytes = engine.kv_layout.token_bytes * engine.kv_layout.num_layers
     transfers = {t: TransferCost(0.0, 0.0) for t in transports}
     if "kv" in parts:

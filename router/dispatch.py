@@ -41,8 +41,16 @@ DEFAULT_MAX_ATTEMPTS = 4
 @dataclass(frozen=True, slots=True)
 class TokenEvent:
     token_ids: list[int]
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # ends choice ``index``
     cached_tokens: int = 0
+    index: int = 0  # which choice (n > 1)
+    logprobs: list[pb.TokenLogprob] = field(default_factory=list)  # one per token, when asked for
+    prompt_logprobs: list[pb.TokenLogprob] | None = None  # with the first token, when asked for
+
+    @classmethod
+    def from_batch(cls, batch: pb.TokenBatch) -> "TokenEvent":
+        return cls(list(batch.token_ids), batch.finish_reason or None, batch.num_cached_tokens, batch.index,
+                   list(batch.logprobs), list(batch.prompt_logprobs) or None)
 
 
 class DispatchError(Exception):
@@ -79,6 +87,8 @@ def _worker_error(worker: Worker, error: grpc.aio.AioRpcError) -> DispatchError:
     code = error.code()
     if code is grpc.StatusCode.CANCELLED:
         return DispatchError(code, "request cancelled", worker)
+    if code is grpc.StatusCode.INVALID_ARGUMENT:  # the worker's words name the field (a grammar that does not compile)
+        return DispatchError(code, error.details(), worker)
     retry = dict(error.trailing_metadata() or ()).get(RETRY_AFTER_KEY)
     return DispatchError(code, f"{worker.role.value} worker {worker.address}: {error.details()}", worker,
                          retry_after_ms=int(retry) if retry and str(retry).isdigit() else None)
@@ -100,6 +110,7 @@ class Dispatcher:
         deadline = time.monotonic() + timeout_s
         prior: list[int] = []
         failed: set[str] = set()
+        n, ended = req.engine_sampling.n, set()  # choices, and those that have finished
         watch = self.observer.watch(req) if self.observer is not None else None
         for attempt in range(1, self.max_attempts + 1):
             try:
@@ -112,12 +123,17 @@ class Dispatcher:
                             watch.token(len(event.token_ids), event.finish_reason)
                         yield event
                         if event.finish_reason:
-                            return
+                            ended.add(event.index)
+                            if len(ended) == n:
+                                return
                 raise DispatchError(grpc.StatusCode.UNAVAILABLE, "the worker stream ended without a finish reason")
             except DispatchError as e:
                 if e.worker is not None and e.code is grpc.StatusCode.UNAVAILABLE:
                     e.worker.record_failure(self.failure_threshold)
                 if not e.retryable or attempt == self.max_attempts or time.monotonic() >= deadline:
+                    raise
+                if n > 1 and prior:  # several choices under way: there is no one continuation to send
+                    e.final = True
                     raise
                 if e.worker is not None:
                     failed.add(e.worker.address)
@@ -185,7 +201,7 @@ class Dispatcher:
         decode.inflight += 1
         try:
             while (event := await call.read()) is not grpc.aio.EOF:
-                yield TokenEvent(list(event.tokens.token_ids), event.tokens.finish_reason or None, event.tokens.num_cached_tokens)
+                yield TokenEvent.from_batch(event.tokens)
         except grpc.aio.AioRpcError as e:
             raise _worker_error(decode, e) from None
         finally:
@@ -210,12 +226,16 @@ class Dispatcher:
                 raise _worker_error(prefill, e) from None
             finally:
                 prefill.end_prefill(work)
-            yield TokenEvent([response.first_token_id], response.finish_reason or None, response.num_cached_tokens)
-            if response.finish_reason:
+            choices = response.choices or [pb.FirstToken(token_id=response.first_token_id, finish_reason=response.finish_reason)]
+            for i, first in enumerate(choices):
+                yield TokenEvent([first.token_id], first.finish_reason or None, response.num_cached_tokens, index=i,
+                                 logprobs=[first.logprob] if first.HasField("logprob") else [],
+                                 prompt_logprobs=list(response.prompt_logprobs) if i == 0 else None)
+            if all(first.finish_reason for first in choices):
                 return
             try:
                 while (event := await call.read()) is not grpc.aio.EOF:
-                    yield TokenEvent(list(event.tokens.token_ids), event.tokens.finish_reason or None)
+                    yield TokenEvent.from_batch(event.tokens)
             except grpc.aio.AioRpcError as e:
                 raise _worker_error(decode, e) from None
         finally:
@@ -246,7 +266,7 @@ def _decode_request(attempt: Attempt, prefill_locally: bool) -> pb.DecodeRequest
     req = attempt.request
     return pb.DecodeRequest(
         request_id=attempt.key, client_request_id=req.request_id, token_ids=attempt.token_ids,
-        sampling=sampling_to_proto(req.sampling), priority=req.priority, prefill_locally=prefill_locally,
+        sampling=sampling_to_proto(req.engine_sampling), priority=req.priority, prefill_locally=prefill_locally,
         num_prior_output_tokens=len(attempt.prior), ttft_budget_ms=_remaining_budget_ms(attempt),
     )
 
@@ -255,7 +275,7 @@ def _prefill_request(attempt: Attempt, target: pb.KvTarget) -> pb.PrefillRequest
     req = attempt.request
     return pb.PrefillRequest(
         request_id=attempt.key, client_request_id=req.request_id, token_ids=attempt.token_ids,
-        sampling=sampling_to_proto(req.sampling), priority=req.priority, num_prior_output_tokens=len(attempt.prior),
+        sampling=sampling_to_proto(req.engine_sampling), priority=req.priority, num_prior_output_tokens=len(attempt.prior),
         target=target, ttft_budget_ms=_remaining_budget_ms(attempt),
     )
 

@@ -21,25 +21,15 @@ worker, after preemption or migration.
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass, replace
 from typing import Callable
-
-import xxhash
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus
-
-_CHOICE_DOMAIN = 0x63686F696365  # keeps choice seeds apart from the sampler's per-token seeds
-
-
-def choice_seed(seed: int | None, index: int) -> int | None:
-    if seed is None or index == 0:
-        return seed
-    return xxhash.xxh3_64_intdigest(struct.pack("<QQQ", seed, index, _CHOICE_DOMAIN)) & (2**63 - 1)
+from pdserve.request_rules import choice_seed
 
 
 def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -81,6 +82,20 @@ def _is_int(value: object) -> bool:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+_CHOICE_DOMAIN = 0x63686F696365  # keeps choice seeds apart from the sampler's per-token seeds
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed choice ``index`` of an n > 1 request samples with: choice 0 keeps the request's
+    (its tokens equal those of the same request with n = 1), the others derive their own, so
+    choices are distinct and each is reproducible on its own (on any worker, after a migration)."""
+    if seed is None or index == 0:
+        return seed
+    import xxhash
+
+    return xxhash.xxh3_64_intdigest(struct.pack("<QQQ", seed, index, _CHOICE_DOMAIN)) & (2**63 - 1)
 
 
 def default_max_tokens(prompt_len: int, max_model_len: int) -> int:

@@ -27,6 +27,7 @@ import grpc
 
 from pdserve import metrics
 from pdserve.grpc_server import RETRY_AFTER_KEY
+from pdserve.router.choice_migration import continue_choices
 from pdserve.router.conditional import ConditionalRouter
 from pdserve.router.policy import NoWorkerAvailable, RoutingPolicy
 from pdserve.router.validation import ValidatedRequest
@@ -106,12 +107,14 @@ class Dispatcher:
         self.conditional: ConditionalRouter | None = None  # prefill short prompts on the decode worker
         self.observer = None  # planner.online.OnlinePlanner: sees arrivals, first tokens and ends
 
-    async def generate(self, req: ValidatedRequest, timeout_s: float) -> AsyncIterator[TokenEvent]:
+    async def generate(self, req: ValidatedRequest, timeout_s: float, prior: list[int] | None = None) -> AsyncIterator[TokenEvent]:
+        """``prior``: tokens the client already has (a choice continuing on its own)."""
         deadline = time.monotonic() + timeout_s
-        prior: list[int] = []
+        prior = list(prior or [])
         failed: set[str] = set()
         n, ended = req.engine_sampling.n, set()  # choices, and those that have finished
-        watch = self.observer.watch(req) if self.observer is not None else None
+        priors: dict[int, list[int]] = {}  # n > 1: each choice's tokens so far
+        watch = self.observer.watch(req) if self.observer is not None and not prior else None
         for attempt in range(1, self.max_attempts + 1):
             try:
                 # Closed as soon as the request ends, not whenever the generator is collected:
@@ -119,6 +122,7 @@ class Dispatcher:
                 async with contextlib.aclosing(self._attempt(Attempt(req, list(prior)), deadline, failed)) as events:
                     async for event in events:
                         prior += event.token_ids
+                        priors.setdefault(event.index, []).extend(event.token_ids)
                         if watch is not None:
                             watch.token(len(event.token_ids), event.finish_reason)
                         yield event
@@ -132,14 +136,16 @@ class Dispatcher:
                     e.worker.record_failure(self.failure_threshold)
                 if not e.retryable or attempt == self.max_attempts or time.monotonic() >= deadline:
                     raise
-                if n > 1 and prior:  # several choices under way: there is no one continuation to send
-                    e.final = True
-                    raise
                 if e.worker is not None:
                     failed.add(e.worker.address)
                 kind = "migrations" if prior else "retries"
                 self.counters[kind] += 1
                 metrics.MIGRATIONS.labels(kind).inc()
+                if n > 1 and prior:  # several choices under way: each continues on its own
+                    async with contextlib.aclosing(continue_choices(self, req, priors, ended, deadline)) as rest:
+                        async for event in rest:
+                            yield event
+                    return
                 if e.code is grpc.StatusCode.DATA_LOSS:
                     self.counters["reprefills_after_corruption"] += 1
                 # Back off a little: a worker that just died takes its peers' health checks a moment to notice.

@@ -22,7 +22,7 @@ from processes import Stack, free_port
 from schemas import SCHEMAS
 from test_stack_e2e import assert_blocks_all_free, cluster_stats
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]  # a stack starts in a test's setup; the machine is shared
 ARGS = ("--dtype", "float32", "--kv-cache-memory", "128MiB")
 TOLERANCE = 1e-4
 
@@ -46,8 +46,8 @@ def colocated():
 
 
 @pytest.fixture(params=["1p1d", "colocated"])
-def stack(request, disaggregated, colocated):
-    return disaggregated if request.param == "1p1d" else colocated
+def stack(request) -> Stack:
+    return request.getfixturevalue("disaggregated" if request.param == "1p1d" else "colocated")
 
 
 def sdk(stack: Stack) -> openai.AsyncOpenAI:

@@ -21,7 +21,7 @@ from processes import Stack
 from schemas import SCHEMAS
 from test_stack_e2e import assert_blocks_all_free, cluster_stats
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 SCHEMA = SCHEMAS[11]  # an array of nested objects: long enough to kill the worker mid-way
 
 

@@ -8,6 +8,7 @@ joins the running batch once a prefill worker has filled the blocks.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import AsyncIterator
 
@@ -16,19 +17,23 @@ import grpc
 from pdserve.engine.engine_loop import EngineError, EngineLoop
 from pdserve.engine.kv_connector import KVReceive
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.request_output import KVReservation, RequestRejected, TransferFailed
-from pdserve.engine.sequence import FinishReason
+from pdserve.engine.request_output import KVReservation, RequestOutput, RequestRejected, TransferFailed
 from pdserve.grpc_server import abort_overloaded
 from pdserve.kvtransfer.grants import GrantLedger
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc
-from pdserve.wire import sampling_from_proto, transfer_key, worker_stats
+from pdserve.wire import logprob_to_proto, sampling_from_proto, transfer_key, worker_stats
 
 log = logging.getLogger(__name__)
 
 
-def token_event(token_ids: list[int], finish: FinishReason | None, cached: int = 0) -> pb.DecodeEvent:
-    return pb.DecodeEvent(tokens=pb.TokenBatch(token_ids=token_ids, finish_reason=finish.value if finish else "", num_cached_tokens=cached))
+def token_event(out: RequestOutput) -> pb.DecodeEvent:
+    return pb.DecodeEvent(tokens=pb.TokenBatch(
+        token_ids=out.new_token_ids, finish_reason=out.finish_reason.value if out.finish_reason else "",
+        num_cached_tokens=out.num_cached_tokens, index=out.index,
+        logprobs=[logprob_to_proto(lp) for lp in out.logprobs or ()],
+        prompt_logprobs=[logprob_to_proto(lp) for lp in out.prompt_logprobs or ()],
+    ))
 
 
 class DecodeService(pdserve_pb2_grpc.DecodeWorkerServicer):
@@ -51,6 +56,7 @@ class DecodeService(pdserve_pb2_grpc.DecodeWorkerServicer):
                 raise ValueError("request_id: the router's key for the request is missing")
             sampling = sampling_from_proto(request.sampling)
             self.engine.validate(token_ids, sampling, request.num_prior_output_tokens)
+            await asyncio.to_thread(self.engine.compile_constraint, sampling)  # off the event loop and the engine thread
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if self.queued >= self.max_queued_requests:
@@ -78,7 +84,7 @@ class DecodeService(pdserve_pb2_grpc.DecodeWorkerServicer):
                         skip_tokens=out.kv.num_cached_tokens,
                     )))
                     continue
-                yield token_event(out.new_token_ids, out.finish_reason, out.num_cached_tokens)
+                yield token_event(out)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RequestRejected:

@@ -112,6 +112,27 @@ class BlockManager:
             seq.block_table.append(self._take_free())
         return True
 
+    def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]] | None:
+        """Gives ``child`` (the same computed prefix as ``parent``, its own next token) the
+        parent's full computed blocks, shared, and fresh blocks for the rest. Returns the
+        (source, destination) block copies the caller must make (the parent's partial last
+        block: copy-on-write), or None when too few blocks are free."""
+        assert not child.block_table, "sequence already holds blocks"
+        computed = parent.num_computed_tokens
+        full = computed // self.block_size
+        fresh = self.blocks_needed(child.num_tokens) - full
+        if fresh > self.num_free:
+            return None
+        for block_id in parent.block_table[:full]:
+            self._ref(block_id)
+        child.block_table = parent.block_table[:full] + [self._take_free() for _ in range(fresh)]
+        child.block_hashes = parent.block_hashes[:full]
+        child.num_computed_tokens = computed
+        child.num_cached_tokens = parent.num_cached_tokens
+        if computed % self.block_size:
+            return [(parent.block_table[full], child.block_table[full])]
+        return []
+
     def commit_full_blocks(self, seq: Sequence) -> None:
         """Registers the hashes of ``seq``'s blocks that have become full and computed."""
         if not self.enable_prefix_caching:
@@ -148,7 +169,11 @@ class BlockManager:
     def usable_hits(self, seq: Sequence, computes_logits: bool = True) -> list[int]:
         """The cached blocks ``allocate`` would share for ``seq``'s prompt (no side effects).
         ``computes_logits``: the prompt runs through the model here, so at least its last
-        token must be computed (a prompt whose K/V arrive from elsewhere may hit in full)."""
+        token must be computed (a prompt whose K/V arrive from elsewhere may hit in full).
+        A prompt whose logprobs are wanted is computed in full: a cached block holds K/V, not
+        the logits its tokens' logprobs come from (``engine.logprobs``)."""
+        if computes_logits and seq.prompt_logprobs is not None:
+            return []
         hits = self.cached_prefix_blocks(seq.token_ids)
         while computes_logits and hits and len(hits) * self.block_size >= seq.num_tokens:
             hits.pop()

@@ -36,6 +36,7 @@ class TransferOutcome:
     first_token_id: int = -1  # receive side: the token the prefill worker sampled
     transport: str = ""
     nbytes: int = 0
+    more_first_token_ids: tuple[int, ...] = ()  # receive side, n > 1: the other choices' first tokens
 
 
 Report = Callable[[TransferOutcome], None]
@@ -48,8 +49,9 @@ class OutgoingKV(Protocol):
     def send_layer(self, layer: int, block_ids: list[int], start: int, end: int) -> None:
         """Queues tokens [start, end) of ``layer`` (called on the engine thread, mid-forward)."""
 
-    def finish(self, first_token_id: int, report: Report) -> None:
-        """Queues the end of the transfer; ``report`` gets the decode side's answer, once."""
+    def finish(self, first_token_id: int, report: Report, more_token_ids: tuple[int, ...] = ()) -> None:
+        """Queues the end of the transfer; ``report`` gets the decode side's answer, once.
+        ``more_token_ids``: the other choices' first tokens (n > 1), carried with it."""
 
     def cancel(self) -> None:
         """Stops sending (the request is gone); nothing is reported after this."""
@@ -88,6 +90,9 @@ class KVConnector:
         self.finish_reason = finish_reason
         self.pipelined = True  # False: send every layer after the prefill (a baseline to compare with)
         self.wake: Callable[[], None] = lambda: None  # set by the engine's thread: an outcome is waiting
+        # Set by the engine (n > 1): forks a landed request into its choices, given every
+        # choice's first token; returns the request's last output if no choice goes on.
+        self.start_choices: Callable[[Sequence, list[int]], RequestOutput | None] | None = None
         self.sending: dict[Sequence, float] = {}  # prefilled here, waiting for the ack -> its deadline
         self._releasing: set[Sequence] = set()  # aborted while blocks were being written by a peer
         self._inbox: queue.SimpleQueue[tuple[Sequence, TransferOutcome]] = queue.SimpleQueue()
@@ -110,8 +115,12 @@ class KVConnector:
         return RequestOutput(seq.request_id, [], None, seq.num_prompt_tokens, seq.num_cached_tokens, kv=reservation)
 
     def _landed(self, seq: Sequence, outcome: TransferOutcome) -> RequestOutput | None:
-        if outcome.ok and not 0 <= outcome.first_token_id < self.vocab_size:
-            outcome = TransferOutcome(False, f"the prefill worker sent token id {outcome.first_token_id}, outside the vocabulary")
+        bad = next((t for t in (outcome.first_token_id, *outcome.more_first_token_ids) if not 0 <= t < self.vocab_size), None)
+        if outcome.ok and bad is not None:
+            outcome = TransferOutcome(False, f"the prefill worker sent token id {bad}, outside the vocabulary")
+        if outcome.ok and len(outcome.more_first_token_ids) != seq.sampling.n - 1:
+            outcome = TransferOutcome(False, f"the prefill worker sent {1 + len(outcome.more_first_token_ids)} first "
+                                             f"tokens for {seq.sampling.n} choices")
         if not outcome.ok:
             self.scheduler.remove(seq)
             self._finish(seq, free=True)
@@ -119,6 +128,9 @@ class KVConnector:
         seq.token_ids.append(outcome.first_token_id)
         seq.num_computed_tokens = seq.num_tokens - 1
         self.blocks.commit_full_blocks(seq)
+        if seq.sampling.n > 1:  # every choice's first token came with the K/V: fork here
+            self.scheduler.admit_landed(seq)
+            return self.start_choices(seq, [outcome.first_token_id, *outcome.more_first_token_ids])
         reason = self.finish_reason(seq, outcome.first_token_id)
         if reason is not None:  # the prefill worker's token already ends it
             self.scheduler.remove(seq)
@@ -149,8 +161,9 @@ class KVConnector:
 
         return save_layer
 
-    def prompt_done(self, seq: Sequence) -> None:
-        """``seq``'s first token is sampled and does not end it: hold its blocks until the ack."""
+    def prompt_done(self, seq: Sequence, more_first_token_ids: tuple[int, ...] = ()) -> None:
+        """``seq``'s first token is sampled and does not end it: hold its blocks until the ack.
+        ``more_first_token_ids``: the other choices' first tokens (n > 1), sent with it."""
         transfer = seq.kv_send.transfer
         if not self.pipelined:
             for layer in range(self.num_layers):
@@ -158,7 +171,10 @@ class KVConnector:
         self.scheduler.remove(seq)
         seq.status = SequenceStatus.SENDING_KV
         self.sending[seq] = time.monotonic() + seq.kv_send.ack_timeout_s
-        transfer.finish(seq.last_token_id, self._reporter(seq))
+        if more_first_token_ids:
+            transfer.finish(seq.last_token_id, self._reporter(seq), tuple(more_first_token_ids))
+        else:  # n = 1: the two-argument form every OutgoingKV has
+            transfer.finish(seq.last_token_id, self._reporter(seq))
 
     def _acked(self, seq: Sequence, outcome: TransferOutcome) -> RequestOutput:
         del self.sending[seq]

@@ -17,17 +17,21 @@ from typing import Callable
 import torch
 
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.choices import Forker, request_finished
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.kv_cache import KVCache, KVLayout, num_blocks_for_budget, parse_memory
 from pdserve.engine.kv_connector import KVConnector, KVReceive, KVSend
 from pdserve.engine.loader import load_model, parse_dtype, pick_device
+from pdserve.engine.logprobs import TokenLogprob, start_prompt_logprobs, take_prompt_logprobs
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.model_store import resolve_model
-from pdserve.engine.request_output import RequestOutput, RequestRejected
+from pdserve.engine.request_output import FirstToken, RequestOutput, RequestRejected
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_step import SampledToken
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.engine.sequence import FinishReason, Sequence, SequenceStatus
+from pdserve.engine.structured_output import GrammarCompiler
 from pdserve.engine.swap import SwapSpace
 from pdserve.kernels import select_backend
 from pdserve.request_rules import check_prompt_tokens, check_sampling, check_ttft_budget_ms
@@ -52,6 +56,7 @@ class EngineStats:
     prefill_tokens_per_s: float = 0.0
     rejected: int = 0
     waiting_for_kv: int = 0  # reservations whose K/V a prefill worker is sending
+    forks: int = 0  # choices (n > 1) forked from another choice's prompt
 
 
 class LLMEngine:
@@ -80,6 +85,11 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache.layers, config.block_size, self.device)
         self.connector = KVConnector(self.scheduler, self.blocks, self.model_config.num_layers, self.model_config.vocab_size,
                                      self._finish_reason)
+        # API parity: grammars for structured output, forks for n > 1 (engine/choices.py).
+        self.grammars = GrammarCompiler(self.model_dir, self.model_config.vocab_size, sorted(self.model_config.eos_token_ids))
+        self.forker = Forker(self.blocks, self.scheduler, self.kv_cache, self._grammar_state)
+        self.connector.start_choices = lambda seq, token_ids: (self._start_choices(seq, [(t, None) for t in token_ids],
+                                                                                   emit=False) or [None])[-1]
         self.requests: dict[str, Sequence] = {}
         self.prefill_rate = 0.0  # tokens/s of recent prefill steps (an EMA), for TTFT estimates
         self._digest: tuple[int, tuple[int, ...]] = (-1, ())  # (block cache version, its hashes)
@@ -116,6 +126,13 @@ class LLMEngine:
         if self.blocks.blocks_needed(len(prompt_token_ids) + 1) > self.blocks.num_blocks:
             raise ValueError(f"prompt_token_ids: {len(prompt_token_ids)} tokens do not fit this worker's KV cache")
 
+    def compile_constraint(self, sampling: SamplingParams) -> None:
+        """Compiles the request's structured-output constraint (cached), raising ``InvalidRequest``
+        if the grammar engine refuses it. Thread-safe: workers call it off the engine thread, so
+        ``add_request`` finds it compiled."""
+        if sampling.constraint is not None:
+            self.grammars.compile(sampling.constraint)
+
     def add_request(
         self,
         request_id: str,
@@ -145,6 +162,9 @@ class LLMEngine:
         )
         if ttft_budget_s is not None:
             seq.start_deadline = seq.arrival_time + ttft_budget_s
+        if kv_receive is None:  # the prompt runs here
+            start_prompt_logprobs(seq)
+        seq.grammar = self._grammar_state(seq)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -153,10 +173,13 @@ class LLMEngine:
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
-        if not self.connector.abort(seq):
-            self.scheduler.remove(seq)
-            self.blocks.free(seq)
-        seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.ABORT
+        for choice in seq.group.seqs if seq.group is not None else [seq]:
+            if choice.is_finished:
+                continue
+            if not self.connector.abort(choice):
+                self.scheduler.remove(choice)
+                self.blocks.free(choice)
+            choice.status, choice.finish_reason = SequenceStatus.FINISHED, FinishReason.ABORT
         return True
 
     def has_unfinished(self) -> bool:
@@ -196,20 +219,66 @@ class LLMEngine:
         for chunk in schedule.chunks:
             chunk.seq.num_computed_tokens = chunk.start + chunk.num_tokens
         outputs = []
-        for chunk, token_id in sampled:
-            seq = chunk.seq
+        for s in sampled:
+            seq, token_id = s.chunk.seq, s.token_id
             seq.token_ids.append(token_id)
             self.blocks.commit_full_blocks(seq)
+            if s.choices:  # n > 1: every choice's first token was drawn from this prompt
+                outputs += self._start_choices(seq, s.choices, emit=True)
+                continue
             reason = self._finish_reason(seq, token_id)
             if reason is not None:
                 self._finish(seq, reason)
             elif seq.kv_send is not None:
                 self.connector.prompt_done(seq)  # keeps its blocks until the decode side has the K/V
-            outputs.append(RequestOutput(seq.request_id, [token_id], reason, seq.num_prompt_tokens, seq.num_cached_tokens,
-                                         finished=reason is not None))
+            outputs.append(self._output(seq, token_id, reason, s.logprob))
         for chunk in schedule.prefills:
             if not chunk.completes:
                 self.blocks.commit_full_blocks(chunk.seq)
+        return outputs
+
+    # -- API parity: choices, logprobs, grammars ---------------------------------------------------
+    def _output(self, seq: Sequence, token_id: int, reason: FinishReason | None, logprob: TokenLogprob | None,
+                **extra) -> RequestOutput:
+        return RequestOutput(
+            seq.request_id, [token_id], reason, seq.num_prompt_tokens, seq.num_cached_tokens,
+            finished=reason is not None and request_finished(seq), index=seq.choice,
+            logprobs=[logprob] if logprob is not None else None, prompt_logprobs=take_prompt_logprobs(seq), **extra)
+
+    def _grammar_state(self, seq: Sequence):
+        return self.grammars.state(seq.sampling.constraint) if seq.sampling.constraint is not None else None
+
+    def _start_choices(self, seq: Sequence, first: list[tuple[int, TokenLogprob | None]], emit: bool) -> list[RequestOutput]:
+        """n > 1: ``seq`` holds its prompt and choice 0's first token; ``first`` has every choice's.
+        A prefill worker sends them all with the K/V; elsewhere the choices fork here. ``emit``:
+        return each choice's first token (False where the router already has them)."""
+        if seq.kv_send is not None:
+            reasons = [self._finish_reason(seq, token_id) for token_id, _ in first]
+            firsts = [FirstToken(t, r, lp) for (t, lp), r in zip(first, reasons)]
+            ended = all(r is not None for r in reasons)
+            if ended:
+                self._finish(seq, reasons[0])
+            else:
+                self.connector.prompt_done(seq, tuple(t for t, _ in first[1:]))
+            out = self._output(seq, first[0][0], reasons[0], first[0][1], first_tokens=firsts)
+            out.finished = ended  # otherwise the request ends with the decode side's acknowledgement
+            return [out]
+        choices = self.forker.fork(seq, [t for t, _ in first])
+        reasons = [self._finish_reason(choice, choice.last_token_id) for choice in choices]
+        for choice, reason in zip(choices[1:], reasons[1:]):
+            if reason is None:
+                self.forker.admit(seq, choice)  # before the parent may free its blocks
+            else:
+                choice.status, choice.finish_reason = SequenceStatus.FINISHED, reason
+        if reasons[0] is not None:
+            self._finish(seq, reasons[0])
+        outputs = [self._output(c, t, r, lp) for c, (t, lp), r in zip(choices, first, reasons) if emit]
+        if not emit and seq.group.finished:  # nothing goes on: the request ends here
+            outputs.append(RequestOutput(seq.request_id, [], reasons[0], seq.num_prompt_tokens, seq.num_cached_tokens,
+                                         finished=True))
+        if outputs and seq.group.finished:  # the request ends with the last output, however they were ordered
+            for out in outputs:
+                out.finished = out is outputs[-1]
         return outputs
 
     def stats(self, with_digest: bool = False) -> EngineStats:
@@ -224,7 +293,7 @@ class LLMEngine:
             queued_prefill_tokens=sum(s.num_tokens - s.num_computed_tokens for s in pending if s.kv_receive is None),
             cached_block_hashes=self._cached_hashes() if with_digest else (),
             prefill_tokens_per_s=self.prefill_rate, rejected=self.scheduler.num_rejected,
-            waiting_for_kv=len(self.scheduler.waiting_for_kv),
+            waiting_for_kv=len(self.scheduler.waiting_for_kv), forks=self.forker.num_forks,
         )
 
     def _cached_hashes(self) -> tuple[int, ...]:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import torch
 
 from pdserve.engine.forward_batch import ForwardBatch, PrefillSegment
+from pdserve.engine.logprobs import add_prompt_rows
 from pdserve.engine.model import CausalLM, LayerHook
 from pdserve.engine.sampler import Sampler
-from pdserve.engine.scheduler import ScheduledChunk, SchedulerOutput
+from pdserve.engine.sampling_step import SampledToken, SamplingStep
+from pdserve.engine.scheduler import SchedulerOutput
 
 
 class ModelRunner:
@@ -17,6 +19,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler(device)
+        self.sampling = SamplingStep(self.sampler)  # grammar masks, n > 1 first tokens, logprobs
 
     def build_batch(self, out: SchedulerOutput) -> ForwardBatch:
         bs = self.block_size
@@ -70,16 +73,9 @@ class ModelRunner:
             logits_indices=as_tensor(logits_indices),
         )
 
-    def run(self, out: SchedulerOutput, layer_hook: LayerHook | None = None) -> list[tuple[ScheduledChunk, int]]:
+    def run(self, out: SchedulerOutput, layer_hook: LayerHook | None = None) -> list[SampledToken]:
         """One forward pass; returns the sampled token of every chunk that completes its sequence."""
         batch = self.build_batch(out)
+        prompt_rows = add_prompt_rows(batch, out.prefills)  # prompt logprobs: rows after the sampling rows
         logits = self.model(batch, self.kv_layers, layer_hook)
-        sampled_chunks = [c for c in out.chunks if c.completes]
-        if not sampled_chunks:
-            return []
-        token_ids = self.sampler(
-            logits,
-            [c.seq.sampling for c in sampled_chunks],
-            [c.seq.num_output_tokens for c in sampled_chunks],
-        ).tolist()
-        return list(zip(sampled_chunks, token_ids))
+        return self.sampling(logits, [c for c in out.chunks if c.completes], prompt_rows)

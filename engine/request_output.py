@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.engine.logprobs import TokenLogprob
 from pdserve.engine.sequence import FinishReason
 
 
@@ -38,6 +39,15 @@ class KVSent:
     nbytes: int
 
 
+@dataclass(frozen=True, slots=True)
+class FirstToken:
+    """Prefill side, n > 1: one choice's first token (``finish_reason``: it already ends that choice)."""
+
+    token_id: int
+    finish_reason: FinishReason | None
+    logprob: TokenLogprob | None
+
+
 @dataclass(slots=True)
 class RequestOutput:
     request_id: str
@@ -48,6 +58,11 @@ class RequestOutput:
     finished: bool = False  # the request's last output (a finish reason, a handoff acknowledged, an error)
     kv: KVReservation | KVSent | None = None
     error: Exception | None = None  # RequestRejected or TransferFailed: the request ends with it
+    # API parity. ``finish_reason`` ends choice ``index``; ``finished`` the whole request.
+    index: int = 0  # which of the request's choices (n > 1) the tokens belong to
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when asked for
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with the request's first token, when asked for
+    first_tokens: list[FirstToken] | None = None  # prefill side, n > 1: every choice's first token
 
     @classmethod
     def failed(cls, request_id: str, error: Exception, num_prompt_tokens: int = 0) -> "RequestOutput":

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.request_rules import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P, check_sampling
+from pdserve.request_rules import (
+    DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P, Constraint, check_sampling,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -13,6 +15,10 @@ class SamplingParams:
 
     temperature 0 means greedy. ``seed`` makes sampling reproducible: the random draw for the
     n-th generated token depends only on (seed, n), wherever that token is computed.
+    ``n``: choices sampled from the one prompt (forked after its prefill; choice i > 0 draws
+    its noise from ``choice_seed(seed, i)``). ``logprobs``/``prompt_logprobs``: report that
+    many alternatives (0: the chosen token's alone) per generated/prompt token; None: off.
+    ``constraint``: structured output (``engine.structured_output``).
     Out-of-range values raise ``InvalidRequest`` (a ValueError) naming the field.
     """
 
@@ -24,6 +30,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         check_sampling(self)

@@ -10,7 +10,10 @@ from typing import TYPE_CHECKING
 from pdserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from pdserve.engine.choices import ChoiceGroup
     from pdserve.engine.kv_connector import KVReceive, KVSend
+    from pdserve.engine.logprobs import TokenLogprob
+    from pdserve.engine.structured_output import GrammarState
 
 
 class SequenceStatus(enum.Enum):
@@ -54,6 +57,13 @@ class Sequence:
     admitted_at: int = -1  # scheduler step counter at admission (preemption picks the latest)
     start_deadline: float | None = None  # monotonic time by which the request must be admitted
     swapped_blocks: list[int] = field(default_factory=list)  # host slots while swapped out
+    # API parity: prompt logprobs while the prompt runs (engine/logprobs.py), the grammar
+    # state (engine/structured_output.py), and which of the request's n choices this is
+    # (engine/choices.py; ``group`` is set once the choices are forked).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    grammar: GrammarState | None = None
+    choice: int = 0
+    group: ChoiceGroup | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -66,6 +76,11 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        """Every token generated for the request, here or before a migration (the grammar's input)."""
+        return self.token_ids[self.num_prompt_tokens - self.num_prior_output_tokens :]
 
     @property
     def last_token_id(self) -> int:

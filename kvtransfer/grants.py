@@ -56,7 +56,7 @@ class Grant:
     nbytes: int = 0
     writers: int = 0  # writes in progress (a TCP payload being read, a posted UCX receive, ...)
     cancellers: list[Callable[[], None]] = field(default_factory=list)  # stop the writes in progress
-    pending_done: tuple[int, str, Callable[[AckStatus], None]] | None = None  # DONE seen, writes still landing
+    pending_done: tuple[int, str, Callable[[AckStatus], None], tuple[int, ...]] | None = None  # DONE seen, writes still landing
     failure: TransferOutcome | None = None  # set when FAILED; reported once the blocks are safe
     landed: np.ndarray = field(init=False)
     _slots: tuple[int, int, Slots] | None = None  # the last token range's slots: every layer reuses them
@@ -191,17 +191,18 @@ class GrantLedger:
         if release:
             self._release(grant)
         if deferred is not None:
-            deferred[2](self.finish(grant, deferred[0], deferred[1]))
+            deferred[2](self.finish(grant, deferred[0], deferred[1], more_token_ids=deferred[3]))
 
     def finish(self, grant: Grant, first_token_id: int, transport: str,
-               reply: Callable[[AckStatus], None] | None = None) -> AckStatus | None:
+               reply: Callable[[AckStatus], None] | None = None, more_token_ids: tuple[int, ...] = ()) -> AckStatus | None:
         """The sender is done: verify coverage and integrity, then complete or fail. Returns
-        None when writes are still landing; ``reply`` then gets the status later."""
+        None when writes are still landing; ``reply`` then gets the status later.
+        ``more_token_ids``: the other choices' first tokens (n > 1)."""
         with grant.lock:
             if grant.state is not GrantState.ACTIVE:
                 return AckStatus.UNKNOWN_TRANSFER
             if grant.writers and reply is not None:
-                grant.pending_done = (first_token_id, transport, reply)
+                grant.pending_done = (first_token_id, transport, reply, more_token_ids)
                 return None
             if grant.corrupted:
                 status = AckStatus.CHECKSUM_MISMATCH
@@ -218,7 +219,8 @@ class GrantLedger:
             self.grants.pop(grant.transfer_id, None)
         self.counters[f"transfers_{transport}"] += 1
         self.counters[f"bytes_{transport}"] += grant.nbytes
-        grant.report(TransferOutcome(True, first_token_id=first_token_id, transport=transport, nbytes=grant.nbytes))
+        grant.report(TransferOutcome(True, first_token_id=first_token_id, transport=transport, nbytes=grant.nbytes,
+                                     more_first_token_ids=tuple(more_token_ids)))
         return AckStatus.OK
 
     def fail(self, grant: Grant, reason: str) -> bool:

@@ -30,7 +30,7 @@ class FrameKind(enum.IntEnum):
     HELLO_OK = 2  # decode -> prefill: PeerInfo as JSON
     REJECT = 3  # decode -> prefill: reason (utf-8); the connection closes
     DATA = 4  # prefill -> decode: K/V of tokens [start, end) of one layer
-    DONE = 5  # prefill -> decode: all layers sent; aux = first generated token
+    DONE = 5  # prefill -> decode: all layers sent; aux = first generated token; payload = the other choices' (n > 1), int64 LE
     ACK = 6  # decode -> prefill: aux = AckStatus; payload = message
     WRITTEN = 7  # prefill -> decode: a one-sided write of [start, end) of a layer landed (shm, CUDA IPC)
     UCX_DATA = 8  # prefill -> decode: [start, end) of a layer follows over UCX; aux = the message's tag

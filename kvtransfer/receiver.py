@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import select
 import socket
+import struct
 import threading
 
 from pdserve.kvtransfer import registry
@@ -135,12 +136,16 @@ class _Connection:
             self.ledger.renew(grant)
 
     def _done(self, h: FrameHeader) -> None:
-        recv_payload(self.sock, h.payload_len)
+        payload = recv_payload(self.sock, h.payload_len)
+        if len(payload) % 8:
+            raise ProtocolError(f"DONE payload of {len(payload)} bytes is not a list of int64 token ids")
+        more = struct.unpack(f"<{len(payload) // 8}q", payload)  # n > 1: the other choices' first tokens
         grant = self.ledger.lookup(h.transfer_id)
         if grant is None:
             self._ack(h.transfer_id, AckStatus.UNKNOWN_TRANSFER)
             return
-        status = self.ledger.finish(grant, h.aux, self.transport, reply=lambda s: self._ack(h.transfer_id, s))
+        status = self.ledger.finish(grant, h.aux, self.transport, reply=lambda s: self._ack(h.transfer_id, s),
+                                    more_token_ids=more)
         if status is not None:
             self._ack(h.transfer_id, status)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import queue
 import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ HANDSHAKE_TIMEOUT_S = 10.0
 @dataclass(frozen=True, slots=True)
 class _Done:
     first_token_id: int
+    more_token_ids: tuple[int, ...] = ()  # n > 1: the other choices' first tokens
 
 
 class OutgoingTransfer:
@@ -79,13 +81,13 @@ class OutgoingTransfer:
             ready.record()  # on the compute stream, right after this layer's K/V write
         self.conn.queue(self, Unit(self.transfer_id, layer, start, end, cached[3], cached[4], ready))
 
-    def finish(self, first_token_id: int, report: Report) -> None:
+    def finish(self, first_token_id: int, report: Report, more_token_ids: tuple[int, ...] = ()) -> None:
         self._report = report
         self.finishing = True
         if self.conn.broken is not None:  # its threads are gone: nobody would answer
             self.resolve(TransferOutcome(False, f"KV connection to {self.conn.address} lost: {self.conn.broken}"))
             return
-        self.conn.queue(self, _Done(first_token_id))
+        self.conn.queue(self, _Done(first_token_id, tuple(more_token_ids)))
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -209,7 +211,9 @@ class KVConnection:
             except (ConnectionError, TimeoutError) as e:
                 self._fail(transfer, str(e))
                 return
-            self.ctx.send_frame(FrameHeader(FrameKind.DONE, transfer.transfer_id, aux=what.first_token_id))
+            more = struct.pack(f"<{len(what.more_token_ids)}q", *what.more_token_ids)
+            self.ctx.send_frame(FrameHeader(FrameKind.DONE, transfer.transfer_id, aux=what.first_token_id,
+                                            payload_len=len(more)), more)
 
     def _renew(self, transfer: OutgoingTransfer) -> None:
         self.ctx.send_frame(FrameHeader(FrameKind.RENEW, transfer.transfer_id))

@@ -9,7 +9,10 @@ words, wherever it arrives. Every refusal is an ``InvalidRequest`` naming the re
 
 from __future__ import annotations
 
+import json
 import math
+import struct
+from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -29,6 +32,11 @@ MAX_SEED = 2**63 - 1
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_LOGPROBS = 20  # alternatives per position (OpenAI's top_logprobs limit)
+MAX_N = 16  # choices per request (n, and best_of)
+MAX_CONSTRAINT_CHARS = 100_000  # a JSON schema, regex or grammar
+MAX_CHOICES = 256  # strings of a choice constraint
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
 
 class InvalidRequest(ValueError):
@@ -38,6 +46,18 @@ class InvalidRequest(ValueError):
         super().__init__(f"{field}: {problem}")
         self.field = field
         self.problem = problem
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """Structured output: the output must be a JSON value matching ``value`` (a JSON Schema
+    as text) for ``json_schema``, any JSON object for ``json_object`` (``value`` empty), a
+    whole match of the regex ``value``, exactly one of the strings ``choices``, or a string
+    of the EBNF grammar ``value`` (rule ``root``)."""
+
+    kind: str
+    value: str = ""
+    choices: tuple[str, ...] = ()
 
 
 class Sampling(Protocol):
@@ -50,6 +70,10 @@ class Sampling(Protocol):
     seed: int | None
     stop: Sequence[str]
     stop_token_ids: Sequence[int]
+    n: int
+    logprobs: int | None
+    prompt_logprobs: int | None
+    constraint: Constraint | None
 
 
 def _is_int(value: object) -> bool:
@@ -58,6 +82,20 @@ def _is_int(value: object) -> bool:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+_CHOICE_DOMAIN = 0x63686F696365  # keeps choice seeds apart from the sampler's per-token seeds
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed choice ``index`` of an n > 1 request samples with: choice 0 keeps the request's
+    (its tokens equal those of the same request with n = 1), the others derive their own, so
+    choices are distinct and each is reproducible on its own (on any worker, after a migration)."""
+    if seed is None or index == 0:
+        return seed
+    import xxhash
+
+    return xxhash.xxh3_64_intdigest(struct.pack("<QQQ", seed, index, _CHOICE_DOMAIN)) & (2**63 - 1)
 
 
 def default_max_tokens(prompt_len: int, max_model_len: int) -> int:
@@ -128,3 +166,56 @@ def check_sampling(s: Sampling, *, vocab_size: int | None = None, prompt_len: in
     if bad is not None:
         where = f"the vocabulary [0, {vocab_size})" if vocab_size is not None else "the token ids (>= 0)"
         raise InvalidRequest("sampling.stop_token_ids", f"token id {bad!r} is outside {where}")
+    if not (_is_int(s.n) and 1 <= s.n <= MAX_N):
+        raise InvalidRequest("sampling.n", f"must be an integer in [1, {MAX_N}], got {s.n!r}")
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(s, name)
+        if value is not None and not (_is_int(value) and 0 <= value <= MAX_LOGPROBS):
+            raise InvalidRequest(f"sampling.{name}", f"must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+    if s.constraint is not None:
+        check_constraint(s.constraint)
+        if s.ignore_eos:
+            raise InvalidRequest("sampling.ignore_eos", "cannot be combined with structured output (the grammar decides where the output ends)")
+
+
+def check_best_of(best_of: int, n: int) -> None:
+    """``best_of``: choices generated, of which the ``n`` most likely are returned."""
+    if not (_is_int(best_of) and n <= best_of <= MAX_N):
+        raise InvalidRequest("sampling.best_of", f"must be an integer in [n, {MAX_N}] = [{n}, {MAX_N}], got {best_of!r}")
+
+
+def check_constraint(c: Constraint) -> None:
+    """The shape of a structured-output constraint. Whether a schema, regex or grammar
+    compiles is the grammar engine's to say (``engine.structured_output``); a JSON schema must
+    at least be JSON describing an object or a boolean schema."""
+    field = f"sampling.structured_output.{c.kind}"
+    if c.kind not in CONSTRAINT_KINDS:
+        raise InvalidRequest("sampling.structured_output", f"unknown kind {c.kind!r}; expected one of {', '.join(CONSTRAINT_KINDS)}")
+    if c.kind == "choice":
+        if not 0 < len(c.choices) <= MAX_CHOICES:
+            raise InvalidRequest(field, f"must list 1 to {MAX_CHOICES} strings, got {len(c.choices)}")
+        if any(not isinstance(x, str) or not x for x in c.choices):
+            raise InvalidRequest(field, "every choice must be a non-empty string")
+        if sum(map(len, c.choices)) > MAX_CONSTRAINT_CHARS:
+            raise InvalidRequest(field, f"the choices exceed {MAX_CONSTRAINT_CHARS} characters")
+        return
+    if c.kind == "json_object":
+        return
+    if not isinstance(c.value, str) or not c.value.strip():
+        raise InvalidRequest(field, "must not be empty")
+    if len(c.value) > MAX_CONSTRAINT_CHARS:
+        raise InvalidRequest(field, f"{len(c.value)} characters exceed the limit of {MAX_CONSTRAINT_CHARS}")
+    if c.kind == "json_schema":
+        try:
+            schema = json.loads(c.value)
+        except ValueError as e:
+            raise InvalidRequest(field, f"is not valid JSON: {e}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise InvalidRequest(field, f"must be a JSON object (a schema), got {type(schema).__name__}")
+        from jsonschema import SchemaError, validators  # imported on first use: most requests have no schema
+
+        try:
+            validators.validator_for(schema).check_schema(schema)
+        except SchemaError as e:
+            where = "/".join(str(p) for p in e.absolute_path)
+            raise InvalidRequest(field, f"is not a valid JSON Schema{f' at {where}' if where else ''}: {e.message}") from None

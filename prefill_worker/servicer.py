@@ -25,7 +25,7 @@ from pdserve.kvtransfer.handshake import HandshakeError
 from pdserve.kvtransfer.sender import KVSender
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc
-from pdserve.wire import parse_transfer_key, sampling_from_proto, worker_stats
+from pdserve.wire import logprob_to_proto, parse_transfer_key, sampling_from_proto, worker_stats
 
 log = logging.getLogger(__name__)
 ACK_GRACE_S = 2.0  # past the decode side's lease, so its verdict (and its lease expiry) comes first
@@ -60,6 +60,7 @@ class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
             if not 0 < block_size <= 1024 or len(target.block_ids) * block_size < target.num_tokens:
                 raise ValueError(f"target.block_ids: {len(target.block_ids)} blocks of {block_size} tokens cannot hold "
                                  f"{target.num_tokens} tokens")
+            await asyncio.to_thread(self.engine.compile_constraint, sampling)  # off the event loop and the engine thread
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if self.queued >= self.max_queued_requests:
@@ -109,19 +110,35 @@ class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
             transfer.close()
         if first is None or not first.new_token_ids:
             await context.abort(grpc.StatusCode.INTERNAL, "prefill ended without a token")
-        if first.finish_reason is not None:  # the first token already ends the request: no handoff
-            return pb.PrefillResponse(first_token_id=first.new_token_ids[0], finish_reason=first.finish_reason.value,
-                                      num_cached_tokens=first.num_cached_tokens, prefill_ms=prefill_ms)
+        self.counters["prompts_prefilled"] += 1
+        response = _first_tokens(first)
+        if first.finished:  # the first token already ends the request (every choice of it): no handoff
+            response.num_cached_tokens, response.prefill_ms = first.num_cached_tokens, prefill_ms
+            return response
         if not isinstance(sent, KVSent):
             await context.abort(grpc.StatusCode.INTERNAL, "prefill ended without the KV acknowledgement")
         transfer_ms = (time.perf_counter() - started) * 1e3 - prefill_ms
         self.counters[f"transfers_{sent.transport}"] += 1
         metrics.KV_TRANSFER_SECONDS.labels(sent.transport).observe(transfer_ms / 1e3)
-        return pb.PrefillResponse(
-            first_token_id=first.new_token_ids[0], num_cached_tokens=first.num_cached_tokens,
-            transport=sent.transport, prefill_ms=prefill_ms, transfer_ms=transfer_ms,
-        )
+        response.MergeFrom(pb.PrefillResponse(num_cached_tokens=first.num_cached_tokens, transport=sent.transport,
+                                              prefill_ms=prefill_ms, transfer_ms=transfer_ms))
+        return response
 
     async def GetStats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.WorkerStats:
         return worker_stats(self.loop.stats(), "prefill", self.address, 0, self.counters,
                             self.engine.config.block_size, self.engine.config.max_num_seqs)
+
+
+def _first_tokens(first) -> pb.PrefillResponse:
+    """The first token of every choice, with its logprobs and the prompt's (when asked for)."""
+    token_id = first.new_token_ids[0]
+    reason = first.finish_reason.value if first.finish_reason is not None else ""
+    if first.first_tokens is not None:  # n > 1
+        choices = [pb.FirstToken(token_id=t.token_id, finish_reason=t.finish_reason.value if t.finish_reason else "",
+                                 logprob=logprob_to_proto(t.logprob) if t.logprob is not None else None)
+                   for t in first.first_tokens]
+    else:
+        logprob = logprob_to_proto(first.logprobs[0]) if first.logprobs else None
+        choices = [pb.FirstToken(token_id=token_id, finish_reason=reason, logprob=logprob)]
+    prompt = [logprob_to_proto(lp) for lp in first.prompt_logprobs] if first.prompt_logprobs is not None else []
+    return pb.PrefillResponse(first_token_id=token_id, finish_reason=reason, choices=choices, prompt_logprobs=prompt)

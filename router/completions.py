@@ -8,7 +8,7 @@ import contextlib
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import grpc
@@ -42,8 +42,11 @@ class Usage:
 class Chunk:
     token_ids: list[int]
     text: str
-    finish_reason: str | None = None  # set on the last chunk: stop, length
-    usage: Usage | None = None  # set on the last chunk
+    finish_reason: str | None = None  # set on each choice's last chunk: stop, length
+    usage: Usage | None = None  # set on the completion's last chunk
+    index: int = 0  # which choice (n > 1); the choices' chunks interleave
+    logprobs: list[pb.TokenLogprob] = field(default_factory=list)  # one per token, when asked for
+    prompt_logprobs: list[pb.TokenLogprob] | None = None  # on a choice's first chunk, when asked for
 
 
 class Completions:
@@ -83,8 +86,20 @@ class Completions:
             metrics.REJECTIONS.labels("overloaded").inc()
             raise DispatchError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"the router is serving its limit of {self.max_inflight} requests; retry later", retry_after_ms=500)
+        async with contextlib.aclosing(self._stream(req, timeout_s)) as chunks:  # closed at once: cancels the RPCs
+            if req.engine_sampling.n > req.sampling.n:  # best_of: the most likely choices, once all are done
+                from pdserve.router.best_of import best_of  # it builds this module's Chunks
+
+                chunks = best_of(chunks, req.sampling.n, req.sampling.logprobs is not None)
+            async for chunk in chunks:
+                yield chunk
+
+    async def _stream(self, req: ValidatedRequest, timeout_s: float) -> AsyncIterator[Chunk]:
         started = last = time.perf_counter()
-        text = self.tokenizer.text_stream(req.sampling.stop)
+        n = req.engine_sampling.n
+        texts = [self.tokenizer.text_stream(req.sampling.stop) for _ in range(n)]  # each choice detokenized on its own
+        done = [False] * n
+        prompt_logprobs = req.sampling.prompt_logprobs is not None  # due with choice 0's first chunk
         completion_tokens, cached, ttft_ms = 0, 0, None
         events = self.dispatcher.generate(req, timeout_s)
         metrics.INFLIGHT.inc()
@@ -100,18 +115,30 @@ class Completions:
                     else:
                         metrics.ITL.observe(now - last)
                     last = now
+                    i = event.index
+                    if not 0 <= i < n or done[i]:  # a choice stopped here by a stop string runs on until all are done
+                        continue
                     completion_tokens += len(event.token_ids)
+                    text = texts[i]
                     delta = text.push(event.token_ids)
                     finish = "stop" if text.stopped else event.finish_reason
+                    first_logprobs = None
+                    if prompt_logprobs and i == 0:
+                        first_logprobs, prompt_logprobs = event.prompt_logprobs or [], False
                     if finish is None:
-                        yield Chunk(event.token_ids, delta)
+                        yield Chunk(event.token_ids, delta, index=i, logprobs=event.logprobs, prompt_logprobs=first_logprobs)
                         continue
-                    self.counters[f"finished_{finish}"] += 1
-                    metrics.REQUESTS.labels(finish).inc()
-                    metrics.E2E.observe(now - started)
-                    usage = Usage(len(req.prompt_token_ids), completion_tokens, cached, ttft_ms, (now - started) * 1e3)
-                    yield Chunk(event.token_ids, delta + text.flush(), finish, usage)
-                    return
+                    done[i] = True
+                    usage = None
+                    if all(done):
+                        self.counters[f"finished_{finish}"] += 1
+                        metrics.REQUESTS.labels(finish).inc()
+                        metrics.E2E.observe(now - started)
+                        usage = Usage(len(req.prompt_token_ids), completion_tokens, cached, ttft_ms, (now - started) * 1e3)
+                    yield Chunk(event.token_ids, delta + text.flush(), finish, usage, index=i, logprobs=event.logprobs,
+                                prompt_logprobs=first_logprobs)
+                    if usage is not None:
+                        return
         except DispatchError as e:
             self.counters[f"failed_{e.code.name.lower()}"] += 1
             metrics.REJECTIONS.labels(e.code.name.lower()).inc()

@@ -27,6 +27,7 @@ import grpc
 
 from pdserve import metrics
 from pdserve.grpc_server import RETRY_AFTER_KEY
+from pdserve.router.choice_migration import continue_choices
 from pdserve.router.conditional import ConditionalRouter
 from pdserve.router.policy import NoWorkerAvailable, RoutingPolicy
 from pdserve.router.validation import ValidatedRequest
@@ -41,8 +42,16 @@ DEFAULT_MAX_ATTEMPTS = 4
 @dataclass(frozen=True, slots=True)
 class TokenEvent:
     token_ids: list[int]
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # ends choice ``index``
     cached_tokens: int = 0
+    index: int = 0  # which choice (n > 1)
+    logprobs: list[pb.TokenLogprob] = field(default_factory=list)  # one per token, when asked for
+    prompt_logprobs: list[pb.TokenLogprob] | None = None  # with the first token, when asked for
+
+    @classmethod
+    def from_batch(cls, batch: pb.TokenBatch) -> "TokenEvent":
+        return cls(list(batch.token_ids), batch.finish_reason or None, batch.num_cached_tokens, batch.index,
+                   list(batch.logprobs), list(batch.prompt_logprobs) or None)
 
 
 class DispatchError(Exception):
@@ -79,6 +88,8 @@ def _worker_error(worker: Worker, error: grpc.aio.AioRpcError) -> DispatchError:
     code = error.code()
     if code is grpc.StatusCode.CANCELLED:
         return DispatchError(code, "request cancelled", worker)
+    if code is grpc.StatusCode.INVALID_ARGUMENT:  # the worker's words name the field (a grammar that does not compile)
+        return DispatchError(code, error.details(), worker)
     retry = dict(error.trailing_metadata() or ()).get(RETRY_AFTER_KEY)
     return DispatchError(code, f"{worker.role.value} worker {worker.address}: {error.details()}", worker,
                          retry_after_ms=int(retry) if retry and str(retry).isdigit() else None)
@@ -96,11 +107,14 @@ class Dispatcher:
         self.conditional: ConditionalRouter | None = None  # prefill short prompts on the decode worker
         self.observer = None  # planner.online.OnlinePlanner: sees arrivals, first tokens and ends
 
-    async def generate(self, req: ValidatedRequest, timeout_s: float) -> AsyncIterator[TokenEvent]:
+    async def generate(self, req: ValidatedRequest, timeout_s: float, prior: list[int] | None = None) -> AsyncIterator[TokenEvent]:
+        """``prior``: tokens the client already has (a choice continuing on its own)."""
         deadline = time.monotonic() + timeout_s
-        prior: list[int] = []
+        prior = list(prior or [])
         failed: set[str] = set()
-        watch = self.observer.watch(req) if self.observer is not None else None
+        n, ended = req.engine_sampling.n, set()  # choices, and those that have finished
+        priors: dict[int, list[int]] = {}  # n > 1: each choice's tokens so far
+        watch = self.observer.watch(req) if self.observer is not None and not prior else None
         for attempt in range(1, self.max_attempts + 1):
             try:
                 # Closed as soon as the request ends, not whenever the generator is collected:
@@ -108,11 +122,14 @@ class Dispatcher:
                 async with contextlib.aclosing(self._attempt(Attempt(req, list(prior)), deadline, failed)) as events:
                     async for event in events:
                         prior += event.token_ids
+                        priors.setdefault(event.index, []).extend(event.token_ids)
                         if watch is not None:
                             watch.token(len(event.token_ids), event.finish_reason)
                         yield event
                         if event.finish_reason:
-                            return
+                            ended.add(event.index)
+                            if len(ended) == n:
+                                return
                 raise DispatchError(grpc.StatusCode.UNAVAILABLE, "the worker stream ended without a finish reason")
             except DispatchError as e:
                 if e.worker is not None and e.code is grpc.StatusCode.UNAVAILABLE:
@@ -124,6 +141,11 @@ class Dispatcher:
                 kind = "migrations" if prior else "retries"
                 self.counters[kind] += 1
                 metrics.MIGRATIONS.labels(kind).inc()
+                if n > 1 and prior:  # several choices under way: each continues on its own
+                    async with contextlib.aclosing(continue_choices(self, req, priors, ended, deadline)) as rest:
+                        async for event in rest:
+                            yield event
+                    return
                 if e.code is grpc.StatusCode.DATA_LOSS:
                     self.counters["reprefills_after_corruption"] += 1
                 # Back off a little: a worker that just died takes its peers' health checks a moment to notice.
@@ -185,7 +207,7 @@ class Dispatcher:
         decode.inflight += 1
         try:
             while (event := await call.read()) is not grpc.aio.EOF:
-                yield TokenEvent(list(event.tokens.token_ids), event.tokens.finish_reason or None, event.tokens.num_cached_tokens)
+                yield TokenEvent.from_batch(event.tokens)
         except grpc.aio.AioRpcError as e:
             raise _worker_error(decode, e) from None
         finally:
@@ -210,12 +232,16 @@ class Dispatcher:
                 raise _worker_error(prefill, e) from None
             finally:
                 prefill.end_prefill(work)
-            yield TokenEvent([response.first_token_id], response.finish_reason or None, response.num_cached_tokens)
-            if response.finish_reason:
+            choices = response.choices or [pb.FirstToken(token_id=response.first_token_id, finish_reason=response.finish_reason)]
+            for i, first in enumerate(choices):
+                yield TokenEvent([first.token_id], first.finish_reason or None, response.num_cached_tokens, index=i,
+                                 logprobs=[first.logprob] if first.HasField("logprob") else [],
+                                 prompt_logprobs=list(response.prompt_logprobs) if i == 0 else None)
+            if all(first.finish_reason for first in choices):
                 return
             try:
                 while (event := await call.read()) is not grpc.aio.EOF:
-                    yield TokenEvent(list(event.tokens.token_ids), event.tokens.finish_reason or None)
+                    yield TokenEvent.from_batch(event.tokens)
             except grpc.aio.AioRpcError as e:
                 raise _worker_error(decode, e) from None
         finally:
@@ -246,7 +272,7 @@ def _decode_request(attempt: Attempt, prefill_locally: bool) -> pb.DecodeRequest
     req = attempt.request
     return pb.DecodeRequest(
         request_id=attempt.key, client_request_id=req.request_id, token_ids=attempt.token_ids,
-        sampling=sampling_to_proto(req.sampling), priority=req.priority, prefill_locally=prefill_locally,
+        sampling=sampling_to_proto(req.engine_sampling), priority=req.priority, prefill_locally=prefill_locally,
         num_prior_output_tokens=len(attempt.prior), ttft_budget_ms=_remaining_budget_ms(attempt),
     )
 
@@ -255,7 +281,7 @@ def _prefill_request(attempt: Attempt, target: pb.KvTarget) -> pb.PrefillRequest
     req = attempt.request
     return pb.PrefillRequest(
         request_id=attempt.key, client_request_id=req.request_id, token_ids=attempt.token_ids,
-        sampling=sampling_to_proto(req.sampling), priority=req.priority, num_prior_output_tokens=len(attempt.prior),
+        sampling=sampling_to_proto(req.engine_sampling), priority=req.priority, num_prior_output_tokens=len(attempt.prior),
         target=target, ttft_budget_ms=_remaining_budget_ms(attempt),
     )
 

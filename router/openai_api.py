@@ -11,10 +11,11 @@ retry later (504). A client that goes away, mid-stream or while waiting for a
 non-streaming answer, cancels the generation and with it the workers' RPCs.
 
 Beyond OpenAI's parameters, the vLLM extensions ``top_k`` (-1 or 0: off), ``ignore_eos``,
-``stop_token_ids`` and ``priority`` are understood. Parameters that would change the answer
-but are not implemented (``logprobs``, ``n`` > 1, ``echo``, penalties, ``logit_bias``,
-tools, structured output) are rejected with a 400 rather than silently ignored; unknown
-parameters are ignored, as vLLM does.
+``stop_token_ids``, ``priority``, ``prompt_logprobs`` and ``guided_*`` are understood
+(choices, logprobs, echo and structured output: ``router.openai_params``). Parameters that
+would change the answer but are not implemented (penalties, ``logit_bias``, tools,
+``suffix``) are rejected with a 400 rather than silently ignored; unknown parameters are
+ignored, as vLLM does.
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ import socket
 import ssl
 import time
 import uuid
+from dataclasses import replace
 from functools import partial
 from typing import Any, AsyncIterator, Callable, Iterable
 
 import anyio
+import grpc
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -39,11 +42,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute
 from starlette.types import Receive, Scope, Send
 
-from pdserve.router.completions import Chunk, Completions, Usage
+from pdserve.router.completions import Chunk, Completions
 from pdserve.router.dispatch import DispatchError
+from pdserve.router.openai_job import Job
+from pdserve.router.openai_logprobs import TokenTexts
+from pdserve.router.openai_params import parity_fields
 from pdserve.router.openai_protocol import (
-    DONE, SSE_HEADERS, APIError, ClientGone, Job, Params, chat_messages, invalid, json_body, openai_finish_reason,
-    param_name, prompt_input, reject_unsupported, sampling_fields, sse, stream_options,
+    DONE, SSE_HEADERS, APIError, ClientGone, Params, chat_messages, invalid, json_body, param_name, prompt_input,
+    reject_unsupported, sampling_fields, sse, stream_options,
 )
 from pdserve.router.request import CompletionRequest
 from pdserve.router.validation import InvalidRequest, ValidatedRequest
@@ -111,6 +117,7 @@ class _OpenAI:
         self.completions = completions
         self.model_name = model_name
         self.created = int(time.time())
+        self.texts = TokenTexts(completions.tokenizer.backend)  # token id -> text, for logprobs
 
     def model_card(self) -> dict[str, Any]:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pdserve",
@@ -146,12 +153,15 @@ class _OpenAI:
             inputs = prompt_input(p)
             max_param = "max_tokens"
         sampling, names = sampling_fields(p, max_param)
+        parity = parity_fields(p, chat, stream)
         completion = CompletionRequest(
             **inputs, request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             priority=p.get_int("priority") or 0,  # a vLLM extension: lower runs first
-            sampling=sampling,
+            sampling=replace(sampling, **parity.sampling),
         )
-        job = Job(self.model_name, chat, await self.validate(completion, names), include_usage)
+        validated = await self.validate(completion, {**names, **parity.names})
+        prompt_text = (inputs.get("prompt") or self.completions.tokenizer.decode(validated.prompt_token_ids)) if parity.echo else ""
+        job = Job(self.model_name, chat, validated, include_usage, self.texts, parity.echo, prompt_text)
         headers = {"X-Request-Id": job.id}
         try:
             if stream:
@@ -159,6 +169,9 @@ class _OpenAI:
             return await self._complete(request, job, headers)
         except DispatchError as e:
             log.info("request %s failed: %s %s", job.id, e.code.name, e.message)
+            if e.code is grpc.StatusCode.INVALID_ARGUMENT and ": " in e.message:  # a worker refused a field (a grammar)
+                field, problem = e.message.split(": ", 1)
+                return invalid(param_name(field, {**names, **parity.names}), problem).response(headers)
             return APIError.from_dispatch(e).response(headers)
         except ClientGone:
             log.info("request %s: the client went away; generation cancelled", job.id)
@@ -168,16 +181,11 @@ class _OpenAI:
         return self.completions.stream(job.validated, self.completions.timeout(None))
 
     async def _complete(self, request: Request, job: Job, headers: dict[str, str]) -> Response:
-        async def collect() -> tuple[str, str, Usage | None]:
-            texts, last = [], None
+        async def collect() -> list[Chunk]:
             async with contextlib.aclosing(self._generation(job)) as chunks:
-                async for chunk in chunks:
-                    texts.append(chunk.text)
-                    last = chunk
-            return "".join(texts), openai_finish_reason(last.finish_reason), last.usage
+                return [chunk async for chunk in chunks]
 
-        text, finish, usage = await _until_disconnect(request, collect())
-        return JSONResponse(job.full(text, finish, usage), headers=headers)
+        return JSONResponse(job.full(await _until_disconnect(request, collect())), headers=headers)
 
     async def _stream(self, request: Request, job: Job, headers: dict[str, str]) -> Response:
         # The first chunk comes before the response starts, so a request that fails at once
@@ -192,13 +200,13 @@ class _OpenAI:
         async def body() -> AsyncIterator[bytes]:
             async with contextlib.aclosing(chunks):
                 try:
-                    chunk, is_first = first, True
+                    chunk = first
                     while True:
-                        for event in job.events(chunk, is_first):
+                        for event in job.events(chunk):
                             yield event
-                        if chunk.finish_reason is not None:
+                        if chunk.usage is not None:  # the completion's last chunk (every choice has finished)
                             break
-                        chunk, is_first = await _next(chunks), False
+                        chunk = await _next(chunks)
                 except DispatchError as e:
                     log.info("request %s failed mid-stream: %s %s", job.id, e.code.name, e.message)
                     yield sse(APIError.from_dispatch(e).body())

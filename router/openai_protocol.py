@@ -6,17 +6,15 @@ frames sent back."""
 from __future__ import annotations
 
 import json
-import time
-from typing import Any, Iterable
+from typing import Any
 
 import grpc
 from fastapi import Request
 from starlette.responses import JSONResponse
 
-from pdserve.router.completions import Chunk, Usage
+from pdserve.router.completions import Usage
 from pdserve.router.dispatch import DispatchError
 from pdserve.router.request import ChatMessage, SamplingRequest
-from pdserve.router.validation import ValidatedRequest
 
 INT64 = (-(2**63), 2**63 - 1)  # JSON integers beyond this are refused while parsing
 FINISH_REASONS = ("stop", "length")
@@ -220,30 +218,12 @@ def _content(content: Any, where: str) -> str:
 
 
 def reject_unsupported(p: Params, chat: bool) -> None:
-    n = p.get_int("n")
-    if n is not None and n != 1:
-        raise invalid("n", f"only n=1 is supported, got {n}")
     if chat:
-        if p.get_bool("logprobs"):
-            raise invalid("logprobs", "log probabilities are not supported")
-        if p.get_int("top_logprobs"):
-            raise invalid("top_logprobs", "log probabilities are not supported")
         for name in ("tools", "functions"):
             if p.raw(name):
                 raise invalid(name, "tool calling is not supported")
-        fmt = p.raw("response_format")
-        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-            raise invalid("response_format", "only the text response format is supported")
-    else:
-        if p.given("logprobs"):
-            raise invalid("logprobs", "log probabilities are not supported")
-        if p.get_bool("echo"):
-            raise invalid("echo", "echoing the prompt is not supported")
-        if p.get_str("suffix"):
-            raise invalid("suffix", "suffixes (insertion) are not supported")
-        best_of = p.get_int("best_of")
-        if best_of is not None and best_of != 1:
-            raise invalid("best_of", f"only best_of=1 is supported, got {best_of}")
+    elif p.get_str("suffix"):
+        raise invalid("suffix", "suffixes (insertion) are not supported")
     for name in ("presence_penalty", "frequency_penalty"):
         if p.get_number(name):
             raise invalid(name, "penalties are not supported (only 0)")
@@ -299,7 +279,7 @@ def param_name(field: str, names: dict[str, str]) -> str:
 # ---------------------------------------------------------------------------------------------
 # Response shapes
 # ---------------------------------------------------------------------------------------------
-def _usage(usage: Usage | None) -> dict[str, Any] | None:
+def usage_body(usage: Usage | None) -> dict[str, Any] | None:
     if usage is None:
         return None
     return {
@@ -318,51 +298,3 @@ def openai_finish_reason(reason: str | None) -> str | None:
 
 def sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
-
-
-class Job:
-    """One request on its way through the API: its id, shapes and generation."""
-
-    def __init__(self, model_name: str, chat: bool, validated: ValidatedRequest, include_usage: bool) -> None:
-        self.model_name = model_name
-        self.chat = chat
-        self.validated = validated
-        self.id = validated.request_id
-        self.created = int(time.time())
-        self.include_usage = include_usage
-        self.object = "chat.completion.chunk" if chat else "text_completion"
-
-    def _head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model_name,
-                "system_fingerprint": None}
-
-    # -- non-streaming -------------------------------------------------------------------------
-    def full(self, text: str, finish: str, usage: Usage | None) -> dict[str, Any]:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None, "annotations": []},
-                      "logprobs": None, "finish_reason": finish}
-            return {**self._head("chat.completion"), "choices": [choice], "usage": _usage(usage)}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        return {**self._head("text_completion"), "choices": [choice], "usage": _usage(usage)}
-
-    # -- streaming -----------------------------------------------------------------------------
-    def _chunk(self, choices: list[dict[str, Any]], usage: Usage | None = None, last: bool = False) -> bytes:
-        payload = {**self._head(self.object), "choices": choices}
-        if self.include_usage:
-            payload["usage"] = _usage(usage) if last else None
-        return sse(payload)
-
-    def events(self, chunk: Chunk, first: bool) -> Iterable[bytes]:
-        finish = openai_finish_reason(chunk.finish_reason)
-        if self.chat:
-            if first:
-                yield self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                    "finish_reason": None}])
-            if chunk.text:
-                yield self._chunk([{"index": 0, "delta": {"content": chunk.text}, "logprobs": None, "finish_reason": None}])
-            if finish:
-                yield self._chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish}])
-        elif chunk.text or finish:
-            yield self._chunk([{"index": 0, "text": chunk.text, "logprobs": None, "finish_reason": finish}])
-        if finish and self.include_usage:
-            yield self._chunk([], chunk.usage, last=True)

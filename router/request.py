@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.request_rules import Constraint
 from pdserve.v1 import pdserve_pb2 as pb
+from pdserve.wire import constraint_from_proto
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,12 +31,19 @@ class SamplingRequest:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    n: int | None = None
+    best_of: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    constraint: Constraint | None = None
 
     @classmethod
     def from_proto(cls, s: pb.SamplingParams) -> "SamplingRequest":
-        optional = {name: getattr(s, name) for name in ("max_tokens", "temperature", "top_p", "top_k", "seed")
-                    if s.HasField(name)}
-        return cls(stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos, **optional)
+        optional = {name: getattr(s, name) for name in (
+            "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "best_of", "logprobs", "prompt_logprobs",
+        ) if s.HasField(name)}
+        return cls(stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
+                   constraint=constraint_from_proto(s.structured_output), **optional)
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,6 +35,8 @@ class RouterService(pdserve_pb2_grpc.RouterServicer):
                 yield pb.GenerateResponse(
                     request_id=req.request_id, token_ids=chunk.token_ids, text=chunk.text,
                     finish_reason=chunk.finish_reason or "", usage=chunk.usage.to_proto() if chunk.usage else None,
+                    index=chunk.index, logprobs=chunk.logprobs, prompt_logprobs=chunk.prompt_logprobs or (),
+                    prompt_token_ids=req.prompt_token_ids if chunk.prompt_logprobs is not None else (),
                 )
         except DispatchError as e:
             hint = ((RETRY_AFTER_KEY, str(e.retry_after_ms)),) if e.retry_after_ms else ()

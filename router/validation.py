@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.request_rules import (
-    CHAT_ROLES, MAX_MESSAGES, MAX_PROMPT_CHARS, InvalidRequest, check_priority, check_prompt_tokens, check_request_id,
-    check_sampling, check_ttft_budget_ms, default_max_tokens,
+    CHAT_ROLES, MAX_MESSAGES, MAX_PROMPT_CHARS, InvalidRequest, check_best_of, check_priority, check_prompt_tokens,
+    check_request_id, check_sampling, check_ttft_budget_ms, default_max_tokens,
 )
 from pdserve.router.request import ChatMessage, CompletionRequest, SamplingRequest
 from pdserve.router.tokenizer import RouterTokenizer
@@ -32,6 +32,14 @@ class ValidatedRequest:
     priority: int = 0
     ttft_budget_ms: float | None = None
     arrival: float = field(default_factory=time.monotonic)
+    best_of: int | None = None  # generate this many choices, return the sampling.n most likely
+
+    @property
+    def engine_sampling(self) -> SamplingParams:
+        """What the workers run: with best_of, that many choices and the logprobs that rank them."""
+        if self.best_of is None or self.best_of == self.sampling.n:
+            return self.sampling
+        return replace(self.sampling, n=self.best_of, logprobs=self.sampling.logprobs or 0)
 
 
 def validate(req: CompletionRequest, tokenizer: RouterTokenizer) -> ValidatedRequest:
@@ -44,7 +52,9 @@ def validate(req: CompletionRequest, tokenizer: RouterTokenizer) -> ValidatedReq
         check_ttft_budget_ms(req.ttft_budget_ms)
     ids = _prompt_ids(req, tokenizer)
     sampling = _sampling(req.sampling, len(ids), tokenizer)
-    return ValidatedRequest(request_id, ids, sampling, req.priority, req.ttft_budget_ms)
+    if req.sampling.best_of is not None:
+        check_best_of(req.sampling.best_of, sampling.n)
+    return ValidatedRequest(request_id, ids, sampling, req.priority, req.ttft_budget_ms, best_of=req.sampling.best_of)
 
 
 def _prompt_ids(req: CompletionRequest, tokenizer: RouterTokenizer) -> list[int]:
@@ -114,9 +124,10 @@ def _messages(messages: tuple[ChatMessage, ...]) -> list[dict[str, str]]:
 def _sampling(s: SamplingRequest, prompt_len: int, tokenizer: RouterTokenizer) -> SamplingParams:
     """Unset fields take ``SamplingParams``' defaults (``max_tokens``: also bounded by the room
     left in the context); ``SamplingParams`` checks each value, then the model-bound rules."""
-    given = {name: getattr(s, name) for name in ("temperature", "top_p", "top_k", "seed") if getattr(s, name) is not None}
+    given = {name: getattr(s, name) for name in ("temperature", "top_p", "top_k", "seed", "n") if getattr(s, name) is not None}
     max_tokens = s.max_tokens if s.max_tokens is not None else default_max_tokens(prompt_len, tokenizer.max_model_len)
     sampling = SamplingParams(max_tokens=max_tokens, stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids),
-                              ignore_eos=s.ignore_eos, **given)
+                              ignore_eos=s.ignore_eos, logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs,
+                              constraint=s.constraint, **given)
     check_sampling(sampling, vocab_size=tokenizer.vocab_size, prompt_len=prompt_len, max_model_len=tokenizer.max_model_len)
     return sampling

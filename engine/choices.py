@@ -1,0 +1,101 @@
+"""n > 1: several choices from one prompt, prefilled (and handed off) once.
+
+The prompt runs as one sequence. When its last position's logits are ready, the sampling step
+draws every choice's first token from that one row (choice ``i`` with its own noise,
+``choice_seed(seed, i)``). Then the sequence forks: choice 0 continues as the sequence itself;
+each other choice becomes a sequence that shares the prompt's full KV blocks (reference
+counted) and gets one fresh block: a copy of the prompt's partial last block (copy-on-write,
+done at once since every choice writes its own next token into that block in the next step)
+or, when the prompt ends on a block boundary, the block for its first token. A fork that
+finds no free block waits in the queue and recomputes its prompt (prefix-cache hits make
+that cheap), as a preempted sequence would.
+
+On a prefill worker nothing forks: the first tokens travel with the K/V (choice 0's as the
+transfer's first token, the others with it) and the decode worker forks when they land.
+A choice that ends at once (EOS as its first token) is finished where it was sampled.
+
+Seeds: choice 0 keeps the request's seed, so its tokens equal those of the same request with
+n = 1; choice ``i`` > 0 uses a seed derived from (seed, i): distinct and reproducible, on any
+worker, after preemption or migration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.request_rules import choice_seed
+
+
+def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
+    """The settings choice ``index`` samples with (one sequence, its own seed)."""
+    return replace(sampling, n=1, seed=choice_seed(sampling.seed, index), prompt_logprobs=None)
+
+
+def needs_fork(seq: Sequence) -> bool:
+    """Whether ``seq``'s next sample draws the first token of all its choices."""
+    return seq.sampling.n > 1 and seq.group is None and seq.choice == 0
+
+
+@dataclass(eq=False, slots=True)
+class ChoiceGroup:
+    seqs: list[Sequence]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+def request_finished(seq: Sequence) -> bool:
+    """Whether ``seq`` finishing ends its request (every choice has finished)."""
+    return seq.group is None or seq.group.finished
+
+
+class Forker:
+    """Creates a request's choices once their first tokens are known (engine thread)."""
+
+    def __init__(self, blocks: BlockManager, scheduler: Scheduler, kv_cache: KVCache,
+                 grammar_state: Callable[[Sequence], object]) -> None:
+        self.blocks = blocks
+        self.scheduler = scheduler
+        self.kv_cache = kv_cache
+        self.grammar_state = grammar_state
+        self.num_forks = 0
+        self.num_recomputed = 0  # forks that found no free block and re-prefill instead
+
+    def fork(self, parent: Sequence, first_token_ids: list[int]) -> list[Sequence]:
+        """``parent`` holds the prompt and choice 0's first token (K/V computed up to it);
+        returns every choice's sequence, ``parent`` first. Children are not yet scheduled:
+        ``admit`` them once their first token is known not to end them."""
+        prompt = parent.token_ids[: parent.num_tokens - 1]
+        group = ChoiceGroup([parent])
+        parent.group = group
+        for index, token_id in enumerate(first_token_ids[1:], start=1):
+            child = Sequence(
+                parent.request_id, prompt + [token_id], parent.num_prompt_tokens, choice_sampling(parent.sampling, index),
+                priority=parent.priority, arrival_time=parent.arrival_time,
+                num_prior_output_tokens=parent.num_prior_output_tokens, choice=index, group=group,
+            )
+            child.grammar = self.grammar_state(child)
+            group.seqs.append(child)
+        self.num_forks += len(group.seqs) - 1
+        return group.seqs
+
+    def admit(self, parent: Sequence, child: Sequence) -> None:
+        """Shares ``parent``'s prompt blocks with ``child`` and puts it in the running batch, or,
+        without a free block, queues it to recompute its prompt."""
+        copies = self.blocks.fork(parent, child)
+        if copies is None:
+            self.num_recomputed += 1
+            self.scheduler.add(child)
+            return
+        for src, dst in copies:
+            self.kv_cache.tensor[:, dst] = self.kv_cache.tensor[:, src]
+        child.status = SequenceStatus.RUNNING
+        child.admitted_at = parent.admitted_at
+        self.scheduler.running.append(child)

@@ -1,0 +1,132 @@
+"""Structured output: a grammar engine (xgrammar, as vLLM and SGLang use) turns a request's
+constraint (a JSON schema, any JSON object, a regex, a list of choices, an EBNF grammar) into
+a compiled grammar once, and into a per-sequence matcher that builds each step's token
+bitmask; the sampling step applies the masks of the whole batch at once.
+
+A matcher is never shipped between workers: it is rebuilt from the tokens generated so far
+(``GrammarState.sync``), so the first token is constrained on the prefill worker, the rest on
+the decode worker, and a migrated or preempted request continues in the same grammar state.
+Compiling takes milliseconds (cached per constraint); workers compile on a gRPC handler's
+thread before a request enters the engine, so a constraint that does not compile is refused
+(INVALID_ARGUMENT naming the field) without stalling the engine thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+
+import torch
+import xgrammar as xgr
+
+from pdserve.request_rules import Constraint, InvalidRequest
+
+log = logging.getLogger(__name__)
+COMPILE_THREADS = 2
+
+
+def constraint_field(c: Constraint) -> str:
+    return f"sampling.structured_output.{c.kind}"
+
+
+def choice_grammar(choices: tuple[str, ...]) -> str:
+    """An EBNF grammar whose strings are exactly ``choices`` (JSON string escapes are EBNF's)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _engine_message(error: Exception) -> str:
+    """xgrammar's errors start with a timestamp and a C++ source location: keep the words."""
+    text = str(error).strip()
+    return re.sub(r"^\[[0-9:]+\]\s*\S+:\d+:\s*", "", text).splitlines()[0] if text else type(error).__name__
+
+
+class GrammarCompiler:
+    """Compiles constraints for one model's tokenizer (thread-safe; results cached)."""
+
+    def __init__(self, tokenizer_dir: str, vocab_size: int, stop_token_ids: list[int]) -> None:
+        self.tokenizer_dir = tokenizer_dir
+        self.vocab_size = vocab_size
+        self.stop_token_ids = stop_token_ids
+        self._compiler: xgr.GrammarCompiler | None = None
+        self._lock = threading.Lock()
+
+    def _get(self) -> xgr.GrammarCompiler:
+        with self._lock:  # the tokenizer's vocabulary is read once, on the first constraint
+            if self._compiler is None:
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir)
+                info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.stop_token_ids)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS)
+            return self._compiler
+
+    def compile(self, c: Constraint) -> xgr.CompiledGrammar:
+        """Raises ``InvalidRequest`` naming the field when the grammar engine refuses it."""
+        compiler = self._get()
+        try:
+            if c.kind == "json_schema":
+                return compiler.compile_json_schema(c.value, any_whitespace=False)
+            if c.kind == "json_object":
+                return compiler.compile_builtin_json_grammar()
+            if c.kind == "regex":
+                return compiler.compile_regex(c.value)
+            if c.kind == "choice":
+                return compiler.compile_grammar(choice_grammar(c.choices))
+            if c.kind == "grammar":
+                return compiler.compile_grammar(c.value)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise InvalidRequest(constraint_field(c), f"the grammar engine cannot compile it: {_engine_message(e)}") from None
+        raise InvalidRequest("sampling.structured_output", f"unknown kind {c.kind!r}")
+
+    def state(self, c: Constraint) -> GrammarState:
+        return GrammarState(xgr.GrammarMatcher(self.compile(c)))
+
+
+class GrammarState:
+    """One sequence's position in its grammar, fed the sequence's output tokens."""
+
+    def __init__(self, matcher: xgr.GrammarMatcher) -> None:
+        self.matcher = matcher
+        self.accepted = 0  # output tokens fed so far
+        self.broken = False  # a token the grammar refused (cannot happen to masked samples)
+
+    def sync(self, output_token_ids: list[int]) -> None:
+        """Feeds the output tokens the matcher has not seen (after a handoff, a migration, a step)."""
+        for token in output_token_ids[self.accepted :]:
+            if not self.broken and not self.matcher.is_terminated() and not self.matcher.accept_token(token):
+                log.warning("structured output: token %d is outside the grammar; the rest is unconstrained", token)
+                self.broken = True
+        self.accepted = len(output_token_ids)
+
+    @property
+    def constrains(self) -> bool:
+        return not self.broken and not self.matcher.is_terminated()
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+
+class BatchMasker:
+    """Applies the grammar masks of a step's rows in one call (one per engine: its bitmask
+    buffers are reused across steps)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[int, int], torch.Tensor] = {}
+
+    def apply(self, logits: torch.Tensor, states: list[tuple[int, GrammarState]]) -> None:
+        """Masks (to -inf) in place, for each ``(row, state)``, every token the grammar forbids next."""
+        states = [(row, s) for row, s in states if s.constrains]
+        if not states:
+            return
+        rows, vocab = logits.shape
+        key = (1 << max(rows - 1, 0).bit_length(), vocab)  # a few sizes (powers of two), reused
+        if key not in self._buffers:
+            self._buffers[key] = xgr.allocate_token_bitmask(*key)
+        bitmask = self._buffers[key]
+        for row, state in states:
+            state.fill(bitmask, row)
+        xgr.apply_token_bitmask_inplace(logits, bitmask[:rows].to(logits.device, non_blocking=True), vocab_size=vocab,
+                                        indices=[row for row, _ in states])

@@ -1,0 +1,96 @@
+"""Log probabilities in OpenAI's shapes.
+
+/v1/completions (the legacy shape lm-evaluation-harness and perplexity scripts read):
+``{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}``; with
+``echo`` the prompt's tokens come first, the first of them with ``null`` (nothing predicts
+it). /v1/chat/completions: ``{"content": [{"token", "logprob", "bytes", "top_logprobs":
+[{"token", "logprob", "bytes"}]}], "refusal": null}``.
+
+A token's text is its own bytes decoded as UTF-8 (a token that holds part of a character
+shows U+FFFD, as in vLLM); ``bytes`` are the exact bytes, so a client can join them.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from pdserve.v1 import pdserve_pb2 as pb
+
+
+@lru_cache(maxsize=1)
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE (GPT-2 style) spells each byte as one printable character: the inverse map."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {b: b for b in printable}, 0
+    for b in range(256):
+        if b not in chars:
+            chars[b], extra = 256 + extra, extra + 1
+    return {chr(c): b for b, c in chars.items()}
+
+
+class TokenTexts:
+    """Token id -> (text, bytes), cached."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.byte_level = type(tokenizer.decoder).__name__ == "ByteLevel"
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        found = self._cache.get(token_id)
+        if found is None:
+            found = self._cache[token_id] = self._lookup(token_id)
+        return found
+
+    def _lookup(self, token_id: int) -> tuple[str, list[int]]:
+        piece = self.tokenizer.id_to_token(token_id)
+        if piece is None:
+            return "", []
+        alphabet = _byte_level_alphabet()
+        if self.byte_level and all(ch in alphabet for ch in piece):
+            raw = bytes(alphabet[ch] for ch in piece)
+        else:
+            raw = self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
+        return raw.decode("utf-8", errors="replace"), list(raw)
+
+
+class CompletionLogprobs:
+    """One choice's /v1/completions ``logprobs``, built chunk by chunk (offsets run on)."""
+
+    def __init__(self, texts: TokenTexts, offset: int = 0) -> None:
+        self.texts = texts
+        self.offset = offset  # characters of the choice's text before the next token
+
+    def block(self, token_ids: list[int], logprobs: list[pb.TokenLogprob | None]) -> dict[str, Any]:
+        """``logprobs[i]`` None: no prediction for that token (the prompt's first)."""
+        tokens, token_logprobs, tops, offsets = [], [], [], []
+        for token_id, lp in zip(token_ids, logprobs):
+            text = self.texts(token_id)[0]
+            tokens.append(text)
+            offsets.append(self.offset)
+            self.offset += len(text)
+            token_logprobs.append(lp.logprob if lp is not None else None)
+            tops.append(None if lp is None else {
+                self.texts(t)[0]: v for t, v in zip(lp.top_token_ids, lp.top_logprobs)} | {text: lp.logprob})
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def merge_blocks(blocks: list[dict[str, Any]]) -> dict[str, Any] | None:
+    if not blocks:
+        return None
+    return {key: [v for b in blocks for v in b[key]] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+
+def chat_logprobs(texts: TokenTexts, token_ids: list[int], logprobs: list[pb.TokenLogprob]) -> list[dict[str, Any]]:
+    content = []
+    for token_id, lp in zip(token_ids, logprobs):
+        text, raw = texts(token_id)
+        top = []
+        for t, v in zip(lp.top_token_ids, lp.top_logprobs):
+            top_text, top_raw = texts(t)
+            top.append({"token": top_text, "logprob": v, "bytes": top_raw})
+        content.append({"token": text, "logprob": lp.logprob, "bytes": raw, "top_logprobs": top})
+    return content

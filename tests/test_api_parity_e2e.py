@@ -1,0 +1,238 @@
+"""API parity on real stacks (1P1D and colocated, real processes, real gRPC and KV transfer):
+logprobs and prompt logprobs equal transformers' fp32 log_softmax through gRPC and through the
+official ``openai`` SDK (echo + logprobs, chat logprobs); n = 4 with a seed gives four distinct,
+reproducible choices, the same in both modes, from one prefill; structured output over both
+APIs; ``stream_options.include_usage``; bad input gets INVALID_ARGUMENT / 400 naming the field."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import grpc
+import jsonschema
+import openai
+import pytest
+import torch
+
+from conftest import PROMPTS
+from pdserve.v1 import pdserve_pb2 as pb
+from pdserve.v1 import pdserve_pb2_grpc
+from processes import Stack, free_port
+from schemas import SCHEMAS
+from test_stack_e2e import assert_blocks_all_free, cluster_stats
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]  # a stack starts in a test's setup; the machine is shared
+ARGS = ("--dtype", "float32", "--kv-cache-memory", "128MiB")
+TOLERANCE = 1e-4
+
+
+def up(*extra: str) -> Stack:
+    return Stack.up(*extra, *ARGS, "--http-port", str(free_port()))
+
+
+@pytest.fixture(scope="module")
+def disaggregated():
+    s = up("--prefill", "1", "--decode", "1")
+    yield s
+    s.down()
+
+
+@pytest.fixture(scope="module")
+def colocated():
+    s = up("--colocated")
+    yield s
+    s.down()
+
+
+@pytest.fixture(params=["1p1d", "colocated"])
+def stack(request) -> Stack:
+    return request.getfixturevalue("disaggregated" if request.param == "1p1d" else "colocated")
+
+
+def sdk(stack: Stack) -> openai.AsyncOpenAI:
+    http = next(p["http"] for p in stack.processes if p["role"] == "router")
+    return openai.AsyncOpenAI(base_url=f"http://{http}/v1", api_key="x", max_retries=0, timeout=300)
+
+
+def request(prompt: str, **sampling) -> pb.GenerateRequest:
+    constraint = sampling.pop("structured_output", None)
+    return pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParams(structured_output=constraint, **sampling))
+
+
+async def generate(stack: Stack, req: pb.GenerateRequest) -> list[pb.GenerateResponse]:
+    async with grpc.aio.insecure_channel(stack.address) as channel:
+        return [m async for m in pdserve_pb2_grpc.RouterStub(channel).Generate(req, timeout=300)]
+
+
+def by_choice(messages: list[pb.GenerateResponse]) -> dict[int, list[int]]:
+    choices: dict[int, list[int]] = {}
+    for m in messages:
+        choices.setdefault(m.index, []).extend(m.token_ids)
+    return choices
+
+
+def reference(hf_reference, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf_reference.model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+
+
+async def test_grpc_logprobs_and_prompt_logprobs_equal_transformers(stack, hf_reference):
+    messages = await generate(stack, request(PROMPTS[2], max_tokens=6, temperature=0, logprobs=3, prompt_logprobs=2))
+    prompt_ids = hf_reference.tokenizer(PROMPTS[2]).input_ids
+    first = messages[0]
+    assert list(first.prompt_token_ids) == prompt_ids and len(first.prompt_logprobs) == len(prompt_ids) - 1
+    ids = [t for m in messages for t in m.token_ids]
+    logprobs = [lp for m in messages for lp in m.logprobs]
+    assert len(logprobs) == len(ids) == 6
+    ref = reference(hf_reference, prompt_ids + ids)
+    for p, lp in enumerate(first.prompt_logprobs):
+        assert abs(lp.logprob - ref[p, prompt_ids[p + 1]].item()) < TOLERANCE
+        assert list(lp.top_logprobs) == pytest.approx(ref[p].topk(2).values.tolist(), abs=TOLERANCE)
+    for k, (token_id, lp) in enumerate(zip(ids, logprobs)):
+        row = ref[len(prompt_ids) - 1 + k]
+        assert abs(lp.logprob - row[token_id].item()) < TOLERANCE and lp.rank == 1
+        assert list(lp.top_token_ids)[0] == token_id
+        assert list(lp.top_logprobs) == pytest.approx(row.topk(3).values.tolist(), abs=TOLERANCE)
+    await assert_blocks_all_free(stack.address)
+
+
+async def test_openai_sdk_echo_and_chat_logprobs_equal_transformers(stack, hf_reference):
+    client = sdk(stack)
+    model = (await client.models.list()).data[0].id
+    prompt = PROMPTS[0]
+    prompt_ids = hf_reference.tokenizer(prompt).input_ids
+    out = await client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0, logprobs=2, echo=True)
+    choice = out.choices[0]
+    assert choice.text.startswith(prompt)
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(prompt_ids) + 4 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert "".join(lp.tokens) == choice.text and lp.text_offset[len(prompt_ids)] == len(prompt)
+    ids = prompt_ids + hf_reference.greedy(prompt_ids, 4)
+    ref = reference(hf_reference, ids)
+    for i in range(1, len(ids)):
+        assert abs(lp.token_logprobs[i] - ref[i - 1, ids[i]].item()) < TOLERANCE
+        assert len(lp.top_logprobs[i]) >= 2
+
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chat = await client.chat.completions.create(model=model, messages=messages, max_tokens=5, temperature=0,
+                                                logprobs=True, top_logprobs=3)
+    chat_ids = hf_reference.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                          return_dict=True)["input_ids"]
+    content = chat.choices[0].logprobs.content
+    generated = hf_reference.greedy(chat_ids, len(content))
+    ref = reference(hf_reference, chat_ids + generated)
+    for k, entry in enumerate(content):
+        row = ref[len(chat_ids) - 1 + k]
+        assert abs(entry.logprob - row[generated[k]].item()) < TOLERANCE
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(row.topk(3).values.tolist(), abs=TOLERANCE)
+        assert bytes(entry.bytes).decode("utf-8", "replace") == entry.token
+    await client.close()
+
+
+async def test_n4_with_a_seed_is_distinct_reproducible_and_prefilled_once(disaggregated, colocated):
+    req = request("Once upon a time", max_tokens=10, temperature=1.0, seed=77, n=4, ignore_eos=True)
+    before = await cluster_stats(disaggregated.address)
+    first = await generate(disaggregated, req)
+    after = await cluster_stats(disaggregated.address)
+    choices = by_choice(first)
+    assert sorted(choices) == [0, 1, 2, 3] and len({tuple(c) for c in choices.values()}) == 4
+    assert all(len(c) == 10 for c in choices.values())
+    assert sum(1 for m in first if m.finish_reason) == 4 and first[-1].usage.completion_tokens == 40
+
+    def counter(stats, role, name):
+        return sum(w.counters[name] for w in stats.workers if w.role == role)
+
+    assert counter(after, "prefill", "prompts_prefilled") - counter(before, "prefill", "prompts_prefilled") == 1
+    assert counter(after, "decode", "forks") - counter(before, "decode", "forks") == 3
+    assert by_choice(await generate(disaggregated, req)) == choices, "reproducible with the seed"
+    assert by_choice(await generate(colocated, req)) == choices, "the same choices colocated"
+    await assert_blocks_all_free(disaggregated.address)
+    await assert_blocks_all_free(colocated.address)
+
+
+async def test_stream_options_include_usage_with_choices(disaggregated):
+    client = sdk(disaggregated)
+    model = (await client.models.list()).data[0].id
+    stream = await client.completions.create(model=model, prompt="Hello", max_tokens=5, n=2, seed=3, stream=True,
+                                             stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    texts, usage = {0: "", 1: ""}, None
+    async for chunk in stream:
+        if chunk.usage is not None:
+            assert chunk.choices == [] and usage is None
+            usage = chunk.usage
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert usage.completion_tokens == 10 and usage.prompt_tokens == 1 and all(texts.values())
+    await client.close()
+
+
+async def test_structured_output_over_both_apis(stack, hf_reference):
+    client = sdk(stack)
+    model = (await client.models.list()).data[0].id
+    schema = SCHEMAS[6]  # nested objects with a pattern
+    fmt = {"type": "json_schema", "json_schema": {"name": "user", "schema": schema, "strict": True}}
+    messages = [{"role": "user", "content": "Describe a user as JSON."}]
+    texts = [(await client.chat.completions.create(model=model, messages=messages, max_tokens=120, temperature=0,
+                                                   response_format=fmt)).choices[0].message.content for _ in range(2)]
+    assert texts[0] == texts[1], "greedy + schema is deterministic"
+    jsonschema.validate(json.loads(texts[0]), schema)
+    obj = await client.chat.completions.create(model=model, messages=messages, max_tokens=80, temperature=0.8, seed=2,
+                                               response_format={"type": "json_object"})
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    out = await client.completions.create(model=model, prompt="Call me at", max_tokens=20, n=2, seed=5,
+                                          extra_body={"guided_regex": r"\d{3}-\d{4}"})
+    assert all(re.fullmatch(r"\d{3}-\d{4}", c.text) for c in out.choices)
+    choice = pb.StructuredOutput(choice=pb.Choices(choices=["alpha", "beta", "gamma delta"]))
+    messages_ = await generate(stack, request("Pick one:", max_tokens=10, temperature=1.0, seed=4, n=3, structured_output=choice))
+    for ids in by_choice(messages_).values():
+        assert hf_reference.tokenizer.decode(ids, skip_special_tokens=True) in ("alpha", "beta", "gamma delta")
+    await client.close()
+
+
+@pytest.mark.parametrize("sampling, field", [
+    (dict(logprobs=21), "sampling.logprobs"),
+    (dict(prompt_logprobs=-1), "sampling.prompt_logprobs"),
+    (dict(n=0), "sampling.n"),
+    (dict(n=17), "sampling.n"),
+    (dict(n=3, best_of=2), "sampling.best_of"),
+    (dict(structured_output=pb.StructuredOutput(json_schema='{"type": "nope"}')), "sampling.structured_output.json_schema"),
+    (dict(structured_output=pb.StructuredOutput(json_schema="{not json")), "sampling.structured_output.json_schema"),
+    (dict(structured_output=pb.StructuredOutput(json_schema='{"properties": {"a": {"$ref": "#/none"}}}')),
+     "sampling.structured_output.json_schema"),
+    (dict(structured_output=pb.StructuredOutput(regex="(ab")), "sampling.structured_output.regex"),
+    (dict(structured_output=pb.StructuredOutput(choice=pb.Choices())), "sampling.structured_output.choice"),
+    (dict(structured_output=pb.StructuredOutput(json_object=True), ignore_eos=True), "sampling.ignore_eos"),
+])
+async def test_bad_grpc_input_is_invalid_argument_naming_the_field(disaggregated, sampling, field):
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await generate(disaggregated, request("Hi", max_tokens=4, **sampling))
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith(f"{field}: "), err.value.details()
+
+
+@pytest.mark.parametrize("chat, body, param", [
+    (False, dict(logprobs=21), "logprobs"),
+    (False, dict(n=0), "n"),
+    (False, dict(n=17), "n"),
+    (False, dict(best_of=3, stream=True), "best_of"),
+    (False, dict(echo="yes"), "echo"),
+    (True, dict(top_logprobs=3), "top_logprobs"),
+    (True, dict(logprobs=True, top_logprobs=21), "top_logprobs"),
+    (True, dict(response_format={"type": "xml"}), "response_format.type"),
+    (True, dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format.json_schema"),
+    (True, dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 7}}}), "response_format"),
+    (True, dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "#/missing"}}}}}), "response_format"),
+    (True, dict(response_format={"type": "json_object"}, guided_regex="a+"), "guided_regex"),
+    (False, dict(guided_choice="yes"), "guided_choice"),
+])
+async def test_bad_openai_input_is_a_400_naming_the_parameter(disaggregated, chat, body, param):
+    client = sdk(disaggregated)
+    base = {"messages": [{"role": "user", "content": "Hi"}]} if chat else {"prompt": "Hi"}
+    path = "/chat/completions" if chat else "/completions"
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.post(path, body={**base, "max_tokens": 4, **body}, cast_to=object)
+    assert err.value.status_code == 400 and err.value.body["param"] == param, err.value.body
+    assert err.value.body["message"].startswith(f"{param}: ")
+    await client.close()

@@ -31,6 +31,10 @@ class EngineConfig:
     attention_backend: str = _opt("auto", "attention kernels", ("auto", "torch", "cpu", "triton"))
     cache_dir: str | None = _opt(None, "where converted models are kept (default ~/.cache/pdserve)")
     num_threads: int | None = _opt(None, "torch CPU threads for this process")
+    tensor_parallel_size: int = _opt(1, "ranks (one process each) that split every layer: attention heads and MLP columns, "
+                                        "one all-reduce after each (Megatron)")
+    pipeline_parallel_size: int = _opt(1, "ranks (one process each) that take consecutive layers, the batch passed "
+                                          "between them in micro-batches")
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -41,3 +45,14 @@ class EngineConfig:
             raise ValueError(f"block_size must be an integer in [1, 1024], got {self.block_size!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.world_size > 1 and self.preemption_mode == "swap":
+            raise ValueError("preemption_mode swap keeps one rank's KV cache: with tensor or pipeline parallelism use recompute")
+
+    @property
+    def world_size(self) -> int:
+        """Processes of one worker: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size

@@ -42,6 +42,7 @@ class RankSupervisor:
         self.env = env  # MASTER_ADDR, MASTER_PORT and the rest every rank shares
         self.rank_cores = rank_cores
         self.on_death = on_death
+        self.command = [sys.executable, "-m", "pdserve.engine.parallel.rank_main"]  # what each follower runs
         self.processes: dict[int, subprocess.Popen] = {}
         self.failure: str | None = None  # a rank that died before the worker was up
         self.serving = False  # from now on a death calls on_death
@@ -86,8 +87,7 @@ class RankSupervisor:
         if self.rank_cores:
             env["PDSERVE_RANK_CORES"] = ",".join(map(str, self.rank_cores[rank]))
         # Followers never write the worker's stdout (where its ready line goes).
-        return subprocess.Popen([sys.executable, "-m", "pdserve.engine.parallel.rank_main"], env=env,
-                                stdout=sys.stderr.fileno(), preexec_fn=_die_with_parent)
+        return subprocess.Popen(self.command, env=env, stdout=sys.stderr.fileno(), preexec_fn=_die_with_parent)
 
     @property
     def pids(self) -> list[int]:

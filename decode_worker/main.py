@@ -12,6 +12,7 @@ from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.loader import pick_device
+from pdserve.engine.parallel.rank_caches import handoff_shards
 from pdserve.grpc_server import start_server
 from pdserve.kvtransfer import registry
 from pdserve.kvtransfer.fingerprint import model_fingerprint
@@ -42,7 +43,7 @@ async def serve(engine_config: EngineConfig, settings: WorkerSettings, security:
         if pool_spec is None:
             return None
         pools.append(pool_spec.load().make_pool(layout, num_blocks, device))
-        return pools[0].tensor
+        return pools[0]
 
     engine = await asyncio.to_thread(LLMEngine, engine_config, kv_storage=kv_storage)
     chunking.install(engine, settings.profile, settings.slo_tpot_ms)  # before the engine thread starts
@@ -51,15 +52,15 @@ async def serve(engine_config: EngineConfig, settings: WorkerSettings, security:
     role = "colocated" if settings.colocated else "decode"
     public_host = settings.public_host()
 
-    layout = engine.kv_layout
+    shards = handoff_shards(engine)  # every rank's cache (one, at tensor parallel 1): units land in their heads
     one_sided = any(registry.get(t).one_sided for t in transports)
-    ledger = GrantLedger(layout.num_layers, layout.token_bytes, lease_s=settings.kv_lease_s,
+    ledger = GrantLedger(shards.layout.num_layers, shards.token_bytes, lease_s=settings.kv_lease_s,
                          quarantine_s=ONE_SIDED_QUARANTINE_S if one_sided else 0.0)
     ucx = UcxWorker() if "ucx" in transports else None
     fingerprint = await asyncio.to_thread(model_fingerprint, engine.model_dir, engine_config.cache_dir)
-    peer = local_peer_info(fingerprint, layout, role=role, transports=transports,
-                           extra=pools[0].describe() if pools else {})
-    cache = KVCacheView(engine.kv_cache.layers, engine.config.block_size, layout.token_bytes)
+    peer = local_peer_info(fingerprint, engine.kv_layout, role=role, transports=transports,
+                           extra=pools[0].describe() if pools else {}, tp_size=shards.tp_size)
+    cache = KVCacheView(shards.layers, engine.config.block_size, shards.token_bytes)
     receiver = KVReceiver(ledger, cache, peer, settings.host, settings.kv_port, ucx=ucx,
                           secret=security.cluster_token.encode() if security.cluster_token else None)
     receiver.start()
@@ -88,6 +89,7 @@ async def serve(engine_config: EngineConfig, settings: WorkerSettings, security:
     if ucx is not None:
         ucx.close()
     await loop.stop()
+    engine.close()
     for pool in pools:
         pool.close()
 

@@ -35,6 +35,10 @@ class EngineConfig:
     attention_backend: str = setting("auto", "attention kernels", choices=ATTENTION_BACKENDS)
     cache_dir: str | None = setting(None, "where converted models are kept (default ~/.cache/pdserve)")
     num_threads: int | None = setting(None, "torch CPU threads for this process")
+    tensor_parallel_size: int = setting(1, "ranks (one process each) that split every layer: attention heads and MLP columns, "
+                                           "one all-reduce after each (Megatron)")
+    pipeline_parallel_size: int = setting(1, "ranks (one process each) that take consecutive layers, the batch passed "
+                                             "between them in micro-batches")
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -45,3 +49,14 @@ class EngineConfig:
             raise ValueError(f"block_size must be an integer in [1, 1024], got {self.block_size!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.world_size > 1 and self.preemption_mode == "swap":
+            raise ValueError("preemption_mode swap keeps one rank's KV cache: with tensor or pipeline parallelism use recompute")
+
+    @property
+    def world_size(self) -> int:
+        """Processes of one worker: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size

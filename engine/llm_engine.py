@@ -26,6 +26,7 @@ from pdserve.engine.logprobs import TokenLogprob, start_prompt_logprobs, take_pr
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.model_store import resolve_model
+from pdserve.engine.parallel.rank_caches import KVShards
 from pdserve.engine.request_output import FirstToken, RequestOutput, RequestRejected
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sampling_step import SampledToken
@@ -71,18 +72,29 @@ class LLMEngine:
         self.device = pick_device(config.device)
         self.dtype = parse_dtype(config.dtype, self.device)
         self.kv_layout = KVLayout.for_model(self.model_config, config.block_size, self.dtype, config.kv_cache_dtype)
-        backend = select_backend(self.device, config.attention_backend, self.kv_layout.format)
-        self.model = load_model(self.model_dir, self.dtype, self.device, backend, config.quantization)
-        num_blocks = num_blocks_for_budget(self.kv_layout, config.kv_cache_memory, self.device)
-        storage = kv_storage(self.kv_layout, num_blocks) if kv_storage else None
-        self.kv_cache = KVCache(self.kv_layout, num_blocks, self.device, storage)
+        self.parallel = None  # rank 0 of a tensor/pipeline-parallel worker (engine/parallel)
+        if config.world_size > 1:
+            from pdserve.engine.parallel.driver import ParallelDriver
+
+            self.parallel = ParallelDriver(config, self.model_dir, self.device, kv_storage)
+            self.model, self.kv_cache, self.kv_shards = self.parallel.model, self.parallel.kv_cache, self.parallel.kv_shards
+            forward, backend_name = self.parallel, f"{self.model.backend.name} x{config.world_size} ranks"
+        else:
+            backend = select_backend(self.device, config.attention_backend, self.kv_layout.format)
+            self.model = forward = load_model(self.model_dir, self.dtype, self.device, backend, config.quantization)
+            num_blocks = num_blocks_for_budget(self.kv_layout, config.kv_cache_memory, self.device)
+            storage = kv_storage(self.kv_layout, num_blocks) if kv_storage else None
+            self.kv_cache = KVCache(self.kv_layout, num_blocks, self.device, getattr(storage, "tensor", storage))
+            self.kv_shards = KVShards(self.kv_cache.layers, self.kv_layout)  # the cache as the KV handoff sees it
+            backend_name = backend.name
+        num_blocks = self.kv_cache.num_blocks
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.swap = self._swap_space(num_blocks)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill),
             self.blocks, self.swap,
         )
-        self.runner = ModelRunner(self.model, self.kv_cache.layers, config.block_size, self.device)
+        self.runner = ModelRunner(forward, self.kv_cache.layers, config.block_size, self.device)
         self.connector = KVConnector(self.scheduler, self.blocks, self.model_config.num_layers, self.model_config.vocab_size,
                                      self._finish_reason)
         # API parity: grammars for structured output, forks for n > 1 (engine/choices.py).
@@ -96,18 +108,24 @@ class LLMEngine:
         log.info(
             "engine loaded: %s %s on %s, %d KV blocks of %d tokens (%.0f MiB), attention=%s",
             self.model_config.architecture, str(self.dtype).removeprefix("torch."), self.device, num_blocks, config.block_size,
-            self.kv_cache.nbytes / 2**20, backend.name,
+            self.kv_cache.nbytes / 2**20, backend_name,
         )
 
     def _swap_space(self, num_blocks: int) -> SwapSpace | None:
         mode = self.config.preemption_mode
-        if mode == "recompute" or (mode == "auto" and self.device.type != "cuda"):
+        if mode == "recompute" or (mode == "auto" and self.device.type != "cuda") or self.parallel is not None:
             return None
         nbytes, fraction = parse_memory(self.config.swap_space)
         if fraction is not None:
             raise ValueError("swap_space must be a size such as '4GiB'")
         host_blocks = min(num_blocks * 4, nbytes // (self.kv_layout.block_bytes * self.kv_layout.num_layers))
         return SwapSpace(self.kv_cache, host_blocks) if host_blocks else None
+
+    def close(self) -> None:
+        """Stops the other ranks of a parallel worker (nothing to do at TP 1)."""
+        if self.parallel is not None:
+            self.parallel.close()
+            self.parallel = None
 
     # -- requests ---------------------------------------------------------------------------
     @property

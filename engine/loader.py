@@ -94,29 +94,35 @@ def stack_checkpoint(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device, backend: AttentionBackend,
-               quantization: str = "none") -> CausalLM:
+               quantization: str = "none", shard=None) -> CausalLM:
+    """``shard``: this rank's part of a tensor/pipeline-parallel model (``engine.parallel.sharding.ModelShard``)."""
     folder = Path(folder)
     config = ModelConfig.from_folder(folder)
     with torch.device("meta"):
-        model = CausalLM(config, backend, select_layer_ops(device))
+        model = CausalLM(shard.local_config() if shard else config, backend, select_layer_ops(device))
+        if shard:
+            shard.prune(model)
     state = stack_checkpoint(load_state_dict(folder, dtype))
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    if shard:
+        state = shard.shard_state(state)
     expected = {k for k in model.state_dict() if not (config.tie_word_embeddings and k == "lm_head.weight")}
     missing, unexpected = expected - state.keys(), state.keys() - expected
     if missing or unexpected:
         raise ValueError(f"weights in {folder} do not fit {config.architecture}: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
     model.load_state_dict(state, strict=False, assign=True)
-    if config.tie_word_embeddings:
+    if config.tie_word_embeddings and model.lm_head is not None:
         model.lm_head.weight = model.model.embed_tokens.weight
     # Buffers are not in the checkpoint: build them for real, off the meta device.
     model.rope = type(model.rope)(config)
     model = model.to(device).eval()
     if quantization != "none":
-        quantize_model(model, quantization, load_codes(folder / NATIVE_CODES), device)
+        # A GGUF's own blocks hold whole tensors: a shard quantizes its slices instead.
+        quantize_model(model, quantization, {} if shard else load_codes(folder / NATIVE_CODES), device)
     elif dtype == torch.bfloat16 and backend.cpu_kernels is not None and backend.cpu_kernels.has_dense_bf16():
         pack_bf16_model(model, backend.cpu_kernels)
-    if backend.cpu_kernels is not None and model.ops.name == "cpu" and backend.kv_format is not None:
+    if shard is None and backend.cpu_kernels is not None and model.ops.name == "cpu" and backend.kv_format is not None:
         model.decode_stack = build_decode_stack(model, backend.cpu_kernels, backend.kv_format.kind)
     return model
 
@@ -146,6 +152,8 @@ def quantize_model(model: CausalLM, mode: str, native: dict[str, QuantizedWeight
                 weight = quantize(linear.weight.detach().cpu(), mode)
             bias = linear.bias.detach() if linear.bias is not None else None
             setattr(owner, attr, QuantizedLinear(weight, bias, device))
+    if model.lm_head is None:  # a pipeline stage before the last
+        return
     head = native.get("lm_head.weight")
     if head is None and model.config.tie_word_embeddings:
         head = native.get("model.embed_tokens.weight")
@@ -161,4 +169,5 @@ def pack_bf16_model(model: CausalLM, kernels) -> None:
             owner_name, attr = path.split(".")
             owner = getattr(layer, owner_name)
             setattr(owner, attr, PackedBF16Linear(getattr(owner, attr), kernels))
-    model.lm_head = PackedBF16Linear(model.lm_head, kernels, float_out=True)
+    if model.lm_head is not None:
+        model.lm_head = PackedBF16Linear(model.lm_head, kernels, float_out=True)

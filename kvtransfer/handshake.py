@@ -24,6 +24,7 @@ from pathlib import Path
 
 from pdserve.kvtransfer import registry
 from pdserve.kvtransfer.protocol import HEADER_SIZE, MAX_CONTROL_PAYLOAD, FrameHeader, FrameKind, ProtocolError
+from pdserve.kvtransfer.resharding import mapping_problem
 from pdserve.kvtransfer.sockets import recv_header, recv_payload, send_frame
 
 NONCE_BYTES = 32
@@ -48,6 +49,7 @@ class PeerInfo:
     token_bytes: int = 0  # bytes of one token's K and V in one layer
     nonce: str = ""  # hex; fresh for each handshake
     proof: str = ""  # hex; the decode side's answer to the prefill side's nonce
+    tp_size: int = 1  # tensor-parallel ranks the KV heads are split over (units are numbered layer * tp_size + rank)
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -82,20 +84,27 @@ class PeerInfo:
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
                 raise HandshakeError(f"KV layout mismatch: {name} is {theirs!r} on the peer but {mine!r} here")
+        prefill, decode = (self, other) if self.role == "prefill" else (other, self)
+        problem = mapping_problem(self.num_kv_heads, prefill.tp_size, decode.tp_size, self.dtype)
+        if problem is not None:
+            raise HandshakeError(f"KV layouts cannot be mapped (prefill tensor parallel {prefill.tp_size}, decode "
+                                 f"{decode.tp_size}, {self.num_kv_heads} KV heads): {problem}")
 
 
 _FIELD_TYPES = {
     "model_fingerprint": str, "dtype": str, "num_layers": int, "num_kv_heads": int, "head_dim": int,
     "block_size": int, "host_id": str, "role": str, "extra": dict, "token_bytes": int, "nonce": str, "proof": str,
+    "tp_size": int,
 }
 
 
-def local_peer_info(fingerprint: str, layout, *, role: str, transports: tuple[str, ...], extra: dict | None = None) -> PeerInfo:
-    """``layout``: the engine's ``KVLayout``."""
+def local_peer_info(fingerprint: str, layout, *, role: str, transports: tuple[str, ...], extra: dict | None = None,
+                    tp_size: int = 1) -> PeerInfo:
+    """``layout``: the engine's ``KVLayout`` (the whole model's); ``tp_size``: how its heads are split."""
     return PeerInfo(
         model_fingerprint=fingerprint, dtype=layout.stored_as, num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
         head_dim=layout.head_dim, block_size=layout.block_size, transports=transports, host_id=host_id(), role=role,
-        extra=extra or {}, token_bytes=layout.token_bytes,
+        extra=extra or {}, token_bytes=layout.token_bytes, tp_size=tp_size,
     )
 
 

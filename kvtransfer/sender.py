@@ -26,6 +26,7 @@ from pdserve.kvtransfer.faults import FaultPlan
 from pdserve.kvtransfer.handshake import HandshakeError, PeerInfo, client_handshake
 from pdserve.kvtransfer.layout import KVCacheView, Slots, slots_of
 from pdserve.kvtransfer.protocol import HEADER_SIZE, AckStatus, FrameHeader, FrameKind, ProtocolError
+from pdserve.kvtransfer.resharding import ReshardedView
 from pdserve.kvtransfer.sockets import IdleTimeout, configure, recv_header, recv_payload, shutdown, split_address
 from pdserve.kvtransfer.transport_api import IO_TIMEOUT_S, SendContext, Unit
 
@@ -79,7 +80,9 @@ class OutgoingTransfer:
         if self.conn.cache.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()  # on the compute stream, right after this layer's K/V write
-        self.conn.queue(self, Unit(self.transfer_id, layer, start, end, cached[3], cached[4], ready))
+        shards = self.conn.remote.tp_size  # one unit per decode rank: exactly its KV heads
+        for shard in range(layer * shards, (layer + 1) * shards):
+            self.conn.queue(self, Unit(self.transfer_id, shard, start, end, cached[3], cached[4], ready))
 
     def finish(self, first_token_id: int, report: Report, more_token_ids: tuple[int, ...] = ()) -> None:
         self._report = report
@@ -119,6 +122,10 @@ class KVConnection:
             if name not in local.transports:
                 raise HandshakeError(f"decode worker {address} chose {name!r}, which this worker does not offer")
             spec = registry.get(name)
+            if self.remote.tp_size != local.tp_size:  # the decode ranks hold other heads than ours
+                cache = ReshardedView(cache, local.dtype, local.num_kv_heads, local.head_dim, local.tp_size,
+                                      self.remote.tp_size)
+                self.cache = cache
             configure(self.sock, IO_TIMEOUT_S)
             self.ctx = SendContext(self.sock, cache, self.remote.extra, faults or FaultPlan(), ucx)
             self.sender = spec.load().Sender(self.ctx)

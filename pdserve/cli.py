@@ -126,6 +126,10 @@ def _run(args: argparse.Namespace, file: dict) -> int:
     if args.command in ("prefill", "decode"):
         engine = resolve(EngineConfig, args, file=file)
         worker = resolve(WorkerSettings, args, file=file)
+        from pdserve.engine.parallel.rank_main import follow_launcher
+
+        if (code := follow_launcher(engine)) is not None:  # a rank above 0 that torchrun started
+            return code
         if worker.cpu_set():
             os.sched_setaffinity(0, worker.cpu_set())
         if args.command == "prefill":

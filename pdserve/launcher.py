@@ -166,8 +166,10 @@ class Cluster:
         threads = self.engine.num_threads or max(1, (os.cpu_count() or 1) // len(self._worker_roles()))
         if cpus:
             threads = self.engine.num_threads or len(cpus.split(","))
+        tp, pp = self.cluster.role_parallelism(role, self.engine.tensor_parallel_size, self.engine.pipeline_parallel_size)
         engine = dataclasses.replace(self.engine, num_threads=threads, device=placement.device,
-                                     kv_cache_memory=placement.kv_cache_memory)
+                                     kv_cache_memory=placement.kv_cache_memory, tensor_parallel_size=tp,
+                                     pipeline_parallel_size=pp)
         worker = dataclasses.replace(
             self.worker, host=self.router.host, port=0, kv_port=0, cpus=cpus,
             colocated=self.cluster.colocated and role == "decode",

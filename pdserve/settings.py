@@ -124,11 +124,26 @@ class ClusterSettings:
     max_worker_restarts: int = setting(10, "times pdserve up restarts a worker that died, before giving up")
     prefill_devices: str = setting("", "devices of the prefill workers, e.g. 'cuda:0,cuda:1' (default: a GPU each, round robin)")
     decode_devices: str = setting("", "devices of the decode (or colocated) workers, e.g. 'cuda:2,cuda:3' (default: as above)")
+    prefill_tp: int | None = setting(None, "tensor_parallel_size of each prefill worker (default: --tensor-parallel-size)")
+    decode_tp: int | None = setting(None, "tensor_parallel_size of each decode (or colocated) worker (default: "
+                                    "--tensor-parallel-size)")
+    prefill_pp: int | None = setting(None, "pipeline_parallel_size of each prefill worker (default: --pipeline-parallel-size)")
+    decode_pp: int | None = setting(None, "pipeline_parallel_size of each decode (or colocated) worker (default: "
+                                    "--pipeline-parallel-size)")
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 1:
             raise ValueError(f"need --decode >= 1 and --prefill >= 0, got prefill={self.prefill} decode={self.decode}")
+        for name in ("prefill_tp", "decode_tp", "prefill_pp", "decode_pp"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         self.role_devices()  # validates
+
+    def role_parallelism(self, role: str, tensor_parallel_size: int, pipeline_parallel_size: int) -> tuple[int, int]:
+        """(tensor, pipeline) parallel sizes of a ``role`` worker: the pool's own, else the engine's."""
+        tp, pp = (self.prefill_tp, self.prefill_pp) if role == "prefill" else (self.decode_tp, self.decode_pp)
+        return tp or tensor_parallel_size, pp or pipeline_parallel_size
 
     def role_devices(self) -> dict[str, list[str]]:
         return {"prefill": parse_devices(self.prefill_devices, "prefill_devices"),

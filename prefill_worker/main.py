@@ -9,6 +9,7 @@ from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.loader import pick_device
+from pdserve.engine.parallel.rank_caches import handoff_shards
 from pdserve.grpc_server import start_server
 from pdserve.kvtransfer import registry
 from pdserve.kvtransfer.fingerprint import model_fingerprint
@@ -40,8 +41,10 @@ async def serve(engine_config: EngineConfig, settings: WorkerSettings, security:
         sender_extra = getattr(registry.get(name).load(), "sender_extra", None)
         extra.update(sender_extra(device) if sender_extra else {})
     fingerprint = await asyncio.to_thread(model_fingerprint, engine.model_dir, engine_config.cache_dir)
-    peer = local_peer_info(fingerprint, engine.kv_layout, role="prefill", transports=transports, extra=extra)
-    cache = KVCacheView(engine.kv_cache.layers, engine.config.block_size, engine.kv_layout.token_bytes)
+    shards = handoff_shards(engine)  # every rank's cache (one, at tensor parallel 1)
+    peer = local_peer_info(fingerprint, engine.kv_layout, role="prefill", transports=transports, extra=extra,
+                           tp_size=shards.tp_size)
+    cache = KVCacheView(shards.layers, engine.config.block_size, shards.token_bytes)
     sender = KVSender(peer, cache, secret=security.cluster_token.encode() if security.cluster_token else None, ucx=ucx)
     service = PrefillService(loop, sender, lease_s=settings.kv_lease_s, max_queued_requests=settings.max_queued_requests)
     server = await start_server(
@@ -63,3 +66,4 @@ async def serve(engine_config: EngineConfig, settings: WorkerSettings, security:
     if ucx is not None:
         ucx.close()
     await loop.stop()
+    engine.close()

@@ -67,6 +67,18 @@ def cache_root() -> Path:
     raise OSError("no writable folder for the C++ kernel build")
 
 
+def _staged_sources(build_dir: Path) -> list[Path]:
+    """The sources, copied into the build folder: ninja compares commands, so compiling each
+    checkout's own paths would rebuild whenever another checkout of the same sources loaded it."""
+    staged = build_dir / "src"
+    staged.mkdir(exist_ok=True)
+    for path in [*_sources(), *SOURCE_DIR.glob("*.h")]:
+        copy = staged / path.name
+        if not copy.exists() or copy.read_bytes() != path.read_bytes():  # untouched copies keep their mtime
+            copy.write_bytes(path.read_bytes())
+    return sorted(staged / p.name for p in _sources())
+
+
 def _build(name: str, build_dir: Path):
     from torch.utils import cpp_extension
 
@@ -76,7 +88,7 @@ def _build(name: str, build_dir: Path):
         (build_dir / "lock").unlink(missing_ok=True)  # only a dead build can have left it
         return cpp_extension.load(
             name=name,
-            sources=[str(p) for p in _sources()],
+            sources=[str(p) for p in _staged_sources(build_dir)],
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),

@@ -2,7 +2,8 @@
 
 The kernels are compiled with the machine's own instruction set, under a name that includes
 the sources, the torch version and the CPU's feature flags, so a cache shared between
-different machines never loads a foreign build. `make setup` builds them
+different machines never loads a foreign build, and the source and torch folders, so two
+checkouts never rebuild each other's build. `make setup` builds them
 (`python -m pdserve.kernels.cpu_extension`); otherwise the first process that needs them does.
 
 torch's builder guards a build with a lock file that a killed build leaves behind, after which
@@ -48,6 +49,8 @@ def module_name() -> str:
     for path in [*_sources(), *sorted(SOURCE_DIR.glob("*.h"))]:
         digest.update(path.name.encode() + path.read_bytes())
     digest.update(torch.__version__.encode() + _cpu_flags().encode())
+    # ninja rebuilds when a command line changes, and those name the source and torch folders.
+    digest.update(str(SOURCE_DIR.resolve()).encode() + str(Path(torch.__file__).parent).encode())
     return f"pdserve_cpu_kernels_{digest.hexdigest()[:12]}"
 
 
@@ -67,18 +70,6 @@ def cache_root() -> Path:
     raise OSError("no writable folder for the C++ kernel build")
 
 
-def _staged_sources(build_dir: Path) -> list[Path]:
-    """The sources, copied into the build folder: ninja compares commands, so compiling each
-    checkout's own paths would rebuild whenever another checkout of the same sources loaded it."""
-    staged = build_dir / "src"
-    staged.mkdir(exist_ok=True)
-    for path in [*_sources(), *SOURCE_DIR.glob("*.h")]:
-        copy = staged / path.name
-        if not copy.exists() or copy.read_bytes() != path.read_bytes():  # untouched copies keep their mtime
-            copy.write_bytes(path.read_bytes())
-    return sorted(staged / p.name for p in _sources())
-
-
 def _build(name: str, build_dir: Path):
     from torch.utils import cpp_extension
 
@@ -88,7 +79,7 @@ def _build(name: str, build_dir: Path):
         (build_dir / "lock").unlink(missing_ok=True)  # only a dead build can have left it
         return cpp_extension.load(
             name=name,
-            sources=[str(p) for p in _staged_sources(build_dir)],
+            sources=[str(p) for p in _sources()],
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),

@@ -19,7 +19,8 @@ from pdserve.engine.parallel.layout import ParallelLayout, kv_heads_of
 from pdserve.engine.parallel.pipeline import split_batch
 from pdserve.engine.parallel.sharding import NEXT_STAGE_NORM, ModelShard
 from pdserve.engine.parallel.step_channel import CARRIED_FIELDS, pack, unpack
-from pdserve.engine.parallel.supervisor import RankSupervisor
+from pdserve.engine.parallel.driver import ParallelDriver
+from pdserve.engine.parallel.supervisor import POLL_S, RankSupervisor
 from pdserve.launcher import Cluster
 from pdserve.settings import ClusterSettings, RouterSettings, WorkerSettings
 
@@ -163,6 +164,25 @@ def test_a_rank_that_dies_while_serving_is_reported_at_once():
     assert deaths == [(2, 3)]
     for process in supervisor.processes.values():  # the survivor goes with the supervisor's thread
         process.wait(10)
+
+
+def test_a_failed_step_stops_the_worker_naming_the_rank_that_died():
+    """Rank 0's collective fails first (the peer's socket closed): the worker stops as when the
+    supervisor's poll sees the death, once, never failing its requests and going on."""
+    deaths, broken = [], []
+    supervisor = RankSupervisor(2, {}, None, on_death=lambda rank, code: deaths.append((rank, code)))
+    supervisor.command = [sys.executable, "-c", "raise SystemExit(9)"]
+    supervisor.start()
+    supervisor.processes[1].wait(30)
+    supervisor.serving = True
+    driver = ParallelDriver.__new__(ParallelDriver)  # only its failure path, without ranks
+    driver.supervisor, driver.on_broken = supervisor, broken.append
+    driver._step_failed(RuntimeError("Connection reset by peer"))
+    time.sleep(3 * POLL_S)  # the supervisor's own poll sees the same death: not reported twice
+    assert deaths == [(1, 9)] and not broken
+    driver.supervisor = None  # nothing died (say, torchrun started the ranks): the failure itself is named
+    driver._step_failed(RuntimeError("boom"))
+    assert broken == ["a step failed on rank 0 (RuntimeError: boom)"]
 
 
 def test_a_rank_that_dies_while_starting_is_a_startup_failure():

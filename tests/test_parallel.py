@@ -214,3 +214,13 @@ def test_parallel_sizes_are_settings_of_the_roles_and_of_up(tmp_path):
     flags = [dict(zip(args, args[1:])) for _, args in cluster.worker_commands(num_gpus=0)]
     assert "--tensor-parallel-size" not in flags[0] and "--pipeline-parallel-size" not in flags[0]  # prefill: TP 1, PP 1
     assert flags[1]["--tensor-parallel-size"] == "3" and flags[1]["--pipeline-parallel-size"] == "2"
+
+
+def test_the_paper_projection_counts_bytes_from_the_shapes():
+    from pdserve.bench.parallel_bench import SHAPES, parse_layouts
+
+    llama8b, llama70b = SHAPES
+    assert llama8b.allreduce_payload_per_token() == (2 * 32 + 1) * 4096 * 2  # o and down per layer, the embedding
+    assert llama8b.kv_bytes_per_token() == 128 * 1024  # K and V x 32 layers x 8 heads x 128 x bf16
+    assert llama70b.kv_bytes_per_token() == 320 * 1024
+    assert parse_layouts("1x1, 3x1,1x2,2") == [(1, 1), (3, 1), (1, 2), (2, 1)]

@@ -127,9 +127,8 @@ async def test_prefill_tp1_to_decode_tp3_and_a_rank_killed_under_load(hf_referen
     try:
         ranks, others = follower_ranks(pid_of(stack, "decode-0")), follower_ranks(pid_of(stack, "decode-1"))
         assert len(ranks) == 2 and len(others) == 2
-        for prompt in (PROMPTS[0], PROMPTS[3]):  # round robin: one on each decode worker
-            ids, _, _ = await collect(stack.address, greedy(prompt, MAX_NEW))
-            assert ids == expected(hf_reference, prompt, MAX_NEW)
+        ids, _, _ = await collect(stack.address, greedy(PROMPTS[3], MAX_NEW))  # 21 blocks of KV, re-sharded
+        assert ids == expected(hf_reference, PROMPTS[3], MAX_NEW)
 
         # Four streams, two on each decode worker; one rank of decode-0 dies mid-stream.
         prompts = [PROMPTS[i % 3] for i in range(4)]

@@ -73,7 +73,8 @@ def tp1(model_dir, prompt_ids) -> Outcome:
     return serve(make_engine(model_dir), prompt_ids)
 
 
-@pytest.mark.parametrize("tp, pp", [(3, 1), (1, 2), (1, 3)], ids=["tp3", "pp2", "pp3"])
+# PP 3 (a middle stage that receives and sends) passes too (`tp, pp = 1, 3`); left out to keep the suite short.
+@pytest.mark.parametrize("tp, pp", [(3, 1), (1, 2)], ids=["tp3", "pp2"])
 def test_parallel_engine_gives_the_tokens_of_tp1_and_transformers(model_dir, prompt_ids, tp1, hf_reference, tp, pp):
     engine = make_engine(model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp)
     ranks = engine.parallel.supervisor.pids

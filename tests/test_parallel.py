@@ -19,7 +19,8 @@ from pdserve.engine.parallel.layout import ParallelLayout, kv_heads_of
 from pdserve.engine.parallel.pipeline import split_batch
 from pdserve.engine.parallel.sharding import NEXT_STAGE_NORM, ModelShard
 from pdserve.engine.parallel.step_channel import CARRIED_FIELDS, pack, unpack
-from pdserve.engine.parallel.supervisor import RankSupervisor
+from pdserve.engine.parallel.driver import ParallelDriver
+from pdserve.engine.parallel.supervisor import POLL_S, RankSupervisor
 from pdserve.launcher import Cluster
 from pdserve.settings import ClusterSettings, RouterSettings, WorkerSettings
 
@@ -165,6 +166,25 @@ def test_a_rank_that_dies_while_serving_is_reported_at_once():
         process.wait(10)
 
 
+def test_a_failed_step_stops_the_worker_naming_the_rank_that_died():
+    """Rank 0's collective fails first (the peer's socket closed): the worker stops as when the
+    supervisor's poll sees the death, once, never failing its requests and going on."""
+    deaths, broken = [], []
+    supervisor = RankSupervisor(2, {}, None, on_death=lambda rank, code: deaths.append((rank, code)))
+    supervisor.command = [sys.executable, "-c", "raise SystemExit(9)"]
+    supervisor.start()
+    supervisor.processes[1].wait(30)
+    supervisor.serving = True
+    driver = ParallelDriver.__new__(ParallelDriver)  # only its failure path, without ranks
+    driver.supervisor, driver.on_broken = supervisor, broken.append
+    driver._step_failed(RuntimeError("Connection reset by peer"))
+    time.sleep(3 * POLL_S)  # the supervisor's own poll sees the same death: not reported twice
+    assert deaths == [(1, 9)] and not broken
+    driver.supervisor = None  # nothing died (say, torchrun started the ranks): the failure itself is named
+    driver._step_failed(RuntimeError("boom"))
+    assert broken == ["a step failed on rank 0 (RuntimeError: boom)"]
+
+
 def test_a_rank_that_dies_while_starting_is_a_startup_failure():
     supervisor = RankSupervisor(2, {}, None, on_death=lambda rank, code: pytest.fail("not serving yet"))
     supervisor.command = [sys.executable, "-c", "raise SystemExit(4)"]
@@ -194,3 +214,13 @@ def test_parallel_sizes_are_settings_of_the_roles_and_of_up(tmp_path):
     flags = [dict(zip(args, args[1:])) for _, args in cluster.worker_commands(num_gpus=0)]
     assert "--tensor-parallel-size" not in flags[0] and "--pipeline-parallel-size" not in flags[0]  # prefill: TP 1, PP 1
     assert flags[1]["--tensor-parallel-size"] == "3" and flags[1]["--pipeline-parallel-size"] == "2"
+
+
+def test_the_paper_projection_counts_bytes_from_the_shapes():
+    from pdserve.bench.parallel_bench import SHAPES, parse_layouts
+
+    llama8b, llama70b = SHAPES
+    assert llama8b.allreduce_payload_per_token() == (2 * 32 + 1) * 4096 * 2  # o and down per layer, the embedding
+    assert llama8b.kv_bytes_per_token() == 128 * 1024  # K and V x 32 layers x 8 heads x 128 x bf16
+    assert llama70b.kv_bytes_per_token() == 320 * 1024
+    assert parse_layouts("1x1, 3x1,1x2,2") == [(1, 1), (3, 1), (1, 2), (2, 1)]

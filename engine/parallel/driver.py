@@ -26,11 +26,12 @@ from pdserve.engine.parallel.groups import RankGroups, destroy_groups, init_grou
 from pdserve.engine.parallel.layout import ParallelLayout
 from pdserve.engine.parallel.rank_runtime import RankRuntime
 from pdserve.engine.parallel.step_channel import Message, Op, StepChannel
-from pdserve.engine.parallel.supervisor import RankSupervisor
+from pdserve.engine.parallel.supervisor import RankSupervisor, stop_worker
 
 log = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 300.0
 HELLO_KEY = "pdserve/rank-started/{}"
+DEATH_GRACE_S = 1.0  # after a failed step, how long to look for the rank that died (to name it)
 
 
 @dataclass
@@ -70,6 +71,7 @@ class ParallelDriver:
         self.runtime.allocate_cache(kv_storage)
         self.channel = StepChannel(self.groups.control, device)
         self.times = StepTimes()
+        self.on_broken = stop_worker  # what a failed step does (tests replace it)
         if self.supervisor is not None:
             self.supervisor.serving = True
         log.info("parallel worker up: tensor parallel %d x pipeline parallel %d, %d ranks%s", layout.tp, layout.pp,
@@ -109,13 +111,27 @@ class ParallelDriver:
         """One step on every rank; ``kv_layers`` is rank 0's cache, which the runtime holds already."""
         started, comm = time.perf_counter(), self.groups.comm.seconds
         op = Op.STEP_SAVING if layer_hook is not None else Op.STEP
-        with self.groups.comm.timed():
-            self.channel.send(Message(op, batch, self.layout.pp))
-        logits = self.runtime.execute(batch, self.layout.pp, layer_hook)
+        try:
+            with self.groups.comm.timed():
+                self.channel.send(Message(op, batch, self.layout.pp))
+            logits = self.runtime.execute(batch, self.layout.pp, layer_hook)
+        except Exception as e:
+            self._step_failed(e)
+            raise
         self.times.steps += 1
         self.times.seconds += time.perf_counter() - started
         self.times.comm_seconds += self.groups.comm.seconds - comm
         return logits
+
+    def _step_failed(self, error: Exception) -> None:
+        """A step that fails leaves the ranks out of step for good (some may wait in a collective
+        that never completes): the worker stops, so that the router moves its requests, instead
+        of failing them. The rank that died is named when it is seen in time."""
+        dead = self.supervisor.wait_for_death(DEATH_GRACE_S) if self.supervisor is not None else None
+        if dead is not None:
+            self.supervisor.report_death(*dead)
+        else:
+            self.on_broken(f"a step failed on rank 0 ({type(error).__name__}: {error})")
 
     @property
     def model(self):

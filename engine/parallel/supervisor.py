@@ -2,9 +2,11 @@
 
 The followers are started from the supervisor's own thread and bound to it with
 PR_SET_PDEATHSIG, so they end with the worker however it ends. A follower that dies while the
-worker serves takes the worker down at once (``on_death``, by default: exit): the router sees
-the worker go, migrates its requests, and ``pdserve up`` (or whatever runs the worker) starts
-it again. Waiting on a collective that can never complete is never an option.
+worker serves takes the worker down at once (``on_death``, by default: exit), whichever sees it
+first: this thread's poll, or rank 0's step failing in a collective with the dead rank. The
+router sees the worker go, migrates its requests, and ``pdserve up`` (or whatever runs the
+worker) starts it again. Waiting on a collective that can never complete is never an option,
+nor is failing the requests: they can finish elsewhere.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from typing import Callable
 
 log = logging.getLogger(__name__)
@@ -29,10 +32,15 @@ def _die_with_parent() -> None:
     libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: the supervisor thread's end ends the rank
 
 
-def exit_worker(rank: int, code: int) -> None:
-    log.error("rank %d of this worker exited with code %s: the worker stops (its requests move elsewhere)", rank, code)
+def stop_worker(reason: str) -> None:
+    """Ends the worker process at once: its gRPC streams break, the router moves its requests."""
+    log.error("%s: the worker stops (its requests move elsewhere)", reason)
     logging.shutdown()
     os._exit(RANK_DIED_EXIT_CODE)
+
+
+def exit_worker(rank: int, code: int) -> None:
+    stop_worker(f"rank {rank} of this worker exited with code {code}")
 
 
 class RankSupervisor:
@@ -47,6 +55,8 @@ class RankSupervisor:
         self.failure: str | None = None  # a rank that died before the worker was up
         self.serving = False  # from now on a death calls on_death
         self._closing = threading.Event()
+        self._report_lock = threading.Lock()
+        self._reported = False
         self._spawned = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rank-supervisor", daemon=True)
 
@@ -70,7 +80,7 @@ class RankSupervisor:
                 if code is None:
                     continue
                 if self.serving:
-                    self.on_death(rank, code)
+                    self.report_death(rank, code)
                     return
                 self.failure = self.failure or f"rank {rank} exited with code {code} while the worker was starting"
         # Closing: the ranks got STOP; give them a moment, then make sure.
@@ -88,6 +98,25 @@ class RankSupervisor:
             env["PDSERVE_RANK_CORES"] = ",".join(map(str, self.rank_cores[rank]))
         # Followers never write the worker's stdout (where its ready line goes).
         return subprocess.Popen(self.command, env=env, stdout=sys.stderr.fileno(), preexec_fn=_die_with_parent)
+
+    def report_death(self, rank: int, code: int) -> None:
+        """Calls ``on_death`` once, whoever sees the death first (this thread or a failed step)."""
+        with self._report_lock:
+            if self._reported:
+                return
+            self._reported = True
+        self.on_death(rank, code)
+
+    def wait_for_death(self, timeout: float) -> tuple[int, int] | None:
+        """(rank, exit code) of a follower that has ended, waiting up to ``timeout`` for one."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for rank, process in self.processes.items():
+                if (code := process.poll()) is not None:
+                    return rank, code
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
 
     @property
     def pids(self) -> list[int]:

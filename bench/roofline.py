@@ -23,6 +23,7 @@ from pdserve.engine.quantization import QuantizedLinear
 from pdserve.engine.sampling_params import SamplingParams
 
 PROMPT_TOKENS = 512
+ATTENTION_BATCH, ATTENTION_CONTEXT = 32, 400  # the batched decode shape the issue names
 
 
 def streamed_bytes(layer: nn.Module) -> int:
@@ -68,6 +69,34 @@ def prefill_s(engine: LLMEngine, repeats: int, tokens: int = PROMPT_TOKENS) -> f
     return statistics.median(times)
 
 
+def decode_attention_s(engine: LLMEngine, repeats: int, batch: int = ATTENTION_BATCH,
+                       context: int = ATTENTION_CONTEXT) -> tuple[float, int]:
+    """Median time of one decode step's attention over every layer (``batch`` sequences of
+    ``context`` tokens in shuffled blocks, as a long-running cache holds them), and the K/V bytes it reads."""
+    layout, cfg = engine.kv_layout, engine.model_config
+    blocks_per_seq = -(-context // layout.block_size)
+    generator = torch.Generator().manual_seed(0)
+    order = torch.randperm(batch * blocks_per_seq, generator=generator)
+    block_tables = order.view(batch, blocks_per_seq).to(torch.int32)
+    context_lens = torch.full((batch,), context, dtype=torch.int32)
+    shape = (batch * blocks_per_seq, *engine.kv_cache.layers[0].shape[1:])
+    if layout.storage_dtype.is_floating_point:
+        caches = [torch.randn(shape, generator=generator).to(layout.storage_dtype) for _ in range(cfg.num_layers)]
+    else:  # 8-bit values with their scales packed in the slot: bytes that read as small, normal floats
+        caches = [torch.randint(40, 60, shape, generator=generator, dtype=layout.storage_dtype) for _ in range(cfg.num_layers)]
+    q = torch.randn(batch, cfg.num_heads, cfg.head_dim, generator=generator).to(engine.dtype)
+    backend, scale = engine.model.backend, cfg.head_dim ** -0.5
+
+    def step():
+        for kv in caches:
+            backend.decode_attention(q, kv, block_tables, context_lens, scale)
+
+    step()
+    seconds = statistics.median(timed(step) for _ in range(repeats))
+    kv_bytes = sum(kv[0].numel() * kv.element_size() for kv in caches) * context // layout.block_size * batch
+    return seconds, kv_bytes
+
+
 def run(args: argparse.Namespace) -> dict:
     from pdserve.bench.engine_bench import engine_from_args
 
@@ -77,6 +106,7 @@ def run(args: argparse.Namespace) -> dict:
     peak = matmul_peak(engine.dtype)
     decode = batch1_decode_s(engine, args.repeats)
     prefill = prefill_s(engine, max(3, args.repeats // 5))
+    attention, attention_bytes = decode_attention_s(engine, max(5, args.repeats // 4))
     compiled = {}
     if args.compile:
         # Python dispatch between the small ops is what torch.compile could remove: compile the
@@ -96,7 +126,11 @@ def run(args: argparse.Namespace) -> dict:
         "decode_ms": round(decode * 1e3, 2), "decode_tok_s": round(1 / decode, 1),
         "decode_floor_ms": round(floor * 1e3, 2), "decode_fraction_of_limit": round(floor / decode, 3),
         "prefill_tok_s": round(PROMPT_TOKENS / prefill, 1), "prefill_gflop_per_prompt": round(flops / 1e9, 1),
-        "prefill_fraction_of_peak": round(flops / prefill / peak, 3), **compiled,
+        "prefill_fraction_of_peak": round(flops / prefill / peak, 3),
+        "attention_shape": f"batch {ATTENTION_BATCH}, context {ATTENTION_CONTEXT}, {engine.model_config.num_layers} layers",
+        "attention_ms": round(attention * 1e3, 2), "attention_kv_mb": round(attention_bytes / 1e6, 1),
+        "attention_gb_s": round(attention_bytes / attention / 1e9, 1),
+        "attention_fraction_of_bandwidth": round(attention_bytes / attention / bandwidth, 3), **compiled,
     }
 
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 QUANTIZATIONS = ("none", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
+MAX_SPECULATIVE_TOKENS = 16
 
 
 def _opt(default, help: str, choices: tuple | None = None):
@@ -31,6 +33,15 @@ class EngineConfig:
     attention_backend: str = _opt("auto", "attention kernels", ("auto", "torch", "cpu", "triton"))
     cache_dir: str | None = _opt(None, "where converted models are kept (default ~/.cache/pdserve)")
     num_threads: int | None = _opt(None, "torch CPU threads for this process")
+    # Speculative decoding (engine/speculative): decoding sequences propose tokens that one
+    # forward pass of the model verifies. Decode roles only; a prefill worker ignores it.
+    speculative: str = _opt("none", "speculative decoding: ngram (prompt lookup in the prompt and output so far) or "
+                            "draft (a smaller model, --draft-model)", SPECULATIVE_METHODS)
+    num_speculative_tokens: int = _opt(4, "speculative decoding: most tokens proposed per sequence and step")
+    draft_model: str | None = _opt(None, "speculative draft: the draft model, a Hugging Face folder or .gguf with the "
+                                   "target's vocabulary")
+    prompt_lookup_min: int = _opt(2, "speculative ngram: shortest suffix n-gram looked up")
+    prompt_lookup_max: int = _opt(4, "speculative ngram: longest suffix n-gram looked up (the longest match wins)")
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -41,3 +52,13 @@ class EngineConfig:
             raise ValueError(f"block_size must be an integer in [1, 1024], got {self.block_size!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.speculative!r}")
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], "
+                             f"got {self.num_speculative_tokens!r}")
+        if (self.draft_model is not None) != (self.speculative == "draft"):
+            raise ValueError("draft_model: --speculative draft needs a draft model, and a draft model needs --speculative draft")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max, "
+                             f"got {self.prompt_lookup_min} and {self.prompt_lookup_max}")

@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from pdserve.engine import speculative
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.kv_cache import KVCache, KVLayout, num_blocks_for_budget, parse_memory
@@ -51,6 +52,7 @@ class EngineStats:
     prefill_tokens_per_s: float = 0.0
     rejected: int = 0
     waiting_for_kv: int = 0  # reservations whose K/V a prefill worker is sending
+    spec: speculative.SpecStats | None = None  # speculative decoding's counters, when it is on
 
 
 class LLMEngine:
@@ -67,7 +69,9 @@ class LLMEngine:
         self.kv_layout = KVLayout.for_model(self.model_config, config.block_size, self.dtype, config.kv_cache_dtype)
         backend = select_backend(self.device, config.attention_backend, self.kv_layout.format)
         self.model = load_model(self.model_dir, self.dtype, self.device, backend, config.quantization)
-        num_blocks = num_blocks_for_budget(self.kv_layout, config.kv_cache_memory, self.device)
+        draft = speculative.load_draft(self) if config.speculative == "draft" else None  # shares the KV budget
+        num_blocks = num_blocks_for_budget(self.kv_layout, config.kv_cache_memory, self.device,
+                                           draft.block_bytes if draft else 0)
         storage = kv_storage(self.kv_layout, num_blocks) if kv_storage else None
         self.kv_cache = KVCache(self.kv_layout, num_blocks, self.device, storage)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -77,6 +81,8 @@ class LLMEngine:
             self.blocks, self.swap,
         )
         self.runner = ModelRunner(self.model, self.kv_cache.layers, config.block_size, self.device)
+        # Speculative decoding hooks into the scheduler (lookahead) and the runner (verify).
+        self.speculator = speculative.attach(self, draft, num_blocks) if config.speculative != "none" else None
         self.connector = KVConnector(self.scheduler, self.blocks, self.model_config.num_layers, self.model_config.vocab_size,
                                      self._finish_reason)
         self.requests: dict[str, Sequence] = {}
@@ -198,6 +204,8 @@ class LLMEngine:
 
     def _forward(self, schedule: SchedulerOutput) -> list[RequestOutput]:
         hook = self.connector.save_hook(schedule)
+        if self.speculator is not None:
+            self.speculator.propose(schedule)
         started = time.perf_counter()
         sampled = self.runner.run(schedule, hook)
         if schedule.prefills:
@@ -208,20 +216,29 @@ class LLMEngine:
         for chunk in schedule.chunks:
             chunk.seq.num_computed_tokens = chunk.start + chunk.num_tokens
         outputs = []
-        for chunk, token_id in sampled:
+        for chunk, token_ids in sampled:
             seq = chunk.seq
-            seq.token_ids.append(token_id)
+            new_ids: list[int] = []
+            reason = None
+            for token_id in token_ids:  # several with accepted speculative tokens; none past a finish
+                seq.token_ids.append(token_id)
+                new_ids.append(token_id)
+                reason = self._finish_reason(seq, token_id)
+                if reason is not None:
+                    break
+            seq.num_computed_tokens = seq.num_tokens - 1  # every token but the newest is in the cache
             self.blocks.commit_full_blocks(seq)
-            reason = self._finish_reason(seq, token_id)
             if reason is not None:
                 self._finish(seq, reason)
             elif seq.kv_send is not None:
                 self.connector.prompt_done(seq)  # keeps its blocks until the decode side has the K/V
-            outputs.append(RequestOutput(seq.request_id, [token_id], reason, seq.num_prompt_tokens, seq.num_cached_tokens,
+            outputs.append(RequestOutput(seq.request_id, new_ids, reason, seq.num_prompt_tokens, seq.num_cached_tokens,
                                          finished=reason is not None))
         for chunk in schedule.prefills:
             if not chunk.completes:
                 self.blocks.commit_full_blocks(chunk.seq)
+        if self.speculator is not None:
+            self.speculator.step_done(schedule, sampled)
         return outputs
 
     def stats(self, with_digest: bool = False) -> EngineStats:
@@ -237,6 +254,7 @@ class LLMEngine:
             cached_block_hashes=self._cached_hashes() if with_digest else (),
             prefill_tokens_per_s=self.prefill_rate, rejected=self.scheduler.num_rejected,
             waiting_for_kv=len(self.scheduler.waiting_for_kv),
+            spec=self.speculator.stats if self.speculator is not None else None,
         )
 
     def _cached_hashes(self) -> tuple[int, ...]:

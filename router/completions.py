@@ -100,17 +100,18 @@ class Completions:
                     else:
                         metrics.ITL.observe(now - last)
                     last = now
-                    completion_tokens += len(event.token_ids)
                     delta = text.push(event.token_ids)
+                    token_ids = event.token_ids[: text.consumed]  # none past the token that completes a stop string
+                    completion_tokens += len(token_ids)
                     finish = "stop" if text.stopped else event.finish_reason
                     if finish is None:
-                        yield Chunk(event.token_ids, delta)
+                        yield Chunk(token_ids, delta)
                         continue
                     self.counters[f"finished_{finish}"] += 1
                     metrics.REQUESTS.labels(finish).inc()
                     metrics.E2E.observe(now - started)
                     usage = Usage(len(req.prompt_token_ids), completion_tokens, cached, ttft_ms, (now - started) * 1e3)
-                    yield Chunk(event.token_ids, delta + text.flush(), finish, usage)
+                    yield Chunk(token_ids, delta + text.flush(), finish, usage)
                     return
         except DispatchError as e:
             self.counters[f"failed_{e.code.name.lower()}"] += 1

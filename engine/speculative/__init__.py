@@ -44,8 +44,11 @@ def load_draft(engine: LLMEngine) -> DraftModel:
     from pdserve.kernels import select_backend
 
     config = engine.config
-    folder = resolve_model(config.draft_model, config.cache_dir)
-    draft_config = ModelConfig.from_folder(folder)
+    try:
+        folder = resolve_model(config.draft_model, config.cache_dir)
+        draft_config = ModelConfig.from_folder(folder)
+    except (ValueError, FileNotFoundError) as e:
+        raise ValueError(f"draft_model: {e}") from None
     if draft_config.vocab_size != engine.model_config.vocab_size:
         raise ValueError(f"draft_model: its vocabulary of {draft_config.vocab_size} tokens is not the target's "
                          f"{engine.model_config.vocab_size}")

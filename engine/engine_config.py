@@ -38,8 +38,8 @@ class EngineConfig:
     speculative: str = _opt("none", "speculative decoding: ngram (prompt lookup in the prompt and output so far) or "
                             "draft (a smaller model, --draft-model)", SPECULATIVE_METHODS)
     num_speculative_tokens: int = _opt(4, "speculative decoding: most tokens proposed per sequence and step")
-    draft_model: str | None = _opt(None, "speculative draft: the draft model, a Hugging Face folder or .gguf with the "
-                                   "target's vocabulary")
+    draft_model: str | None = _opt(None, "the draft model of --speculative draft: a Hugging Face folder or .gguf with "
+                                   "the target's vocabulary ('default': the default model)")
     prompt_lookup_min: int = _opt(2, "speculative ngram: shortest suffix n-gram looked up")
     prompt_lookup_max: int = _opt(4, "speculative ngram: longest suffix n-gram looked up (the longest match wins)")
 
@@ -57,8 +57,8 @@ class EngineConfig:
         if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], "
                              f"got {self.num_speculative_tokens!r}")
-        if (self.draft_model is not None) != (self.speculative == "draft"):
-            raise ValueError("draft_model: --speculative draft needs a draft model, and a draft model needs --speculative draft")
+        if self.speculative == "draft" and not self.draft_model:
+            raise ValueError("draft_model: --speculative draft needs a draft model (--draft-model PATH)")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max, "
                              f"got {self.prompt_lookup_min} and {self.prompt_lookup_max}")

@@ -32,7 +32,7 @@ async def serve(engine_config: EngineConfig, settings: WorkerSettings, security:
     device = pick_device(engine_config.device)
     transports = registry.offered_transports(settings.kv_transport, device)
     # Only the decode pool speculates: a prefill worker samples one token per request.
-    engine_config = dataclasses.replace(engine_config, speculative="none", draft_model=None)
+    engine_config = dataclasses.replace(engine_config, speculative="none")
     engine = await asyncio.to_thread(LLMEngine, engine_config)
     loop = EngineLoop(engine)
     loop.start()

@@ -14,8 +14,9 @@
    prefix cache (``BlockManager.commit_full_blocks`` counts computed, kept tokens only).
 
 Per-sequence state (acceptance, the n-gram index, the draft's cache) lives here, keyed by the
-sequence; whatever is no longer running (finished, aborted, preempted) is dropped at the next
-step, so no other path has to tell the speculator.
+sequence. A sequence that finishes is dropped in the same step; one that left the running
+batch otherwise (aborted, preempted) at the next step, so no other path has to tell the
+speculator.
 """
 
 from __future__ import annotations
@@ -106,14 +107,20 @@ class Speculator:
             if isinstance(self.proposer, DraftProposer):
                 self.proposer.accepted(chunk, kept)
         for chunk in schedule.decodes:  # slots reserved for proposals that were not kept (or not made)
-            if chunk.lookahead and not chunk.seq.is_finished:
+            if chunk.seq.is_finished:
+                self._forget(chunk.seq)
+            elif chunk.lookahead:
                 self.blocks.trim(chunk.seq, chunk.seq.num_tokens)
         if drafts:
             s = self.stats
             self.stats = SpecStats(s.drafts + drafts, s.draft_tokens + draft_tokens, s.accepted_tokens + accepted_tokens)
 
     def _drop_finished(self) -> None:
+        """Sequences that left the running batch (aborted, preempted) since the last step."""
         running = set(self.scheduler.running)
         for seq in [s for s in self.records if s not in running]:
-            del self.records[seq]
+            self._forget(seq)
+
+    def _forget(self, seq: Sequence) -> None:
+        if self.records.pop(seq, None) is not None:
             self.proposer.release(seq)

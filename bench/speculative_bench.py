@@ -5,8 +5,8 @@ lookup and with draft models, on the same requests (no servers: the engine's own
     python bench/speculative_bench.py --parts batch1 --workloads extractive --num-prompts 6
     python bench/speculative_bench.py --threads 1 ...                   # on a machine shared with others
 
-On a machine whose cores are busy with other work, two torch threads per step wait on each
-other at every op (the OpenMP barrier), which swings step times tenfold; one thread does not.
+On a machine whose cores are busy with other work, use one thread: with two, the same engine's
+step times moved tenfold between runs here (threads waiting for each other at every op).
 
 Parts:
 - ``batch1``: one request at a time; each request runs on every engine back to back (the

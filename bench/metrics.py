@@ -4,6 +4,9 @@ Per successful request (times from the client's clock):
 - TTFT: first message carrying tokens - send time.
 - ITL: gaps between successive messages carrying tokens (a message may carry several tokens;
   like vLLM, the gap is per message, not split across its tokens).
+- ITL per token: the same gaps split over the tokens of the message that ends them (a gap
+  of g before a message of n tokens counts n times g / n), as SGLang's benchmark reports
+  ITL under speculative decoding; equal to ITL when every message carries one token.
 - E2EL: final message - send time.
 - TPOT: (E2EL - TTFT) / (output tokens - 1), only for outputs of more than one token.
 Goodput (DistServe): successful requests per second whose TTFT, TPOT (0 for one-token
@@ -55,6 +58,10 @@ class Timeline:
     @property
     def itls(self) -> list[float]:
         return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
+
+    @property
+    def itls_per_token(self) -> list[float]:
+        return [gap / n for gap, n in zip(self.itls, self.chunk_tokens[1:]) for _ in range(n)]
 
     @property
     def tpot(self) -> float | None:
@@ -132,6 +139,7 @@ class RunMetrics:
     tpot: Stats
     itl: Stats
     e2el: Stats
+    itl_per_token: Stats
     max_output_tokens_per_s: float
     max_concurrent_requests: int
 
@@ -159,6 +167,7 @@ def compute(timelines: list[Timeline], duration_s: float, goodput: Goodput | Non
         tpot=Stats.of([t.tpot for t in ok if t.tpot is not None]),
         itl=Stats.of([g for t in ok for g in t.itls]),
         e2el=Stats.of([t.e2el for t in ok]),
+        itl_per_token=Stats.of([g for t in ok for g in t.itls_per_token]),
         max_output_tokens_per_s=peak_tokens,
         max_concurrent_requests=peak_requests,
     )
@@ -203,6 +212,7 @@ def ttft_by_length(timelines: list[Timeline], short_threshold: int = DEFAULT_SHO
 
 PREFIX_COUNTERS = ("prefix_hits", "prefix_queries")
 ROUTER_COUNTERS = ("migrations", "retries")
+SPEC_COUNTERS = ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")  # worker counters (pdserve.wire)
 
 
 def cluster_snapshot(stats) -> dict:
@@ -230,11 +240,13 @@ def cluster_delta(before: dict, after: dict) -> dict:
     mode) the colocated/decode workers; None when none were looked up. ``prefix_cache`` has
     hits, queries and hit_rate per role (decode workers of a 1PnD stack look up the prompt
     too, to skip transferring blocks they hold). ``migrations``/``retries``: router counters;
-    ``router_counters``: every router counter that changed. ``incomplete``: a worker did not
-    answer in the second snapshot, so its part is missing.
+    ``router_counters``: every router counter that changed. ``speculative``: speculative
+    decoding's proposals and acceptances (None when no worker speculates). ``incomplete``: a
+    worker did not answer in the second snapshot, so its part is missing.
     """
     old = {w["address"]: w for w in before.get("workers", [])}
     by_role: dict[str, dict[str, float]] = {}
+    spec: dict[str, float] = {}
     incomplete = False
     for w in after.get("workers", []):
         if not w["healthy"] or not w["counters"]:
@@ -244,6 +256,9 @@ def cluster_delta(before: dict, after: dict) -> dict:
         role = by_role.setdefault(w["role"], {"hits": 0.0, "queries": 0.0})
         role["hits"] += _delta(w["counters"].get("prefix_hits", 0.0), prev.get("prefix_hits", 0.0))
         role["queries"] += _delta(w["counters"].get("prefix_queries", 0.0), prev.get("prefix_queries", 0.0))
+        for key in SPEC_COUNTERS:
+            if key in w["counters"]:
+                spec[key] = spec.get(key, 0.0) + _delta(w["counters"][key], prev.get(key, 0.0))
     for role in by_role.values():
         role["hit_rate"] = role["hits"] / role["queries"] if role["queries"] else None
     prefilling = ["prefill"] if "prefill" in by_role else [r for r in by_role if r != "prefill"]
@@ -256,5 +271,16 @@ def cluster_delta(before: dict, after: dict) -> dict:
         "prefix_cache": dict(sorted(by_role.items())),
         **{k: changed.get(k, 0.0) for k in ROUTER_COUNTERS},
         "router_counters": {k: v for k, v in sorted(changed.items()) if v},
+        "speculative": _speculative(spec) if spec else None,
         "incomplete": incomplete,
+    }
+
+
+def _speculative(c: dict[str, float]) -> dict[str, float | None]:
+    """Speculative decoding over the run, summed over the decoding workers."""
+    drafts, proposed, accepted = (c.get(k, 0.0) for k in SPEC_COUNTERS)
+    return {
+        "drafts": drafts, "draft_tokens": proposed, "accepted_tokens": accepted,
+        "acceptance_rate": accepted / proposed if proposed else None,
+        "mean_accepted_length": 1 + accepted / drafts if drafts else None,  # tokens per verification
     }

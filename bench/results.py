@@ -7,8 +7,11 @@ topology a started stack had: workers, policy, chunked prefill, pinning; None fo
 hf), prompt_variant (``workloads.variant``), the TTFT split by prompt length
 (short_threshold, num_short/num_long, short_ttft_p50_ms/p99, long_ttft_p50_ms/p99: None for
 an empty class) and the router's counters over the run (prefix_hit_rate, prefix_cache per
-role, migrations, retries, router_counters, cluster_stats_incomplete: None where the stats
-could not be read, e.g. hf). Latency statistics are in ms; the per-request ``ttfts`` and
+role, migrations, retries, router_counters, speculative (drafts, draft_tokens,
+accepted_tokens, acceptance_rate, mean_accepted_length: speculative decoding over the run),
+cluster_stats_incomplete: None where the stats could not be read, e.g. hf). ITL per token
+(``*_itl_per_token_ms``) splits each message's gap over its tokens (speculative decoding
+streams several tokens per message). Latency statistics are in ms; the per-request ``ttfts`` and
 ``itls`` are in seconds, as in vLLM.
 """
 
@@ -24,7 +27,7 @@ from typing import TextIO
 
 from pdserve.bench.metrics import DEFAULT_SHORT_THRESHOLD, Goodput, RunMetrics, Timeline, ttft_by_length
 
-LATENCY_METRICS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL"))
+LATENCY_METRICS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL"), ("itl_per_token", "ITL per token"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +47,7 @@ class RunInfo:
     prompt_variant: int = 0
 
 
-CLUSTER_KEYS = ("prefix_hit_rate", "prefix_cache", "migrations", "retries", "router_counters")
+CLUSTER_KEYS = ("prefix_hit_rate", "prefix_cache", "migrations", "retries", "router_counters", "speculative")
 
 
 def to_result(info: RunInfo, m: RunMetrics, timelines: list[Timeline], cluster: dict | None = None) -> dict:
@@ -185,3 +188,11 @@ def _cluster_table(results: list[dict], out: TextIO) -> None:
         rows.append([r["mode"], _rate(r), _pct(r["prefix_hit_rate"]) + incomplete, *cells,
                      f"{r.get('migrations') or 0:.0f}", f"{r.get('retries') or 0:.0f}"])
     _table(["mode", "rate", "prefix hit", *roles, "migrations", "retries"], rows, out)
+    spec = [r for r in with_stats if r.get("speculative")]
+    if spec:
+        print("\n== Speculative decoding (over each run) ==", file=out)
+        _table(["mode", "rate", "verifications", "proposed", "accepted", "acceptance", "tokens/verification"], [
+            [r["mode"], _rate(r), f"{s['drafts']:.0f}", f"{s['draft_tokens']:.0f}", f"{s['accepted_tokens']:.0f}",
+             _pct(s["acceptance_rate"]), "-" if s["mean_accepted_length"] is None else f"{s['mean_accepted_length']:.2f}"]
+            for r in spec for s in [r["speculative"]]
+        ], out)

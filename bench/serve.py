@@ -13,7 +13,10 @@ Modes (the mode string is the label in tables, plots and file names):
   kv_aware; default ``--policy``, else kv_aware) and/or ``-nochunk`` (chunked prefill off in
   every worker), e.g. ``2p1d-kv_aware``, ``2p1d-round_robin``, ``1p1d-nochunk``,
   ``colocated-nochunk``; an ``NpMd`` stack also by ``-conditional`` (conditional
-  disaggregation: decode workers prefill short prompts themselves), e.g. ``1p1d-conditional``.
+  disaggregation: decode workers prefill short prompts themselves), e.g. ``1p1d-conditional``;
+  and either by ``-ngram`` or ``-draft`` (speculative decoding in its decoding workers, with
+  ``--num-speculative-tokens`` and, for ``-draft``, ``--draft-model``), e.g.
+  ``colocated,colocated-ngram`` side by side.
   ``--profile`` gives started stacks a profile (the conditional threshold; with
   ``--slo-tpot-ms``, prefill chunks sized so a mixed step stays within it). ``--pin-cores`` pins the workers of every started stack (1p1d on 2
   cores: one core each; colocated: its one worker gets both).
@@ -58,7 +61,8 @@ from pdserve.engine.engine_config import EngineConfig  # noqa: E402
 from pdserve.settings import KV_TRANSPORTS, ROUTING_POLICIES, ClusterSettings, RouterSettings, WorkerSettings  # noqa: E402
 
 MODE_SYNTAX = "live, hf, colocated or NpMd (e.g. 1p1d, 2p1d), the last two optionally followed by " \
-    f"-POLICY ({', '.join(ROUTING_POLICIES)}) and/or -nochunk, NpMd also by -conditional"
+    f"-POLICY ({', '.join(ROUTING_POLICIES)}), -nochunk and/or -ngram or -draft (speculative decoding), NpMd also by -conditional"
+SPECULATIVE_SUFFIXES = ("ngram", "draft")
 MAX_WORKERS_PER_ROLE = 16
 PROG = "pdserve bench"
 _TOPOLOGY = re.compile(r"(\d+)p(\d+)d")
@@ -76,6 +80,7 @@ class Mode:
     policy: str | None = None  # None: --policy, else the router's default
     chunked_prefill: bool = True  # False: -nochunk
     conditional: bool = False  # -conditional: decode workers prefill short prompts themselves
+    speculative: str | None = None  # -ngram, -draft: speculative decoding (None: --speculative)
 
 
 def parse_mode(text: str) -> Mode:
@@ -102,6 +107,8 @@ def parse_mode(text: str) -> Mode:
             mode = dataclasses.replace(mode, chunked_prefill=False)
         elif suffix == "conditional" and not mode.conditional and not mode.colocated:
             mode = dataclasses.replace(mode, conditional=True)
+        elif suffix in SPECULATIVE_SUFFIXES and mode.speculative is None:
+            mode = dataclasses.replace(mode, speculative=suffix)
         else:
             raise ValueError(f"unknown mode {label}: bad or repeated suffix -{suffix}; modes are {MODE_SYNTAX}")
     return mode
@@ -243,6 +250,9 @@ def make_plan(args: argparse.Namespace) -> Plan:
         if not (getattr(args, name) > 0 and math.isfinite(getattr(args, name))):
             raise ValueError(f"--{name.replace('_', '-')} must be a positive number, got {getattr(args, name)}")
     wl = workload_config(args)
+    engine = resolve(EngineConfig, args)
+    if any(m.speculative == "draft" for m in modes) and not engine.draft_model:
+        raise ValueError("a -draft mode needs the draft model: give --draft-model PATH")
     return Plan(
         modes=modes, address=args.addr, rates=rates, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
         seed=args.seed, warmup=args.warmup, goodput=Goodput.parse(args.goodput), result_dir=Path(args.result_dir),
@@ -250,7 +260,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         hf_batch_size=args.hf_batch_size, progress=not args.disable_tqdm, plots=not args.no_plots, workload=wl,
         short_threshold=args.short_threshold, policy=args.policy, profile=args.profile, slo_tpot_ms=args.slo_tpot_ms,
         conditional_threshold_tokens=args.conditional_threshold_tokens,
-        engine=resolve(EngineConfig, args),
+        engine=engine,
         worker=resolve(WorkerSettings, args, env={}),
         cluster=resolve(ClusterSettings, args, env={}),
     )
@@ -273,6 +283,8 @@ def _free_port() -> int:
 def _stack_config(mode: Mode, plan: Plan, port: int = 0) -> tuple[EngineConfig, RouterSettings, ClusterSettings]:
     """The settings of the stack a mode starts: --flags, then what the mode name says."""
     engine = plan.engine if mode.chunked_prefill else dataclasses.replace(plan.engine, enable_chunked_prefill=False)
+    if mode.speculative is not None:
+        engine = dataclasses.replace(engine, speculative=mode.speculative)
     router = RouterSettings(host="127.0.0.1", port=port, policy=mode.policy or plan.policy or RouterSettings.policy,
                             conditional=mode.conditional, profile=plan.profile, slo_tpot_ms=plan.slo_tpot_ms,
                             conditional_threshold_tokens=plan.conditional_threshold_tokens)
@@ -292,6 +304,8 @@ def _stack_info(mode: Mode, plan: Plan) -> dict | None:
         "policy": router.policy, "chunked_prefill": engine.enable_chunked_prefill,
         "max_num_batched_tokens": engine.max_num_batched_tokens, "pin_cores": cluster.pin_cores,
         "conditional": router.conditional, "profile": router.profile, "slo_tpot_ms": router.slo_tpot_ms,
+        "speculative": engine.speculative, "num_speculative_tokens": engine.num_speculative_tokens,
+        "draft_model": engine.draft_model if engine.speculative == "draft" else None,
     }
 
 

@@ -34,6 +34,12 @@ Workloads
   (default 16-64); ``--input-len``/``--output-len`` set the short class. Results split TTFT
   by prompt length (``--short-threshold``, default 256 tokens), so keep the short input range
   below the threshold and the long one above it.
+- ``extractive``: answers that repeat the prompt's text (what speculative decoding's n-gram
+  lookup is for): a passage of Python's own documentation (``pydoc_data.topics``, on every
+  machine; its text follows the Python version) of about the input length (default 160-400
+  tokens), with a seeded instruction to repeat it word for word, to fix the typos seeded into
+  it, or to rewrite it one sentence per line; the model's chat template when it has one.
+  Output lengths default to 64-128 (the answer is mostly the passage).
 - ``jsonl``: the user's own prompts, one JSON object per line: ``{"prompt": "..."}`` or
   ``{"prompt_token_ids": [...]}``, optionally ``"output_len"`` (or ``"max_tokens"``); lines
   without one draw an output length from the output range.
@@ -48,13 +54,20 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-WORKLOADS = ("random", "sharegpt", "shared-prefix", "mixed", "jsonl")
+WORKLOADS = ("random", "sharegpt", "shared-prefix", "mixed", "extractive", "jsonl")
 TOKEN_ID_RANGE = (1000, 40000)
 SHAREGPT_INPUT = (5.0, 1.0)  # lognormal (mu, sigma) of input lengths
 SHAREGPT_OUTPUT = (4.8, 0.9)  # lognormal (mu, sigma) of output lengths
 SHAREGPT_MAX_TOTAL = 2048
-DEFAULT_INPUT_LEN = {"random": (32, 256), "sharegpt": (4, 1024), "shared-prefix": (16, 64), "mixed": (32, 128), "jsonl": (1, 1)}
-DEFAULT_OUTPUT_LEN = {"random": (16, 64), "sharegpt": (4, 512), "shared-prefix": (16, 64), "mixed": (16, 64), "jsonl": (16, 64)}
+DEFAULT_INPUT_LEN = {"random": (32, 256), "sharegpt": (4, 1024), "shared-prefix": (16, 64), "mixed": (32, 128),
+                     "extractive": (160, 400), "jsonl": (1, 1)}
+DEFAULT_OUTPUT_LEN = {"random": (16, 64), "sharegpt": (4, 512), "shared-prefix": (16, 64), "mixed": (16, 64),
+                      "extractive": (64, 128), "jsonl": (16, 64)}
+EXTRACTIVE_TASKS = (
+    "Repeat the following passage exactly, word for word.",
+    "The following passage contains a few typos. Write out the corrected passage in full.",
+    "Rewrite the following passage with each sentence on its own line.",
+)
 MIXED_LONG_FRACTION = 0.2
 MIXED_LONG_INPUT = (1024, 2048)
 MIXED_LONG_OUTPUT = (128, 256)
@@ -153,6 +166,8 @@ def build(cfg: WorkloadConfig, tokenizer: Callable[[], Tokenizer]) -> list[Reque
         return _shared_prefix(cfg, rng, tokenizer())
     if cfg.name == "mixed":
         return _mixed(cfg, rng)
+    if cfg.name == "extractive":
+        return _extractive(cfg, rng, tokenizer())
     return load_jsonl(Path(cfg.path or ""), cfg, rng, tokenizer)
 
 
@@ -259,6 +274,59 @@ def _mixed(cfg: WorkloadConfig, rng: np.random.Generator) -> list[RequestSpec]:
             out = int(rng.integers(olo, ohi + 1))
             n_in = int(rng.integers(ilo, ihi + 1))
         specs.append(RequestSpec(_random_ids(rng, n_in), out))
+    return specs
+
+
+def _prose_paragraphs() -> list[str]:
+    """The prose of Python's topic help, one string per paragraph (code and headings left out)."""
+    from pydoc_data.topics import topics
+
+    paragraphs = []
+    for name in sorted(topics):
+        for block in topics[name].split("\n\n"):
+            lines = block.strip("\n").split("\n")
+            if not lines[0] or lines[0][0].isspace() or any(set(line) <= set("*=-") for line in lines):
+                continue
+            text = " ".join(line.strip() for line in lines)
+            if len(text) > 80 and text[-1] in ".:":
+                paragraphs.append(text)
+    return paragraphs
+
+
+def _with_typos(rng: np.random.Generator, text: str, count: int) -> str:
+    words = text.split(" ")
+    for i in rng.choice(len(words), size=min(count, len(words)), replace=False):
+        w = words[i]
+        if len(w) > 3 and w.isalpha():
+            j = int(rng.integers(1, len(w) - 2))
+            words[i] = w[:j] + w[j + 1] + w[j] + w[j + 2 :]  # two letters swapped
+    return " ".join(words)
+
+
+def _extractive(cfg: WorkloadConfig, rng: np.random.Generator, tok: Tokenizer) -> list[RequestSpec]:
+    (ilo, ihi), (olo, ohi) = cfg.input_range(), cfg.output_range()
+    paragraphs = _prose_paragraphs()
+    template = getattr(tok, "apply_chat_template", None) if getattr(tok, "chat_template", None) else None
+    specs = []
+    for _ in range(cfg.num_prompts):
+        target = int(rng.integers(ilo, ihi + 1))
+        start = int(rng.integers(len(paragraphs)))
+        passage, n = [], 0
+        while n < target:
+            paragraph = paragraphs[(start + len(passage)) % len(paragraphs)]
+            passage.append(paragraph)
+            n += len(tok.encode(paragraph, add_special_tokens=False))
+        task = int(rng.integers(len(EXTRACTIVE_TASKS)))
+        text = "\n\n".join(passage)
+        if task == 1:
+            text = _with_typos(rng, text, max(2, len(text) // 300))
+        message = f"{EXTRACTIVE_TASKS[task]}\n\n{text}"
+        if template is not None:
+            ids = template([{"role": "user", "content": message}], add_generation_prompt=True, tokenize=True)
+            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        else:
+            ids = tok.encode(f"{message}\n\nAnswer:\n", add_special_tokens=True)
+        specs.append(RequestSpec(tuple(ids), int(rng.integers(olo, ohi + 1))))
     return specs
 
 

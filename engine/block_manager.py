@@ -133,6 +133,16 @@ class BlockManager:
             return [(parent.block_table[full], child.block_table[full])]
         return []
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Frees ``seq``'s blocks past the first ``num_tokens`` tokens (slots reserved for
+        speculative tokens that were rejected). Only unhashed blocks can be past them: a block
+        is hashed once all of its tokens are computed and accepted."""
+        keep = self.blocks_needed(num_tokens)
+        if keep < len(seq.block_table):
+            assert len(seq.block_hashes) <= keep, "trimming a hashed block"
+            self.free_blocks(seq.block_table[keep:])
+            del seq.block_table[keep:]
+
     def commit_full_blocks(self, seq: Sequence) -> None:
         """Registers the hashes of ``seq``'s blocks that have become full and computed."""
         if not self.enable_prefix_caching:

@@ -15,6 +15,8 @@ QUANTIZATIONS = ("none", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
+MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +41,15 @@ class EngineConfig:
                                            "one all-reduce after each (Megatron)")
     pipeline_parallel_size: int = setting(1, "ranks (one process each) that take consecutive layers, the batch passed "
                                              "between them in micro-batches")
+    # Speculative decoding (engine/speculative): decoding sequences propose tokens that one
+    # forward pass of the model verifies. Decode roles only; a prefill worker ignores it.
+    speculative: str = setting("none", "speculative decoding: ngram (prompt lookup in the prompt and output so far) or "
+                               "draft (a smaller model, --draft-model)", choices=SPECULATIVE_METHODS)
+    num_speculative_tokens: int = setting(4, "speculative decoding: most tokens proposed per sequence and step")
+    draft_model: str | None = setting(None, "the draft model of --speculative draft: a Hugging Face folder or .gguf with "
+                                      "the target's vocabulary ('default': the default model)")
+    prompt_lookup_min: int = setting(2, "speculative ngram: shortest suffix n-gram looked up")
+    prompt_lookup_max: int = setting(4, "speculative ngram: longest suffix n-gram looked up (the longest match wins)")
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -55,6 +66,17 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.world_size > 1 and self.preemption_mode == "swap":
             raise ValueError("preemption_mode swap keeps one rank's KV cache: with tensor or pipeline parallelism use recompute")
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], "
+                             f"got {self.num_speculative_tokens!r}")
+        if self.speculative == "draft" and not self.draft_model:
+            raise ValueError("draft_model: --speculative draft needs a draft model (--draft-model PATH)")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max, "
+                             f"got {self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.world_size > 1 and self.speculative != "none":
+            raise ValueError("speculative decoding runs in single-rank workers: with tensor or pipeline parallelism "
+                             "use --speculative none")
 
     @property
     def world_size(self) -> int:

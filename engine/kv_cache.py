@@ -110,8 +110,9 @@ def free_memory(device: torch.device) -> int:
     return max(available, 0)
 
 
-def num_blocks_for_budget(layout: KVLayout, budget: str | int | float, device: torch.device) -> int:
-    """Blocks that fit the budget ('auto': 90% of free GPU memory, or min(2 GiB, 25% of RAM) on CPU)."""
+def num_blocks_for_budget(layout: KVLayout, budget: str | int | float, device: torch.device, extra_block_bytes: int = 0) -> int:
+    """Blocks that fit the budget ('auto': 90% of free GPU memory, or min(2 GiB, 25% of RAM) on CPU).
+    ``extra_block_bytes``: what else each block costs (a speculative draft's cache keeps one block per block)."""
     if budget == "auto":
         free = free_memory(device)
         nbytes = int(free * 0.9) if device.type == "cuda" else min(2 * 2**30, free // 4)
@@ -119,7 +120,8 @@ def num_blocks_for_budget(layout: KVLayout, budget: str | int | float, device: t
         nbytes, fraction = parse_memory(budget)
         if fraction is not None:
             nbytes = int(free_memory(device) * fraction)
-    num_blocks = nbytes // (layout.block_bytes * layout.num_layers)
+    block_bytes = layout.block_bytes * layout.num_layers + extra_block_bytes
+    num_blocks = nbytes // block_bytes
     if num_blocks < 1:
-        raise ValueError(f"kv cache memory budget {budget!r} holds no block of {layout.block_bytes * layout.num_layers} bytes")
+        raise ValueError(f"kv cache memory budget {budget!r} holds no block of {block_bytes} bytes")
     return num_blocks

@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from pdserve.engine import speculative
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.choices import Forker, request_finished
 from pdserve.engine.engine_config import EngineConfig
@@ -58,6 +59,7 @@ class EngineStats:
     rejected: int = 0
     waiting_for_kv: int = 0  # reservations whose K/V a prefill worker is sending
     forks: int = 0  # choices (n > 1) forked from another choice's prompt
+    spec: speculative.SpecStats | None = None  # speculative decoding's counters, when it is on
 
 
 class LLMEngine:
@@ -73,6 +75,7 @@ class LLMEngine:
         self.dtype = parse_dtype(config.dtype, self.device)
         self.kv_layout = KVLayout.for_model(self.model_config, config.block_size, self.dtype, config.kv_cache_dtype)
         self.parallel = None  # rank 0 of a tensor/pipeline-parallel worker (engine/parallel)
+        draft = None  # speculative decoding's draft model (single-rank workers only)
         if config.world_size > 1:
             from pdserve.engine.parallel.driver import ParallelDriver
 
@@ -82,7 +85,9 @@ class LLMEngine:
         else:
             backend = select_backend(self.device, config.attention_backend, self.kv_layout.format)
             self.model = forward = load_model(self.model_dir, self.dtype, self.device, backend, config.quantization)
-            num_blocks = num_blocks_for_budget(self.kv_layout, config.kv_cache_memory, self.device)
+            draft = speculative.load_draft(self) if config.speculative == "draft" else None  # shares the KV budget
+            num_blocks = num_blocks_for_budget(self.kv_layout, config.kv_cache_memory, self.device,
+                                               draft.block_bytes if draft else 0)
             storage = kv_storage(self.kv_layout, num_blocks) if kv_storage else None
             self.kv_cache = KVCache(self.kv_layout, num_blocks, self.device, getattr(storage, "tensor", storage))
             self.kv_shards = KVShards(self.kv_cache.layers, self.kv_layout)  # the cache as the KV handoff sees it
@@ -95,6 +100,8 @@ class LLMEngine:
             self.blocks, self.swap,
         )
         self.runner = ModelRunner(forward, self.kv_cache.layers, config.block_size, self.device)
+        # Speculative decoding hooks into the scheduler (lookahead) and the runner (verify).
+        self.speculator = speculative.attach(self, draft, num_blocks) if config.speculative != "none" else None
         self.connector = KVConnector(self.scheduler, self.blocks, self.model_config.num_layers, self.model_config.vocab_size,
                                      self._finish_reason)
         # API parity: grammars for structured output, forks for n > 1 (engine/choices.py).
@@ -227,6 +234,8 @@ class LLMEngine:
 
     def _forward(self, schedule: SchedulerOutput) -> list[RequestOutput]:
         hook = self.connector.save_hook(schedule)
+        if self.speculator is not None:
+            self.speculator.propose(schedule)
         started = time.perf_counter()
         sampled = self.runner.run(schedule, hook)
         if schedule.prefills:
@@ -238,28 +247,39 @@ class LLMEngine:
             chunk.seq.num_computed_tokens = chunk.start + chunk.num_tokens
         outputs = []
         for s in sampled:
-            seq, token_id = s.chunk.seq, s.token_id
-            seq.token_ids.append(token_id)
-            self.blocks.commit_full_blocks(seq)
+            seq = s.chunk.seq
             if s.choices:  # n > 1: every choice's first token was drawn from this prompt
+                seq.token_ids.append(s.token_ids[0])
+                self.blocks.commit_full_blocks(seq)
                 outputs += self._start_choices(seq, s.choices, emit=True)
                 continue
-            reason = self._finish_reason(seq, token_id)
+            new_ids: list[int] = []
+            reason = None
+            for token_id in s.token_ids:  # several with accepted speculative tokens; none past a finish
+                seq.token_ids.append(token_id)
+                new_ids.append(token_id)
+                reason = self._finish_reason(seq, token_id)
+                if reason is not None:
+                    break
+            seq.num_computed_tokens = seq.num_tokens - 1  # every token but the newest is in the cache
+            self.blocks.commit_full_blocks(seq)
             if reason is not None:
                 self._finish(seq, reason)
             elif seq.kv_send is not None:
                 self.connector.prompt_done(seq)  # keeps its blocks until the decode side has the K/V
-            outputs.append(self._output(seq, token_id, reason, s.logprob))
+            outputs.append(self._output(seq, new_ids, reason, s.logprob))
         for chunk in schedule.prefills:
             if not chunk.completes:
                 self.blocks.commit_full_blocks(chunk.seq)
+        if self.speculator is not None:
+            self.speculator.step_done(schedule, sampled)
         return outputs
 
     # -- API parity: choices, logprobs, grammars ---------------------------------------------------
-    def _output(self, seq: Sequence, token_id: int, reason: FinishReason | None, logprob: TokenLogprob | None,
+    def _output(self, seq: Sequence, token_ids: list[int], reason: FinishReason | None, logprob: TokenLogprob | None,
                 **extra) -> RequestOutput:
         return RequestOutput(
-            seq.request_id, [token_id], reason, seq.num_prompt_tokens, seq.num_cached_tokens,
+            seq.request_id, token_ids, reason, seq.num_prompt_tokens, seq.num_cached_tokens,
             finished=reason is not None and request_finished(seq), index=seq.choice,
             logprobs=[logprob] if logprob is not None else None, prompt_logprobs=take_prompt_logprobs(seq), **extra)
 
@@ -278,7 +298,7 @@ class LLMEngine:
                 self._finish(seq, reasons[0])
             else:
                 self.connector.prompt_done(seq, tuple(t for t, _ in first[1:]))
-            out = self._output(seq, first[0][0], reasons[0], first[0][1], first_tokens=firsts)
+            out = self._output(seq, [first[0][0]], reasons[0], first[0][1], first_tokens=firsts)
             out.finished = ended  # otherwise the request ends with the decode side's acknowledgement
             return [out]
         choices = self.forker.fork(seq, [t for t, _ in first])
@@ -290,7 +310,7 @@ class LLMEngine:
                 choice.status, choice.finish_reason = SequenceStatus.FINISHED, reason
         if reasons[0] is not None:
             self._finish(seq, reasons[0])
-        outputs = [self._output(c, t, r, lp) for c, (t, lp), r in zip(choices, first, reasons) if emit]
+        outputs = [self._output(c, [t], r, lp) for c, (t, lp), r in zip(choices, first, reasons) if emit]
         if not emit and seq.group.finished:  # nothing goes on: the request ends here
             outputs.append(RequestOutput(seq.request_id, [], reasons[0], seq.num_prompt_tokens, seq.num_cached_tokens,
                                          finished=True))
@@ -312,6 +332,7 @@ class LLMEngine:
             cached_block_hashes=self._cached_hashes() if with_digest else (),
             prefill_tokens_per_s=self.prefill_rate, rejected=self.scheduler.num_rejected,
             waiting_for_kv=len(self.scheduler.waiting_for_kv), forks=self.forker.num_forks,
+            spec=self.speculator.stats if self.speculator is not None else None,
         )
 
     def _cached_hashes(self) -> tuple[int, ...]:

@@ -85,7 +85,8 @@ def add_prompt_rows(batch: ForwardBatch, prefills: list[ScheduledChunk]) -> list
     spans: list[PromptRows] = []
     extra: list[torch.Tensor] = []
     row = batch.logits_indices.shape[0]
-    for chunk, segment in zip(prefills, batch.prefills):
+    segments = batch.prefills[len(batch.prefills) - len(prefills) :]  # after the verified decodes' segments
+    for chunk, segment in zip(prefills, segments):
         seq = chunk.seq
         if not wants_prompt_logprobs(seq):
             continue

@@ -1,4 +1,10 @@
-"""Turns a scheduled step into tensors, runs the model, and samples."""
+"""Turns a scheduled step into tensors, runs the model, and samples.
+
+A decode that carries proposed tokens (speculative decoding, ``engine/speculative``) runs its
+last token and the proposals as one chunk over its cached context, the shape of a prefill
+chunk, with logits at every position; the sampling step's ``verify`` then keeps the proposals the model agrees
+with. Logit rows come in the batch's order: plain decodes, those chunks, then prompt chunks.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,7 @@ from pdserve.engine.logprobs import add_prompt_rows
 from pdserve.engine.model import CausalLM, LayerHook
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_step import SampledToken, SamplingStep
-from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.scheduler import ScheduledChunk, SchedulerOutput
 
 
 class ModelRunner:
@@ -19,7 +25,12 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler(device)
-        self.sampling = SamplingStep(self.sampler)  # grammar masks, n > 1 first tokens, logprobs
+        self.sampling = SamplingStep(self.sampler)  # grammar masks, n > 1 first tokens, logprobs, verification
+
+    @staticmethod
+    def _decodes(out: SchedulerOutput) -> tuple[list[ScheduledChunk], list[ScheduledChunk]]:
+        """The step's decodes without and with proposed tokens."""
+        return [c for c in out.decodes if not c.draft], [c for c in out.decodes if c.draft]
 
     def build_batch(self, out: SchedulerOutput) -> ForwardBatch:
         bs = self.block_size
@@ -27,8 +38,9 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         logits_indices: list[int] = []
+        decodes, verified = self._decodes(out)
 
-        for chunk in out.decodes:
+        for chunk in decodes:
             seq, pos = chunk.seq, chunk.start
             input_ids.append(seq.token_ids[pos])
             positions.append(pos)
@@ -36,13 +48,22 @@ class ModelRunner:
             logits_indices.append(len(input_ids) - 1)
 
         decode_tables = decode_lens = None
-        if out.decodes:
-            width = max(len(c.seq.block_table) for c in out.decodes)
-            table = [c.seq.block_table + [0] * (width - len(c.seq.block_table)) for c in out.decodes]
+        if decodes:
+            width = max(len(c.seq.block_table) for c in decodes)
+            table = [c.seq.block_table + [0] * (width - len(c.seq.block_table)) for c in decodes]
             decode_tables = torch.tensor(table, dtype=torch.int64, device=self.device)
-            decode_lens = torch.tensor([c.start + 1 for c in out.decodes], dtype=torch.int64, device=self.device)
+            decode_lens = torch.tensor([c.start + 1 for c in decodes], dtype=torch.int64, device=self.device)
 
         segments = []
+        for chunk in verified:  # last token + proposals over the cached context, logits at each
+            seq, start, count = chunk.seq, chunk.start, 1 + len(chunk.draft)
+            query_start = len(input_ids)
+            input_ids += [seq.token_ids[start], *chunk.draft]
+            positions.extend(range(start, start + count))
+            slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, start + count))
+            segments.append(PrefillSegment(query_start, count, start + count,
+                                           torch.tensor(seq.block_table, dtype=torch.int64, device=self.device)))
+            logits_indices.extend(range(query_start, query_start + count))
         for chunk in out.prefills:
             seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens
             query_start = len(input_ids)
@@ -66,7 +87,7 @@ class ModelRunner:
             input_ids=as_tensor(input_ids),
             positions=as_tensor(positions),
             slot_mapping=as_tensor(slots),
-            num_decode=len(out.decodes),
+            num_decode=len(decodes),
             decode_block_tables=decode_tables,
             decode_context_lens=decode_lens,
             prefills=segments,
@@ -74,8 +95,10 @@ class ModelRunner:
         )
 
     def run(self, out: SchedulerOutput, layer_hook: LayerHook | None = None) -> list[SampledToken]:
-        """One forward pass; returns the sampled token of every chunk that completes its sequence."""
+        """One forward pass; returns the new tokens of every chunk that completes its sequence
+        (one, or with proposed tokens, those accepted and one more)."""
         batch = self.build_batch(out)
         prompt_rows = add_prompt_rows(batch, out.prefills)  # prompt logprobs: rows after the sampling rows
         logits = self.model(batch, self.kv_layers, layer_hook)
-        return self.sampling(logits, [c for c in out.chunks if c.completes], prompt_rows)
+        decodes, verified = self._decodes(out)
+        return self.sampling(logits, decodes + verified + [c for c in out.prefills if c.completes], prompt_rows)

@@ -21,6 +21,13 @@ def token_seed(seed: int, index: int) -> int:
     return xxhash.xxh3_64_intdigest(struct.pack("<QQ", seed, index)) & (2**63 - 1)
 
 
+def seeded_noise_(row: torch.Tensor, generator: torch.Generator, seed: int, index: int) -> torch.Tensor:
+    """Fills ``row`` (one vocabulary of probabilities' worth) with the noise of output token
+    ``index`` of a request seeded ``seed`` (a speculative draft draws the same)."""
+    generator.manual_seed(token_seed(seed, index))
+    return row.exponential_(generator=generator)
+
+
 class Sampler:
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -35,13 +42,7 @@ class Sampler:
             return greedy_ids
 
         device = logits.device
-        temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
-        logits = logits / temperature[:, None]
-        top_k = [p.top_k for p in params]
-        top_p = [p.top_p for p in params]
-        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-            logits = _apply_top_k_top_p(logits, top_k, top_p)
-        probs = logits.softmax(dim=-1)
+        probs = sampling_probs(logits, params)
 
         noise = torch.empty_like(probs)
         seeded = [i for i, p in enumerate(params) if p.seed is not None]
@@ -49,12 +50,23 @@ class Sampler:
         if unseeded:
             noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=device).exponential_()
         for i in seeded:
-            self._generator.manual_seed(token_seed(params[i].seed, output_index[i]))
-            noise[i].exponential_(generator=self._generator)
+            seeded_noise_(noise[i], self._generator, params[i].seed, output_index[i])
         sampled = (probs / noise).argmax(dim=-1)
 
         is_greedy = torch.tensor([p.greedy for p in params], device=device)
         return torch.where(is_greedy, greedy_ids, sampled)
+
+
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row samples from: temperature, then top-k and top-p (greedy rows
+    at temperature 1). Speculative decoding's rejection test compares these."""
+    temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=logits.device)
+    logits = logits / temperature[:, None]
+    top_k = [p.top_k for p in params]
+    top_p = [p.top_p for p in params]
+    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+        logits = _apply_top_k_top_p(logits, top_k, top_p)
+    return logits.softmax(dim=-1)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

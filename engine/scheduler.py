@@ -49,6 +49,10 @@ class ScheduledChunk:
     seq: Sequence
     start: int
     num_tokens: int
+    # Speculative decoding (engine/speculative): a decode may carry up to ``lookahead`` proposed
+    # tokens after its last one (cache slots reserved here; ``draft`` filled in after scheduling).
+    lookahead: int = 0
+    draft: list[int] = field(default_factory=list)
 
     @property
     def completes(self) -> bool:
@@ -92,6 +96,9 @@ class Scheduler:
         # Optional: given a step's decodes, the most prompt tokens the step may add (so that a
         # mixed step stays within a TPOT SLO; planner.chunking sizes it from a profile).
         self.prefill_token_limit: Callable[[list[ScheduledChunk]], int] | None = None
+        # Optional (speculative decoding): how many proposed tokens a decoding sequence may
+        # carry this step. Their slots come from free blocks only, never by preempting.
+        self.lookahead: Callable[[Sequence], int] | None = None
 
     # -- queues -----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -138,6 +145,10 @@ class Scheduler:
             if self._reserve_next_token(seq, out):
                 out.decodes.append(ScheduledChunk(seq, seq.num_computed_tokens, 1))
                 budget -= 1
+        if self.lookahead is not None:  # after every next token has its slot: speculation never preempts
+            for chunk in out.decodes:
+                chunk.lookahead = self._reserve_lookahead(chunk.seq, budget)
+                budget -= chunk.lookahead
         if self.prefill_token_limit is not None and out.decodes:
             budget = min(budget, max(0, self.prefill_token_limit(out.decodes)))
 
@@ -213,6 +224,16 @@ class Scheduler:
             if victim is seq:
                 return False
         return True
+
+    def _reserve_lookahead(self, seq: Sequence, budget: int) -> int:
+        """Slots for up to ``lookahead(seq)`` proposed tokens, within the token budget and the
+        free blocks; the speculator returns the unused ones after the step."""
+        wanted = min(self.lookahead(seq), budget)
+        if wanted <= 0:
+            return 0
+        room = (len(seq.block_table) + self.blocks.num_free) * self.blocks.block_size - seq.num_tokens
+        wanted = min(wanted, room)
+        return wanted if wanted > 0 and self.blocks.ensure_capacity(seq, seq.num_tokens + wanted) else 0
 
     def preempt(self, seq: Sequence) -> None:
         """Swap the K/V out to host memory if there is room, else drop it (the sequence

@@ -72,7 +72,29 @@ class WorkerCollector(Collector):
             family = CounterMetricFamily(name, doc, labels=labels)
             family.add_metric([self.role], float(value))
             yield family
+        if s.spec is not None:
+            yield from _spec_families(self.role, s.spec)
         yield from _kv_families(self.role, self.kv_counters())
+
+
+def _spec_families(role: str, spec) -> Iterable:
+    """Speculative decoding (vLLM's spec_decode counters, and the two ratios since start)."""
+    for name, doc, value in (
+        ("pdserve_spec_decode_drafts", "Verifications: decode steps of a sequence that carried proposed tokens", spec.drafts),
+        ("pdserve_spec_decode_draft_tokens", "Proposed tokens", spec.draft_tokens),
+        ("pdserve_spec_decode_accepted_tokens", "Proposed tokens the model kept", spec.accepted_tokens),
+    ):
+        family = CounterMetricFamily(name, doc, labels=["role"])
+        family.add_metric([role], float(value))
+        yield family
+    for name, doc, value in (
+        ("pdserve_spec_decode_acceptance_rate", "Accepted over proposed tokens, since start", spec.acceptance_rate),
+        ("pdserve_spec_decode_mean_accepted_length", "Tokens emitted per verification (kept proposals + 1), since start",
+         spec.mean_accepted_length),
+    ):
+        family = GaugeMetricFamily(name, doc, labels=["role"])
+        family.add_metric([role], float(value))
+        yield family
 
 
 def _kv_families(role: str, counters: Mapping[str, float]) -> Iterable:

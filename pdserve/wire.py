@@ -88,6 +88,9 @@ def worker_stats(
         "evictions": stats.evictions, "blocks_cached": stats.blocks_cached, "prefilled_held": stats.prefilled_held,
         "rejected_ttft": stats.rejected, "forks": stats.forks,
     }
+    if stats.spec is not None:  # speculative decoding
+        counters.update(spec_drafts=stats.spec.drafts, spec_draft_tokens=stats.spec.draft_tokens,
+                        spec_accepted_tokens=stats.spec.accepted_tokens)
     counters.update({f"kv_{k}": float(v) for k, v in (kv_counters or {}).items()})
     return pb.WorkerStats(
         address=address, role=role, healthy=True, blocks_total=stats.blocks_total, blocks_free=stats.blocks_free,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 from pdserve.engine.engine_config import EngineConfig
@@ -31,6 +32,8 @@ SHUTDOWN_GRACE_S = 5.0
 async def serve(engine_config: EngineConfig, settings: WorkerSettings, security: SecuritySettings) -> None:
     device = pick_device(engine_config.device)
     transports = registry.offered_transports(settings.kv_transport, device)
+    # Only the decode pool speculates: a prefill worker samples one token per request.
+    engine_config = dataclasses.replace(engine_config, speculative="none")
     engine = await asyncio.to_thread(LLMEngine, engine_config)
     loop = EngineLoop(engine)
     loop.start()

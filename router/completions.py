@@ -118,15 +118,17 @@ class Completions:
                     i = event.index
                     if not 0 <= i < n or done[i]:  # a choice stopped here by a stop string runs on until all are done
                         continue
-                    completion_tokens += len(event.token_ids)
                     text = texts[i]
                     delta = text.push(event.token_ids)
+                    # None past the token that completes a stop string.
+                    token_ids, logprobs = event.token_ids[: text.consumed], event.logprobs[: text.consumed]
+                    completion_tokens += len(token_ids)
                     finish = "stop" if text.stopped else event.finish_reason
                     first_logprobs = None
                     if prompt_logprobs and i == 0:
                         first_logprobs, prompt_logprobs = event.prompt_logprobs or [], False
                     if finish is None:
-                        yield Chunk(event.token_ids, delta, index=i, logprobs=event.logprobs, prompt_logprobs=first_logprobs)
+                        yield Chunk(token_ids, delta, index=i, logprobs=logprobs, prompt_logprobs=first_logprobs)
                         continue
                     done[i] = True
                     usage = None
@@ -135,7 +137,7 @@ class Completions:
                         metrics.REQUESTS.labels(finish).inc()
                         metrics.E2E.observe(now - started)
                         usage = Usage(len(req.prompt_token_ids), completion_tokens, cached, ttft_ms, (now - started) * 1e3)
-                    yield Chunk(event.token_ids, delta + text.flush(), finish, usage, index=i, logprobs=event.logprobs,
+                    yield Chunk(token_ids, delta + text.flush(), finish, usage, index=i, logprobs=logprobs,
                                 prompt_logprobs=first_logprobs)
                     if usage is not None:
                         return

@@ -22,6 +22,7 @@ class TextStream:
     text: str = ""
     emitted: int = 0  # characters of ``text`` already handed out
     stopped: bool = False
+    consumed: int = 0  # tokens of the last ``push`` that count: up to the one completing a stop string
     _decoder: DecodeStream = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -31,17 +32,22 @@ class TextStream:
     def push(self, token_ids: list[int]) -> str:
         """Feeds new tokens; returns the text that is now safe to emit. Sets ``stopped`` on a stop string."""
         if self.stopped:
+            self.consumed = 0
             return ""
         search_from = max(0, len(self.text) - self._hold)
-        for token_id in token_ids:
+        self.consumed = len(token_ids)
+        for n, token_id in enumerate(token_ids, 1):
             piece = self._decoder.step(self.tokenizer, token_id)
-            if piece:
-                self.text += piece
-        if self.stop:
+            if not piece:
+                continue
+            self.text += piece
+            # Checked token by token, so several tokens in one message (speculative decoding)
+            # stop exactly where they would one at a time.
             hit = min((i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0), default=-1)
             if hit >= 0:
                 self.text = self.text[:hit]
                 self.stopped = True
+                self.consumed = n
                 return self._emit(len(self.text))
         return self._emit(len(self.text) - self._hold)
 

@@ -43,6 +43,8 @@ def test_metrics_match_hand_computed_timeline():
     # ITL: A's two gaps between messages, 200 ms and 300 ms; B has none.
     assert m.itl.mean == pytest.approx(250.0)
     assert m.itl.p99 == pytest.approx(200 + 0.99 * 100)
+    # ITL per token: A's second gap is split over the 2 tokens of its message: 200, 150, 150 ms.
+    assert m.itl_per_token.mean == pytest.approx(500 / 3) and m.itl_per_token.median == pytest.approx(150.0)
     # E2EL: A 1000 ms, B 500 ms.
     assert m.e2el.mean == pytest.approx(750.0)
     assert m.request_goodput is None
@@ -197,6 +199,28 @@ VLLM_KEYS = {
 } | {f"{s}_{k}_ms" for s in ("mean", "median", "std", "p99") for k in ("ttft", "tpot", "itl", "e2el")}
 
 
+def test_extractive_prompts_quote_python_docs_and_are_seeded():
+    from pydoc_data.topics import topics
+
+    cfg = workloads.WorkloadConfig("extractive", num_prompts=30, seed=3)
+    specs = workloads.build(cfg, WordTokenizer)
+    assert specs == workloads.build(cfg, WordTokenizer)
+    assert specs != workloads.build(workloads.WorkloadConfig("extractive", num_prompts=30, seed=4), WordTokenizer)
+    lo, hi = workloads.DEFAULT_INPUT_LEN["extractive"]
+    assert all(s.prompt_len >= lo and 64 <= s.max_tokens <= 128 for s in specs)
+    assert min(s.prompt_len for s in specs) < hi + 200  # whole paragraphs: a little past the drawn length
+    # Each prompt is an instruction, then a passage of the docs (WordTokenizer: one id per word).
+    docs = {WordTokenizer().encode(w, add_special_tokens=False)[0] for text in topics.values() for w in text.split()}
+    for s in specs:
+        passage = s.prompt_token_ids[1 + 12 :]  # after BOS and the instruction's first words
+        assert sum(t in docs for t in passage) > 0.9 * len(passage)
+    # Typos are swapped letters inside words of the passage, a few per passage.
+    text = "alpha bravo charlie delta echo foxtrot golf hotel india juliet"
+    typoed = workloads._with_typos(np.random.default_rng(0), text, 3)
+    changed = [(a, b) for a, b in zip(text.split(), typoed.split()) if a != b]
+    assert 1 <= len(changed) <= 3 and all(sorted(a) == sorted(b) and a[0] == b[0] for a, b in changed)
+
+
 def test_result_uses_vllm_key_names():
     info = results.RunInfo("1p1d", "pdserve-grpc", "default", "random", 3, math.inf, 1.0, None, 0, Goodput(ttft_ms=400))
     tl = _timelines()
@@ -257,6 +281,33 @@ def test_prefix_hit_rate_from_cluster_stats_before_and_after():
     assert nothing["prefix_hit_rate"] is None and nothing["router_counters"] == {}
 
 
+def test_speculative_counters_over_a_run():
+    from pdserve.v1 import pdserve_pb2 as pb
+
+    def stats(*workers):
+        return cluster_snapshot(pb.ClusterStats(workers=[
+            pb.WorkerStats(address=a, role=r, healthy=True, counters={"prefix_hits": 0, "prefix_queries": 0, **c})
+            for a, r, c in workers]))
+
+    plain = stats(("p0", "prefill", {}), ("d0", "decode", {}))
+    assert cluster_delta(plain, plain)["speculative"] is None  # no worker speculates
+    before = stats(("p0", "prefill", {}), ("d0", "decode", dict(spec_drafts=5, spec_draft_tokens=20, spec_accepted_tokens=10)),
+                   ("d1", "decode", dict(spec_drafts=0, spec_draft_tokens=0, spec_accepted_tokens=0)))
+    after = stats(("p0", "prefill", {}), ("d0", "decode", dict(spec_drafts=15, spec_draft_tokens=60, spec_accepted_tokens=40)),
+                  ("d1", "decode", dict(spec_drafts=10, spec_draft_tokens=20, spec_accepted_tokens=5)))
+    spec = cluster_delta(before, after)["speculative"]
+    assert spec == {"drafts": 20, "draft_tokens": 60, "accepted_tokens": 35, "acceptance_rate": pytest.approx(35 / 60),
+                    "mean_accepted_length": pytest.approx(1 + 35 / 20)}
+    tls = _timelines()
+    info = results.RunInfo("1p1d-ngram", "pdserve-grpc", "default", "extractive", 3, 1.0, 1.0, None, 0, Goodput())
+    r = results.to_result(info, compute(tls, 2.0), tls, cluster_delta(before, after))
+    assert r["speculative"] == spec and r["median_itl_per_token_ms"] == pytest.approx(150.0)
+    out = io.StringIO()
+    results.print_tables([r], out)
+    text = out.getvalue()
+    assert "== Speculative decoding (over each run) ==" in text and "58.3%" in text and "2.75" in text
+
+
 def test_results_and_tables_carry_prefix_hits_and_the_ttft_split(tmp_path):
     tls = [_tl(50, 0.1), _tl(1500, 2.0)]
     cluster = cluster_delta(cluster_snapshot(_stats([("p0", "prefill", 0, 0, True)])),
@@ -309,6 +360,17 @@ def test_modes_name_the_stack_they_start(modes, expected):
     assert [_stack_config(m, plan)[1].policy for m in plan.modes] == ["least_loaded", "kv_aware"]
 
 
+def test_speculative_mode_suffixes_turn_it_on_per_stack():
+    plan = make_plan(build_parser().parse_args(["--modes", "colocated,colocated-ngram,1p1d-nochunk-draft",
+                                                "--draft-model", "default", "--num-speculative-tokens", "3"]))
+    engines = [_stack_config(m, plan)[0] for m in plan.modes]
+    assert [(e.speculative, e.enable_chunked_prefill) for e in engines] == [("none", True), ("ngram", True), ("draft", False)]
+    assert all(e.num_speculative_tokens == 3 for e in engines)
+    # --speculative is what modes without a suffix get.
+    plan = make_plan(build_parser().parse_args(["--modes", "1p1d,1p1d-draft", "--speculative", "ngram", "--draft-model", "default"]))
+    assert [_stack_config(m, plan)[0].speculative for m in plan.modes] == ["ngram", "draft"]
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -319,6 +381,9 @@ def test_modes_name_the_stack_they_start(modes, expected):
         (["--modes", "2p1d-fast"], "unknown mode 2p1d-fast: bad or repeated suffix -fast"),
         (["--modes", "1p1d-nochunk-nochunk"], "bad or repeated suffix -nochunk"),
         (["--modes", "1p1d-kv_aware-round_robin"], "bad or repeated suffix -round_robin"),
+        (["--modes", "1p1d-ngram-draft"], "bad or repeated suffix -draft"),
+        (["--modes", "colocated-draft"], "a -draft mode needs the draft model: give --draft-model PATH"),
+        (["--num-speculative-tokens", "0"], "num_speculative_tokens must be an integer in [1, 16]"),
         (["--modes", "live-nochunk"], "live takes no suffix"),
         (["--modes", "0p1d"], "need 1 to 16 prefill and decode workers"),
         (["--modes", "1p1d,1p1d"], "mode 1p1d given twice"),

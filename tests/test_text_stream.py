@@ -49,3 +49,21 @@ def test_without_stop_strings_everything_is_emitted(tokenizer):
     stream = tokenizer.text_stream()
     assert "".join(stream.push([t]) for t in ids) == "Hello, streaming world!"
     assert stream.flush() == ""
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 7])
+def test_several_tokens_per_message_stop_where_one_at_a_time_would(tokenizer, batch):
+    """Speculative decoding streams several tokens per message: the stop string must end the
+    output at the same token (``consumed``) and text as when tokens come one by one."""
+    ids = tokenizer.encode("alpha beta gamma delta epsilon zeta eta theta")
+    stream = tokenizer.text_stream(stop=("delta eps",))
+    kept, text = [], ""
+    for i in range(0, len(ids), batch):
+        text += stream.push(ids[i : i + batch])
+        kept += ids[i : i + batch][: stream.consumed]
+        if stream.stopped:
+            break
+    text += stream.flush()
+    assert text == "alpha beta gamma "
+    assert tokenizer.decode(kept).startswith("alpha beta gamma delta eps")
+    assert not tokenizer.decode(kept[:-1]).startswith("alpha beta gamma delta eps")  # the completing token is the last

@@ -201,9 +201,10 @@ class LogitsRecorder:
 
     @classmethod
     def install(cls, engine: LLMEngine) -> "LogitsRecorder":
-        if not isinstance(engine.runner.sampler, cls):
-            engine.runner.sampler = cls(engine.runner.sampler)
-        return engine.runner.sampler
+        step = engine.runner.sampling  # the sampling step calls the sampler
+        if not isinstance(step.sampler, cls):
+            step.sampler = cls(step.sampler)
+        return step.sampler
 
     def __call__(self, logits, params, output_index):
         self.last = logits.clone()

@@ -117,7 +117,7 @@ def overhead(args: argparse.Namespace) -> dict:
             engine.step()
         steps = [timed(engine.step) for _ in range(args.repeats)]
         forward_batch = engine.runner.build_batch(engine.scheduler.schedule())
-        forwards = [timed(lambda: engine.model(forward_batch, engine.kv_cache.layers)) for _ in range(args.repeats)]
+        forwards = [timed(lambda batch=forward_batch: engine.model(batch, engine.kv_cache.layers)) for _ in range(args.repeats)]
         for rid in list(engine.requests):
             engine.abort(rid)
         rows[batch] = {

@@ -54,7 +54,14 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from pdserve.bench.kv_links import (  # noqa: E402
-    IO_TIMEOUT_S, DecodeSide, MemcpyLink, RawSocketLink, RawUcxLink, TransportLink, connect, layer_checksums,
+    IO_TIMEOUT_S,
+    DecodeSide,
+    MemcpyLink,
+    RawSocketLink,
+    RawUcxLink,
+    TransportLink,
+    connect,
+    layer_checksums,
 )
 from pdserve.engine.kv_cache import KVLayout  # noqa: E402
 from pdserve.kvtransfer import registry  # noqa: E402

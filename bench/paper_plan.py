@@ -42,8 +42,8 @@ from tqdm import tqdm  # noqa: E402
 
 from pdserve.bench import workloads  # noqa: E402
 from pdserve.bench.metrics import Goodput  # noqa: E402
-from pdserve.planner.plan_cli import unit_summary  # noqa: E402
 from pdserve.planner import capacity  # noqa: E402
+from pdserve.planner.plan_cli import unit_summary  # noqa: E402
 from pdserve.planner.planner import UnitResult, best_fill, estimate, plan, unit_devices, unit_goodput  # noqa: E402
 from pdserve.planner.profile import Overheads, Profile, StepCost, TransferCost  # noqa: E402
 from pdserve.planner.simulator import SimConfig, Topology  # noqa: E402

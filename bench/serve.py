@@ -41,8 +41,8 @@ if __name__ == "__main__":
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import contextlib  # noqa: E402
-import math  # noqa: E402
 import dataclasses  # noqa: E402
+import math  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
 import socket  # noqa: E402
@@ -50,9 +50,15 @@ from dataclasses import dataclass  # noqa: E402
 from typing import Iterator  # noqa: E402
 
 from pdserve.bench import plots, results, workloads  # noqa: E402
-from pdserve.bench.arrivals import parse_rates, validate as validate_arrivals  # noqa: E402
+from pdserve.bench.arrivals import parse_rates  # noqa: E402
+from pdserve.bench.arrivals import validate as validate_arrivals
 from pdserve.bench.client_load import (  # noqa: E402
-    LoadConfig, Unreachable, check_reachable, fetch_cluster_stats, run_load, warm_up,
+    LoadConfig,
+    Unreachable,
+    check_reachable,
+    fetch_cluster_stats,
+    run_load,
+    warm_up,
 )
 from pdserve.bench.metrics import DEFAULT_SHORT_THRESHOLD, Goodput, cluster_delta, compute  # noqa: E402
 from pdserve.client import DEFAULT_ADDRESS  # noqa: E402

@@ -77,11 +77,10 @@ def truncated_copy(layers: int, cache: Path) -> Path:
     """The default model cut to its first ``layers`` layers (a draft), built once under ``cache``."""
     import shutil
 
+    import torch
     from safetensors.torch import save_file
 
     from pdserve.engine.loader import load_state_dict
-
-    import torch
 
     source = resolve_model(None)
     folder = cache / f"{source.name}-first-{layers}-layers"

@@ -33,7 +33,7 @@ class LlamaCpp:
         try:
             from llama_cpp import Llama
         except ImportError as e:
-            raise SystemExit(f"llama-cpp-python is not installed ({e}): CMAKE_ARGS=-DGGML_NATIVE=ON pip install 'pdserve[bench]'")
+            raise SystemExit(f"llama-cpp-python is not installed ({e}): CMAKE_ARGS=-DGGML_NATIVE=ON pip install 'pdserve[bench]'") from None
         self.llm = Llama(model_path=str(DEFAULT_MODEL.locate()), n_ctx=2048, n_batch=PROMPT_TOKENS, n_threads=threads,
                          n_threads_batch=threads, logits_all=logits_all, verbose=False)
 

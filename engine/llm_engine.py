@@ -30,7 +30,6 @@ from pdserve.engine.model_store import resolve_model
 from pdserve.engine.parallel.rank_caches import KVShards
 from pdserve.engine.request_output import FirstToken, RequestOutput, RequestRejected
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.sampling_step import SampledToken
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.engine.sequence import FinishReason, Sequence, SequenceStatus
 from pdserve.engine.structured_output import GrammarCompiler

@@ -5,7 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.request_rules import (
-    DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P, Constraint, check_sampling,
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_TEMPERATURE,
+    DEFAULT_TOP_K,
+    DEFAULT_TOP_P,
+    Constraint,
+    check_sampling,
 )
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.engine_config import KV_CACHE_DTYPES
+
 _KIND = {"auto": 0, "int8": 1, "fp8": 2}  # the C++ kernels' KVFormat::Kind
 _MAX_CODE = {"int8": 127.0, "fp8": 448.0}
 

@@ -204,9 +204,9 @@ class Cluster:
                 child.info = child.ready.get(timeout=0.5)
             except queue.Empty:
                 if child.process.poll() is not None:
-                    raise RuntimeError(f"{child.name} exited with code {child.process.returncode} before it was ready")
+                    raise RuntimeError(f"{child.name} exited with code {child.process.returncode} before it was ready") from None
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"{child.name} was not ready within {self.cluster.startup_timeout_s:.0f} s")
+                    raise TimeoutError(f"{child.name} was not ready within {self.cluster.startup_timeout_s:.0f} s") from None
 
 
 def _pump(child: Child) -> None:

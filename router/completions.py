@@ -14,7 +14,7 @@ from typing import AsyncIterator
 import grpc
 
 from pdserve import metrics
-from pdserve.router.dispatch import DispatchError, Dispatcher
+from pdserve.router.dispatch import Dispatcher, DispatchError
 from pdserve.router.request import CompletionRequest
 from pdserve.router.tokenizer import RouterTokenizer
 from pdserve.router.validation import InvalidRequest, ValidatedRequest, validate

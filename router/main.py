@@ -13,9 +13,9 @@ from starlette.routing import Mount
 from pdserve.engine.model_store import resolve_model
 from pdserve.grpc_server import start_server
 from pdserve.metrics import serve_metrics
+from pdserve.planner.router_setup import attach_planner
 from pdserve.process import announce_ready, wait_for_shutdown_signal
 from pdserve.router.completions import Completions
-from pdserve.planner.router_setup import attach_planner
 from pdserve.router.dispatch import Dispatcher
 from pdserve.router.health_monitor import HealthMonitor
 from pdserve.router.openai_api import create_app, http_port, serve_http

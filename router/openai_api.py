@@ -48,8 +48,20 @@ from pdserve.router.openai_job import Job
 from pdserve.router.openai_logprobs import TokenTexts
 from pdserve.router.openai_params import parity_fields
 from pdserve.router.openai_protocol import (
-    DONE, SSE_HEADERS, APIError, ClientGone, Params, chat_messages, invalid, json_body, param_name, prompt_input,
-    reject_unsupported, sampling_fields, sse, stream_options,
+    DONE,
+    SSE_HEADERS,
+    APIError,
+    ClientGone,
+    Params,
+    chat_messages,
+    invalid,
+    json_body,
+    param_name,
+    prompt_input,
+    reject_unsupported,
+    sampling_fields,
+    sse,
+    stream_options,
 )
 from pdserve.router.request import CompletionRequest
 from pdserve.router.validation import InvalidRequest, ValidatedRequest

@@ -15,8 +15,17 @@ from dataclasses import dataclass, field, replace
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.request_rules import (
-    CHAT_ROLES, MAX_MESSAGES, MAX_PROMPT_CHARS, InvalidRequest, check_best_of, check_priority, check_prompt_tokens,
-    check_request_id, check_sampling, check_ttft_budget_ms, default_max_tokens,
+    CHAT_ROLES,
+    MAX_MESSAGES,
+    MAX_PROMPT_CHARS,
+    InvalidRequest,
+    check_best_of,
+    check_priority,
+    check_prompt_tokens,
+    check_request_id,
+    check_sampling,
+    check_ttft_budget_ms,
+    default_max_tokens,
 )
 from pdserve.router.request import ChatMessage, CompletionRequest, SamplingRequest
 from pdserve.router.tokenizer import RouterTokenizer

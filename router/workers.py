@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdserve.prefix_hash import block_hashes
 from pdserve.grpc_server import channel_options
+from pdserve.prefix_hash import block_hashes
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc
 

@@ -83,7 +83,7 @@ class Proc:
                 line = self.lines.get(timeout=0.5)
             except queue.Empty:
                 if self.process.poll() is not None:
-                    raise RuntimeError(f"pdserve {self.args[0]} exited ({self.process.returncode}):\n{self.log_tail()}")
+                    raise RuntimeError(f"pdserve {self.args[0]} exited ({self.process.returncode}):\n{self.log_tail()}") from None
                 continue
             if predicate(line):
                 return line

@@ -14,13 +14,13 @@ import jsonschema
 import openai
 import pytest
 import torch
-
 from conftest import PROMPTS
-from pdserve.v1 import pdserve_pb2 as pb
-from pdserve.v1 import pdserve_pb2_grpc
 from processes import Stack, free_port
 from schemas import SCHEMAS
 from test_stack_e2e import assert_blocks_all_free, cluster_stats
+
+from pdserve.v1 import pdserve_pb2 as pb
+from pdserve.v1 import pdserve_pb2_grpc
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]  # a stack starts in a test's setup; the machine is shared
 ARGS = ("--dtype", "float32", "--kv-cache-memory", "128MiB")

@@ -12,14 +12,14 @@ import re
 import jsonschema
 import pytest
 import torch
-
 from conftest import PROMPTS
+from schemas import SCHEMAS
+
 from pdserve.engine.choices import choice_seed
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.request_rules import Constraint, InvalidRequest
-from schemas import SCHEMAS
 
 pytestmark = pytest.mark.e2e  # loads the default model
 TOLERANCE = 1e-4
@@ -181,7 +181,7 @@ def test_twenty_json_schemas_all_parse_and_validate(engine, tokenizer):
                                                  constraint=Constraint("json_schema", json.dumps(schema))))
                 for i, schema in enumerate(SCHEMAS)]
     got = run(engine, requests)  # one batch: every row with its own mask
-    for (rid, choice), r in got.items():
+    for (rid, _choice), r in got.items():
         schema = SCHEMAS[int(rid[1:])]
         assert r["finish"].value == "stop", f"{rid}: hit max_tokens: {tokenizer.decode(r['ids'])!r}"
         jsonschema.validate(json.loads(tokenizer.decode(r["ids"], skip_special_tokens=True)), schema)

@@ -14,12 +14,12 @@ import time
 import grpc
 import jsonschema
 import pytest
-
-from pdserve.v1 import pdserve_pb2 as pb
-from pdserve.v1 import pdserve_pb2_grpc
 from processes import Stack
 from schemas import SCHEMAS
 from test_stack_e2e import assert_blocks_all_free, cluster_stats
+
+from pdserve.v1 import pdserve_pb2 as pb
+from pdserve.v1 import pdserve_pb2_grpc
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 SCHEMA = SCHEMAS[11]  # an array of nested objects: long enough to kill the worker mid-way

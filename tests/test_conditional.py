@@ -7,11 +7,11 @@ import asyncio
 
 import pytest
 
+from pdserve.bench.workloads import RequestSpec
 from pdserve.engine.block_manager import block_hashes
 from pdserve.planner.profile import Overheads, Profile, StepCost, TransferCost
 from pdserve.planner.simulator import SimConfig, Topology, simulate
 from pdserve.planner.thresholds import break_even_tokens, conditional_config
-from pdserve.bench.workloads import RequestSpec
 from pdserve.router.conditional import ConditionalConfig, ConditionalRouter
 from pdserve.router.workers import Role, Worker
 from pdserve.v1 import pdserve_pb2 as pb

@@ -6,11 +6,11 @@ took from the profile and the router runs the online planner; every block is fre
 from __future__ import annotations
 
 import pytest
+from processes import Stack
+from test_stack_e2e import assert_blocks_all_free, cluster_stats, collect
 
 from pdserve.client import build_request
 from pdserve.planner.profile import Overheads, Profile, StepCost, TransferCost
-from processes import Stack
-from test_stack_e2e import assert_blocks_all_free, cluster_stats, collect
 
 pytestmark = pytest.mark.e2e
 ARGS = ("--dtype", "float32", "--kv-cache-memory", "128MiB", "--kv-transport", "tcp")

@@ -6,10 +6,14 @@ import pytest
 import torch
 
 from pdserve.engine.quantization import (
-    QuantFormat, QuantizedLinear, QuantizedWeight, quantize_int4_group, quantize_int8_channel,
+    QuantFormat,
+    QuantizedLinear,
+    QuantizedWeight,
+    quantize_int4_group,
+    quantize_int8_channel,
 )
 from pdserve.engine.rope import RotaryEmbedding
-from pdserve.kernels import KVFormat, TORCH_LAYER_OPS, reference, rope_then_write, select_backend, select_layer_ops
+from pdserve.kernels import TORCH_LAYER_OPS, KVFormat, reference, rope_then_write, select_backend, select_layer_ops
 from pdserve.kernels.cpu_extension import load
 
 

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.router.dispatch import DispatchError, Dispatcher
+from pdserve.router.dispatch import Dispatcher, DispatchError
 from pdserve.router.policy import RoundRobin
 from pdserve.router.validation import ValidatedRequest
 from pdserve.router.workers import Role, Worker, WorkerRegistry

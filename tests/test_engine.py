@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import PROMPTS
+
 from pdserve.engine.engine_config import EngineConfig
-from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.kv_connector import KVReceive, KVSend, TransferOutcome
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request_output import KVSent, RequestRejected
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import FinishReason

@@ -26,20 +26,47 @@ from dataclasses import dataclass
 import pytest
 import torch
 import xxhash
+from fuzzing import (
+    BLOCK,
+    CREDENTIAL,
+    DECODE_INFO,
+    DIM,
+    HEADS,
+    INT64_MAX,
+    INT64_MIN,
+    LAYERS,
+    MAX_PAYLOAD,
+    NUM_BLOCKS,
+    TOKEN_BYTES,
+    UINT32_MAX,
+    UINT64_MAX,
+    WRONG_CREDENTIAL,
+    auth_answer,
+    encodings,
+    fuzz,
+    hello_nonce,
+    peer_dict,
+    peer_json_objects,
+    server_proof,
+)
 from hypothesis import event, example, given, note
 from hypothesis import strategies as st
 
-from fuzzing import (
-    BLOCK, CREDENTIAL, DECODE_INFO, DIM, HEADS, INT64_MAX, INT64_MIN, LAYERS, MAX_PAYLOAD, NUM_BLOCKS, TOKEN_BYTES,
-    UINT32_MAX, UINT64_MAX, WRONG_CREDENTIAL, auth_answer, encodings, fuzz, hello_nonce, peer_dict, peer_json_objects,
-    server_proof,
-)
 from pdserve.engine.kv_cache import KVLayout
 from pdserve.engine.kv_connector import TransferOutcome
 from pdserve.kvtransfer.grants import Grant, GrantLedger, GrantState
 from pdserve.kvtransfer.handshake import HandshakeError, PeerInfo, choose
 from pdserve.kvtransfer.layout import KVCacheView
-from pdserve.kvtransfer.protocol import HEADER, HEADER_SIZE, MAGIC, MAX_CONTROL_PAYLOAD, VERSION, AckStatus, FrameHeader, FrameKind
+from pdserve.kvtransfer.protocol import (
+    HEADER,
+    HEADER_SIZE,
+    MAGIC,
+    MAX_CONTROL_PAYLOAD,
+    VERSION,
+    AckStatus,
+    FrameHeader,
+    FrameKind,
+)
 from pdserve.kvtransfer.receiver import KVReceiver
 from pdserve.kvtransfer.sender import KVConnection
 

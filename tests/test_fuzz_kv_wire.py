@@ -19,15 +19,37 @@ import threading
 from dataclasses import replace
 
 import pytest
+from fuzzing import (
+    CREDENTIAL,
+    DECODE_INFO,
+    INT64_MAX,
+    INT64_MIN,
+    NONCE,
+    PEER_FIELDS,
+    UINT32_MAX,
+    UINT64_MAX,
+    WRONG_CREDENTIAL,
+    auth_answer,
+    encodings,
+    fuzz,
+    peer_dict,
+    peer_json_objects,
+    server_proof,
+)
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from fuzzing import (
-    CREDENTIAL, DECODE_INFO, INT64_MAX, INT64_MIN, NONCE, PEER_FIELDS, UINT32_MAX, UINT64_MAX, WRONG_CREDENTIAL,
-    auth_answer, encodings, fuzz, peer_dict, peer_json_objects, server_proof,
-)
 from pdserve.kvtransfer.handshake import HandshakeError, PeerInfo, choose, client_handshake, reject, server_handshake
-from pdserve.kvtransfer.protocol import HEADER, HEADER_SIZE, MAGIC, MAX_CONTROL_PAYLOAD, VERSION, FrameHeader, FrameKind, ProtocolError
+from pdserve.kvtransfer.protocol import (
+    HEADER,
+    HEADER_SIZE,
+    MAGIC,
+    MAX_CONTROL_PAYLOAD,
+    VERSION,
+    FrameHeader,
+    FrameKind,
+    ProtocolError,
+)
 from pdserve.kvtransfer.sockets import recv_header, recv_payload, send_frame
 
 # =========================================================================================

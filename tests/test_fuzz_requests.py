@@ -22,15 +22,26 @@ from dataclasses import replace
 
 import grpc
 import pytest
+from fuzzing import INT32_MAX, INT32_MIN, INT64_MAX, INT64_MIN, fuzz
 from hypothesis import event, given, note
 from hypothesis import strategies as st
 
-from fuzzing import INT32_MAX, INT32_MIN, INT64_MAX, INT64_MIN, fuzz
 from pdserve.client import build_request
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.request_rules import (
-    CHAT_ROLES, MAX_MESSAGES, MAX_PROMPT_CHARS, MAX_REQUEST_ID_CHARS, MAX_SEED, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
-    MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, PRIORITY_RANGE, check_prompt_tokens, check_sampling, default_max_tokens,
+    CHAT_ROLES,
+    MAX_MESSAGES,
+    MAX_PROMPT_CHARS,
+    MAX_REQUEST_ID_CHARS,
+    MAX_SEED,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
+    PRIORITY_RANGE,
+    check_prompt_tokens,
+    check_sampling,
+    default_max_tokens,
 )
 from pdserve.router.completions import Completions
 from pdserve.router.request import CompletionRequest

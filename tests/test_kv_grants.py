@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 from kv_sides import LAYERS, TOKEN_BYTES, Decode, Outcomes, Prefill
+
 from pdserve.kvtransfer.grants import GrantLedger, GrantState
 from pdserve.kvtransfer.protocol import AckStatus
 

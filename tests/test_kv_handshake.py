@@ -10,9 +10,9 @@ from dataclasses import replace
 
 import pytest
 import torch
+from kv_sides import Decode, Prefill, peer
 from safetensors.torch import save_file
 
-from kv_sides import Decode, Prefill, peer
 from pdserve.kvtransfer import registry
 from pdserve.kvtransfer.faults import FaultPlan
 from pdserve.kvtransfer.fingerprint import model_fingerprint

@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-
 from kv_sides import Outcomes
+
 from pdserve.engine.kv_cache import KVLayout
 from pdserve.engine.parallel.layout import kv_heads_of, kv_heads_per_rank
 from pdserve.engine.parallel.rank_caches import shard_layout

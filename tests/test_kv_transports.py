@@ -10,8 +10,8 @@ import time
 
 import pytest
 import torch
-
 from kv_sides import LAYERS, TOKEN_BYTES, UCX_SKIP_REASON, Decode, Prefill, assert_same_tokens, peer
+
 from pdserve.kvtransfer import cuda_ipc_transport
 from pdserve.kvtransfer.protocol import FrameHeader, FrameKind
 

@@ -7,13 +7,13 @@ import asyncio
 import os
 
 import pytest
-
 from conftest import PROMPTS
+from processes import Proc, Stack
+from test_stack_e2e import assert_blocks_all_free, cluster_stats, collect
+
 from pdserve.client import build_request
 from pdserve.kvtransfer.ucx_worker import ucx_available, ucx_unavailable_reason
 from pdserve.v1 import pdserve_pb2 as pb
-from processes import Proc, Stack
-from test_stack_e2e import assert_blocks_all_free, cluster_stats, collect
 
 pytestmark = pytest.mark.e2e
 MAX_NEW = 12

@@ -5,12 +5,12 @@ from __future__ import annotations
 import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 from conftest import PROMPTS
-from pdserve.client import build_request
 from processes import Stack
+from prometheus_client.parser import text_string_to_metric_families
 from test_stack_e2e import collect
+
+from pdserve.client import build_request
 
 pytestmark = pytest.mark.e2e
 

@@ -21,6 +21,8 @@ except ImportError:  # newer openai SDKs depend on httpx2 instead
     import httpx2 as httpx
 
 from conftest import PROMPTS
+from processes import Stack
+
 from pdserve.router.completions import Completions
 from pdserve.router.dispatch import Dispatcher
 from pdserve.router.openai_api import create_app, http_port, serve_http
@@ -30,7 +32,6 @@ from pdserve.router.workers import WorkerRegistry
 from pdserve.security import SecuritySettings
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc
-from processes import Stack
 
 pytestmark = pytest.mark.e2e
 MAX_NEW = 12

@@ -22,6 +22,8 @@ try:
 except ImportError:  # newer openai SDKs depend on httpx2 instead
     import httpx2 as httpx
 
+from test_openai_api import assert_openai_error
+
 from pdserve.client import build_request
 from pdserve.router.completions import Completions
 from pdserve.router.dispatch import DispatchError, TokenEvent
@@ -31,7 +33,6 @@ from pdserve.router.servicer import RouterService, add_router_service
 from pdserve.router.tokenizer import RouterTokenizer
 from pdserve.router.validation import InvalidRequest
 from pdserve.v1 import pdserve_pb2_grpc
-from test_openai_api import assert_openai_error
 
 MAX_INFLIGHT = 64
 

@@ -15,11 +15,11 @@ from pdserve.config import add_arguments, load_file, resolve
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.forward_batch import ForwardBatch, PrefillSegment
 from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.parallel.driver import ParallelDriver
 from pdserve.engine.parallel.layout import ParallelLayout, kv_heads_of
 from pdserve.engine.parallel.pipeline import split_batch
 from pdserve.engine.parallel.sharding import NEXT_STAGE_NORM, ModelShard
 from pdserve.engine.parallel.step_channel import CARRIED_FIELDS, pack, unpack
-from pdserve.engine.parallel.driver import ParallelDriver
 from pdserve.engine.parallel.supervisor import POLL_S, RankSupervisor
 from pdserve.launcher import Cluster
 from pdserve.settings import ClusterSettings, RouterSettings, WorkerSettings

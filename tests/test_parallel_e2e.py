@@ -15,15 +15,15 @@ from pathlib import Path
 
 import grpc
 import pytest
-
 from conftest import PROMPTS
-from pdserve.engine.engine_config import EngineConfig
-from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
 from processes import Stack, alive, descendants
 from test_engine import assert_all_free, run
 from test_reliability import expected, pid_of, stream_tokens
 from test_stack_e2e import assert_blocks_all_free, cluster_stats, collect, greedy
+
+from pdserve.engine.engine_config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.e2e
 MAX_NEW = 10

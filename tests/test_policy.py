@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.prefix_hash import block_hashes
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.prefix_hash import block_hashes
 from pdserve.router.policy import KvAware, LeastLoaded, NoWorkerAvailable, RoundRobin, make_policy
 from pdserve.router.validation import ValidatedRequest
 from pdserve.router.workers import PromptBlocks, Role, Worker, prefix_overlap

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import PROMPTS
 
 from pdserve.bench.quality import fixed_text, perplexity, top1_agreement
 from pdserve.engine import quantization
@@ -13,8 +14,6 @@ from pdserve.engine.loader import load_state_dict
 from pdserve.engine.model_store import NATIVE_CODES
 from pdserve.engine.quantization import QuantFormat, QuantizedLinear, load_codes
 from pdserve.engine.sampling_params import SamplingParams
-
-from conftest import PROMPTS
 
 pytestmark = pytest.mark.e2e
 

@@ -11,12 +11,12 @@ import time
 
 import grpc
 import pytest
-
 from conftest import PROMPTS
-from pdserve.client import build_request
-from pdserve.v1 import pdserve_pb2_grpc
 from processes import Stack
 from test_stack_e2e import assert_blocks_all_free, cluster_stats, collect
+
+from pdserve.client import build_request
+from pdserve.v1 import pdserve_pb2_grpc
 
 pytestmark = pytest.mark.e2e
 ARGS = ("--dtype", "float32", "--kv-cache-memory", "256MiB", "--kv-transport", "tcp")

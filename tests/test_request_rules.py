@@ -10,8 +10,14 @@ import pytest
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.request_rules import (
-    DEFAULT_MAX_TOKENS, InvalidRequest, check_priority, check_prompt_tokens, check_request_id, check_sampling,
-    check_ttft_budget_ms, default_max_tokens,
+    DEFAULT_MAX_TOKENS,
+    InvalidRequest,
+    check_priority,
+    check_prompt_tokens,
+    check_request_id,
+    check_sampling,
+    check_ttft_budget_ms,
+    default_max_tokens,
 )
 
 

@@ -9,10 +9,10 @@ import time
 
 import grpc
 import pytest
-
-from pdserve.client import build_request
 from processes import Stack
 from test_stack_e2e import assert_blocks_all_free, cluster_stats, collect
+
+from pdserve.client import build_request
 
 pytestmark = pytest.mark.e2e
 SYSTEM = "You are a meticulous assistant for a shipping company. " * 12  # ~130 tokens, 8 full blocks

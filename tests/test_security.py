@@ -15,15 +15,15 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from conftest import PROMPTS
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from processes import Stack
+
 from pdserve.client import build_request
 from pdserve.kvtransfer.handshake import HandshakeError, PeerInfo, host_id
 from pdserve.kvtransfer.sender import KVConnection
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc
-from processes import Stack
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,24 +19,24 @@ import urllib.request
 import grpc
 import pytest
 import torch
-from safetensors.torch import save_file
-
 from conftest import PROMPTS
+from processes import Stack, free_port
+from safetensors.torch import save_file
+from test_engine import LocalHandoff
+from test_metrics import scrape
+from test_stack_e2e import assert_blocks_all_free
+from test_stack_e2e import collect as stream
+
 from pdserve.client import build_request
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.kv_connector import KVReceive, KVSend
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.loader import load_state_dict
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.speculative import draft as draft_module
 from pdserve.engine.speculative import SpecStats
+from pdserve.engine.speculative import draft as draft_module
 from pdserve.engine.speculative.draft import DraftProposer
 from pdserve.v1 import pdserve_pb2_grpc
-from processes import Stack, free_port
-from test_engine import LocalHandoff
-from test_metrics import scrape
-from test_stack_e2e import assert_blocks_all_free
-from test_stack_e2e import collect as stream
 
 pytestmark = pytest.mark.e2e  # loads the default model
 MAX_NEW = 20  # as test_engine.py: the transformers references are computed once per session

@@ -170,7 +170,7 @@ def test_backoff_shortens_then_pauses_with_doubling_pauses_and_recovers():
     assert backoff.lookahead(record) == 5
     pauses = []
     for _ in range(6):  # nothing kept, again and again
-        while (k := backoff.lookahead(record)) > 0:
+        while backoff.lookahead(record) > 0:
             backoff.update(record, 0)
         pause = 1
         while backoff.lookahead(record) == 0:

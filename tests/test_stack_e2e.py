@@ -12,14 +12,14 @@ import time
 
 import grpc
 import pytest
+from conftest import PROMPTS
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from processes import Stack
 
-from conftest import PROMPTS
 from pdserve.client import build_request
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc
-from processes import Stack
 
 pytestmark = pytest.mark.e2e
 MAX_NEW = 16

@@ -8,11 +8,11 @@ import time
 
 import grpc
 import pytest
+from processes import Proc, free_port
 
 from pdserve.client import build_request
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc
-from processes import Proc, free_port
 
 pytestmark = pytest.mark.e2e
 

@@ -22,7 +22,14 @@ import torch.distributed as dist
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.engine.model import LayerHook
-from pdserve.engine.parallel.groups import RankGroups, destroy_groups, init_groups, pin_process, rank_device, split_cores
+from pdserve.engine.parallel.groups import (
+    RankGroups,
+    destroy_groups,
+    init_groups,
+    pin_process,
+    rank_device,
+    split_cores,
+)
 from pdserve.engine.parallel.layout import ParallelLayout
 from pdserve.engine.parallel.rank_runtime import RankRuntime
 from pdserve.engine.parallel.step_channel import Message, Op, StepChannel

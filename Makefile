@@ -4,7 +4,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 
-.PHONY: setup kernels demo test protos
+.PHONY: setup kernels demo lint test protos
 
 setup: $(VENV)/.installed
 
@@ -23,7 +23,11 @@ kernels: setup
 demo: kernels
 	PDSERVE=$(VENV)/bin/pdserve scripts/demo.sh
 
-test: kernels
+lint: setup
+	$(PY) -m ruff format --check .
+	$(PY) -m ruff check .
+
+test: lint kernels
 	$(PY) -m pytest
 
 protos: setup

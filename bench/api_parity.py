@@ -58,9 +58,17 @@ def choices(args) -> dict:
             assert tokens == n * args.output_tokens
             rows[n].append(wall)
     ratios = [b / a for a, b in zip(rows[1], rows[4])]
-    return {"bench": "choices", "dtype": args.dtype, "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
-            "n1_s": [round(x, 3) for x in rows[1]], "n4_s": [round(x, 3) for x in rows[4]],
-            "n4_vs_n1": round(statistics.median(ratios), 3), "target": "<= 1.6", "forks": engine.forker.num_forks}
+    return {
+        "bench": "choices",
+        "dtype": args.dtype,
+        "prompt_tokens": args.prompt_tokens,
+        "output_tokens": args.output_tokens,
+        "n1_s": [round(x, 3) for x in rows[1]],
+        "n4_s": [round(x, 3) for x in rows[4]],
+        "n4_vs_n1": round(statistics.median(ratios), 3),
+        "target": "<= 1.6",
+        "forks": engine.forker.num_forks,
+    }
 
 
 def structured(args) -> dict:
@@ -71,16 +79,25 @@ def structured(args) -> dict:
     per_token: dict[str, list[float]] = {"free": [], "json_schema": []}
     for r in range(args.rounds):
         for case in ("free", "json_schema"):
-            sp = (SamplingParams(max_tokens=args.output_tokens, temperature=1.0, seed=r, ignore_eos=True) if case == "free"
-                  else SamplingParams(max_tokens=args.output_tokens, temperature=1.0, seed=r, constraint=constraint))
+            sp = (
+                SamplingParams(max_tokens=args.output_tokens, temperature=1.0, seed=r, ignore_eos=True)
+                if case == "free"
+                else SamplingParams(max_tokens=args.output_tokens, temperature=1.0, seed=r, constraint=constraint)
+            )
             wall, tokens = _drain(engine, [(f"{case}-{r}-{i}", p, sp) for i, p in enumerate(prompts)])
             assert tokens == args.batch * args.output_tokens, f"{case}: {tokens} tokens"
             per_token[case].append(wall / tokens * 1e3)
     ratios = [b / a for a, b in zip(per_token["free"], per_token["json_schema"])]
-    return {"bench": "structured", "dtype": args.dtype, "batch": args.batch, "output_tokens": args.output_tokens,
-            "free_ms_per_token": [round(x, 2) for x in per_token["free"]],
-            "json_schema_ms_per_token": [round(x, 2) for x in per_token["json_schema"]],
-            "overhead": round(statistics.median(ratios) - 1, 4), "target": "<= 0.10"}
+    return {
+        "bench": "structured",
+        "dtype": args.dtype,
+        "batch": args.batch,
+        "output_tokens": args.output_tokens,
+        "free_ms_per_token": [round(x, 2) for x in per_token["free"]],
+        "json_schema_ms_per_token": [round(x, 2) for x in per_token["json_schema"]],
+        "overhead": round(statistics.median(ratios) - 1, 4),
+        "target": "<= 0.10",
+    }
 
 
 def perplexity(args) -> dict:
@@ -90,13 +107,21 @@ def perplexity(args) -> dict:
     from pdserve.bench.quality import fixed_text
     from pdserve.bench.quality import perplexity as engine_perplexity
     from pdserve.engine.model_store import resolve_model
+
     sys.path.insert(0, "tests")
     from processes import Stack, free_port
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(None)))
     ids = tokenizer(fixed_text()).input_ids[: args.text_tokens]
-    stack = Stack.up(*(("--colocated",) if args.mode == "colocated" else ("--prefill", "1", "--decode", "1")),
-                     "--dtype", args.dtype, "--kv-cache-memory", "512MiB", "--http-port", str(free_port()))
+    stack = Stack.up(
+        *(("--colocated",) if args.mode == "colocated" else ("--prefill", "1", "--decode", "1")),
+        "--dtype",
+        args.dtype,
+        "--kv-cache-memory",
+        "512MiB",
+        "--http-port",
+        str(free_port()),
+    )
     try:
         http = next(p["http"] for p in stack.processes if p["role"] == "router")
         client = openai.OpenAI(base_url=f"http://{http}/v1", api_key="x", max_retries=0, timeout=600)
@@ -106,7 +131,9 @@ def perplexity(args) -> dict:
             window = ids[start : start + args.window]
             if len(window) < 2:
                 break
-            out = client.completions.create(model=model, prompt=window, max_tokens=1, temperature=0, echo=True, logprobs=0)
+            out = client.completions.create(
+                model=model, prompt=window, max_tokens=1, temperature=0, echo=True, logprobs=0
+            )
             logprobs = out.choices[0].logprobs.token_logprobs[1 : len(window)]
             total -= sum(logprobs)
             count += len(logprobs)
@@ -116,9 +143,17 @@ def perplexity(args) -> dict:
     engine = make_engine(args.dtype, args.threads, kv_cache_memory="512MiB")
     own = engine_perplexity(engine, ids, window=args.window)
     api_ppl = math.exp(total / count)
-    return {"bench": "perplexity", "mode": args.mode, "dtype": args.dtype, "text": "pydoc_data.topics", "tokens": count,
-            "api_perplexity": round(api_ppl, 5), "engine_perplexity": round(own.ppl, 5),
-            "relative_difference": f"{abs(api_ppl / own.ppl - 1):.2e}", "api_seconds": round(api_s, 1)}
+    return {
+        "bench": "perplexity",
+        "mode": args.mode,
+        "dtype": args.dtype,
+        "text": "pydoc_data.topics",
+        "tokens": count,
+        "api_perplexity": round(api_ppl, 5),
+        "engine_perplexity": round(own.ppl, 5),
+        "relative_difference": f"{abs(api_ppl / own.ppl - 1):.2e}",
+        "api_seconds": round(api_s, 1),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -67,9 +67,27 @@ async def run(args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed)
     port = args.port
     up = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), "--prefill", str(args.prefill), "--decode",
-         str(args.decode), "--dtype", "float32", "--kv-cache-memory", "256MiB", "--policy", "round_robin"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "up",
+            "--port",
+            str(port),
+            "--prefill",
+            str(args.prefill),
+            "--decode",
+            str(args.decode),
+            "--dtype",
+            "float32",
+            "--kv-cache-memory",
+            "256MiB",
+            "--policy",
+            "round_robin",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
     )
     try:
         for line in up.stdout:
@@ -108,11 +126,14 @@ async def run(args: argparse.Namespace) -> dict:
             kills = await kill_task
         outcomes = Counter(o for o, _ in results)
         return {
-            "sent": args.requests, "completed": outcomes["completed"],
+            "sent": args.requests,
+            "completed": outcomes["completed"],
             "failed_cleanly": sum(v for k, v in outcomes.items() if k.startswith("failed")),
             "failure_codes": {k: v for k, v in outcomes.items() if k.startswith("failed")},
-            "lost": outcomes["lost"], "wrong": sum(1 for _, wrong in results if wrong),
-            "kills": kills, "seconds": round(time.monotonic() - started, 1),
+            "lost": outcomes["lost"],
+            "wrong": sum(1 for _, wrong in results if wrong),
+            "kills": kills,
+            "seconds": round(time.monotonic() - started, 1),
         }
     finally:
         up.send_signal(signal.SIGTERM)

@@ -66,7 +66,9 @@ async def fetch_cluster_stats(address: str, timeout_s: float = 10.0) -> dict | N
     when the router does not answer it (the caller says so; the run itself goes on)."""
     async with grpc.aio.insecure_channel(address, options=channel_options()) as channel:
         try:
-            stats = await pdserve_pb2_grpc.RouterStub(channel).GetClusterStats(pb.ClusterStatsRequest(), timeout=timeout_s)
+            stats = await pdserve_pb2_grpc.RouterStub(channel).GetClusterStats(
+                pb.ClusterStatsRequest(), timeout=timeout_s
+            )
         except grpc.aio.AioRpcError:
             return None
     return cluster_snapshot(stats)
@@ -76,8 +78,11 @@ async def _send(stub: pdserve_pb2_grpc.RouterStub, spec: RequestSpec, request_id
     t = Timeline(prompt_len=spec.prompt_len, max_tokens=spec.max_tokens)
     # Greedy with ignore_eos: every request produces exactly the output length asked for.
     request = build_request(
-        prompt_token_ids=list(spec.prompt_token_ids), request_id=request_id,
-        max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True,
+        prompt_token_ids=list(spec.prompt_token_ids),
+        request_id=request_id,
+        max_tokens=spec.max_tokens,
+        temperature=0.0,
+        ignore_eos=True,
     )
     t.send_time = time.perf_counter()
     call = stub.Generate(request, timeout=max(timeout_s, 0.001))
@@ -110,7 +115,9 @@ async def warm_up(address: str, specs: list[RequestSpec], timeout_s: float) -> l
     async with grpc.aio.insecure_channel(address, options=channel_options()) as channel:
         stub = pdserve_pb2_grpc.RouterStub(channel)
         tag = uuid.uuid4().hex[:8]
-        return list(await asyncio.gather(*(_send(stub, s, f"warmup-{tag}-{i}", timeout_s) for i, s in enumerate(specs))))
+        return list(
+            await asyncio.gather(*(_send(stub, s, f"warmup-{tag}-{i}", timeout_s) for i, s in enumerate(specs)))
+        )
 
 
 async def run_load(specs: list[RequestSpec], cfg: LoadConfig) -> LoadResult:
@@ -159,7 +166,9 @@ async def run_load(specs: list[RequestSpec], cfg: LoadConfig) -> LoadResult:
                 await asyncio.gather(*pending, return_exceptions=True)
         duration = time.perf_counter() - start
     bar.close()
-    timelines = [r if r is not None else _not_sent(s, "not sent before the run's time limit") for r, s in zip(results, specs)]
+    timelines = [
+        r if r is not None else _not_sent(s, "not sent before the run's time limit") for r, s in zip(results, specs)
+    ]
     return LoadResult(timelines, duration)
 
 

@@ -45,10 +45,18 @@ def check(result_dir: Path) -> list[dict]:
         best_fixed = max(good["colocated"], good["1p1d"])
         ratio = good["1p1d-conditional"] / best_fixed if best_fixed else float("inf")
         itl = {m: r["p99_itl_ms"] for m, r in runs.items()}
-        rows.append({"rate": rate, "goodput": good, "goodput_ratio": ratio, "itl_p99_ms": itl,
-                     "ttft_p50_ms": {m: r["median_ttft_ms"] for m, r in runs.items()},
-                     "local_prefills": _local_prefills(runs["1p1d-conditional"]),
-                     "goodput_met": ratio >= GOODPUT_RATIO, "itl_met": itl["1p1d-conditional"] <= ITL_SLACK * itl["1p1d"]})
+        rows.append(
+            {
+                "rate": rate,
+                "goodput": good,
+                "goodput_ratio": ratio,
+                "itl_p99_ms": itl,
+                "ttft_p50_ms": {m: r["median_ttft_ms"] for m, r in runs.items()},
+                "local_prefills": _local_prefills(runs["1p1d-conditional"]),
+                "goodput_met": ratio >= GOODPUT_RATIO,
+                "itl_met": itl["1p1d-conditional"] <= ITL_SLACK * itl["1p1d"],
+            }
+        )
     return rows
 
 
@@ -61,16 +69,26 @@ def _local_prefills(result: dict) -> float | None:
 
 
 def render(rows: list[dict]) -> str:
-    lines = [f"{'rate':>5s} {'goodput col / 1p1d / cond':>28s} {'ratio':>6s} {'ITL p99 1p1d / cond':>22s} "
-             f"{'TTFT p50 col / 1p1d / cond':>28s} {'local':>6s}  target"]
+    lines = [
+        f"{'rate':>5s} {'goodput col / 1p1d / cond':>28s} {'ratio':>6s} {'ITL p99 1p1d / cond':>22s} "
+        f"{'TTFT p50 col / 1p1d / cond':>28s} {'local':>6s}  target"
+    ]
     for r in rows:
         g, i, t = r["goodput"], r["itl_p99_ms"], r["ttft_p50_ms"]
-        met = "met" if r["goodput_met"] and r["itl_met"] else ("missed: " + ", ".join(
-            name for name, ok in (("goodput", r["goodput_met"]), ("ITL", r["itl_met"])) if not ok))
-        lines.append(f"{r['rate']!s:>5s} {g['colocated']:>8.2f} / {g['1p1d']:.2f} / {g['1p1d-conditional']:.2f}"
-                     f"{r['goodput_ratio']:>7.2f}x {i['1p1d']:>9.1f} / {i['1p1d-conditional']:.1f}"
-                     f"{t['colocated']:>11.0f} / {t['1p1d']:.0f} / {t['1p1d-conditional']:.0f}"
-                     f" {r['local_prefills'] or 0:>6.0f}  {met}")
+        met = (
+            "met"
+            if r["goodput_met"] and r["itl_met"]
+            else (
+                "missed: "
+                + ", ".join(name for name, ok in (("goodput", r["goodput_met"]), ("ITL", r["itl_met"])) if not ok)
+            )
+        )
+        lines.append(
+            f"{r['rate']!s:>5s} {g['colocated']:>8.2f} / {g['1p1d']:.2f} / {g['1p1d-conditional']:.2f}"
+            f"{r['goodput_ratio']:>7.2f}x {i['1p1d']:>9.1f} / {i['1p1d-conditional']:.1f}"
+            f"{t['colocated']:>11.0f} / {t['1p1d']:.0f} / {t['1p1d-conditional']:.0f}"
+            f" {r['local_prefills'] or 0:>6.0f}  {met}"
+        )
     return "\n".join(lines)
 
 
@@ -90,13 +108,16 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     rows = check(args.result_dir)
     if not rows:
-        print(f"conditional_target: no complete set of {', '.join(MODES)} results in {args.result_dir}", file=sys.stderr)
+        print(
+            f"conditional_target: no complete set of {', '.join(MODES)} results in {args.result_dir}", file=sys.stderr
+        )
         return 1
     print(render(rows))
     if load:
         print(f"load average (1, 5, 15 min) before {load['before']}, after {load['after']}")
-    (args.result_dir / "target.json").write_text(json.dumps({"bench_args": bench_args, "load_average": load, "rows": rows},
-                                                            indent=1))
+    (args.result_dir / "target.json").write_text(
+        json.dumps({"bench_args": bench_args, "load_average": load, "rows": rows}, indent=1)
+    )
     return 0
 
 

@@ -44,8 +44,14 @@ def make_jobs(n: int, prompt_range: tuple[int, int], output_range: tuple[int, in
 
 def make_engine(dtype: str, threads: int, **overrides) -> LLMEngine:
     # No prefix caching: a benchmark that repeats a prompt must compute it every time.
-    settings = dict(dtype=dtype, device="cpu", kv_cache_memory="4GiB", num_threads=threads, max_num_seqs=64,
-                    enable_prefix_caching=False)
+    settings = dict(
+        dtype=dtype,
+        device="cpu",
+        kv_cache_memory="4GiB",
+        num_threads=threads,
+        max_num_seqs=64,
+        enable_prefix_caching=False,
+    )
     settings.update(overrides)
     return LLMEngine(EngineConfig(**settings), model_dir=str(resolve_model(None)))
 
@@ -58,7 +64,9 @@ def engine_from_args(args: argparse.Namespace, **overrides) -> LLMEngine:
 
 def run_engine(engine: LLMEngine, jobs: list[Job]) -> tuple[float, int]:
     for i, job in enumerate(jobs):
-        engine.add_request(f"r{i}", job.prompt, SamplingParams(max_tokens=job.max_tokens, temperature=0, ignore_eos=True))
+        engine.add_request(
+            f"r{i}", job.prompt, SamplingParams(max_tokens=job.max_tokens, temperature=0, ignore_eos=True)
+        )
     produced = 0
     started = time.perf_counter()
     while engine.has_unfinished():
@@ -66,7 +74,9 @@ def run_engine(engine: LLMEngine, jobs: list[Job]) -> tuple[float, int]:
     return time.perf_counter() - started, produced
 
 
-def run_hf(jobs: list[Job], dtype: torch.dtype, batch_size: int = 8, warmup: list[Job] | None = None) -> tuple[float, int]:
+def run_hf(
+    jobs: list[Job], dtype: torch.dtype, batch_size: int = 8, warmup: list[Job] | None = None
+) -> tuple[float, int]:
     """transformers generate, static batches in arrival order, left padding; counts only requested
     tokens. ``warmup`` runs first, untimed (the same warm-up the engine gets)."""
     from transformers import AutoModelForCausalLM
@@ -78,8 +88,14 @@ def run_hf(jobs: list[Job], dtype: torch.dtype, batch_size: int = 8, warmup: lis
         ids = torch.tensor([[0] * (width - len(j.prompt)) + j.prompt for j in batch])
         mask = torch.tensor([[0] * (width - len(j.prompt)) + [1] * len(j.prompt) for j in batch])
         with torch.inference_mode():
-            model.generate(ids, attention_mask=mask, max_new_tokens=max(j.max_tokens for j in batch),
-                           do_sample=False, eos_token_id=None, pad_token_id=0)
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=max(j.max_tokens for j in batch),
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
 
     if warmup:
         generate(warmup)
@@ -99,10 +115,17 @@ def throughput(args: argparse.Namespace) -> dict:
     hf_s, hf_tokens = run_hf(jobs, engine.dtype, warmup=warmup)
     engine_tps, hf_tps = engine_tokens / engine_s, hf_tokens / hf_s
     return {
-        "bench": "throughput", "dtype": args.dtype, "quantization": args.quantization,
-        "kv_cache_dtype": args.kv_cache_dtype, "requests": len(jobs), "output_tokens": engine_tokens,
-        "engine_s": round(engine_s, 2), "engine_tok_s": round(engine_tps, 1),
-        "hf_s": round(hf_s, 2), "hf_tok_s": round(hf_tps, 1), "speedup": round(engine_tps / hf_tps, 2),
+        "bench": "throughput",
+        "dtype": args.dtype,
+        "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "requests": len(jobs),
+        "output_tokens": engine_tokens,
+        "engine_s": round(engine_s, 2),
+        "engine_tok_s": round(engine_tps, 1),
+        "hf_s": round(hf_s, 2),
+        "hf_tok_s": round(hf_tps, 1),
+        "speedup": round(engine_tps / hf_tps, 2),
     }
 
 
@@ -112,12 +135,16 @@ def overhead(args: argparse.Namespace) -> dict:
     rows = {}
     for batch in (1, 8, 32):
         for i, job in enumerate(make_jobs(batch, (128, 128), (200, 200), args.seed)):
-            engine.add_request(f"o{batch}-{i}", job.prompt, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+            engine.add_request(
+                f"o{batch}-{i}", job.prompt, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+            )
         while engine.scheduler.waiting or any(s.is_prefilling for s in engine.scheduler.running):
             engine.step()
         steps = [timed(engine.step) for _ in range(args.repeats)]
         forward_batch = engine.runner.build_batch(engine.scheduler.schedule())
-        forwards = [timed(lambda batch=forward_batch: engine.model(batch, engine.kv_cache.layers)) for _ in range(args.repeats)]
+        forwards = [
+            timed(lambda batch=forward_batch: engine.model(batch, engine.kv_cache.layers)) for _ in range(args.repeats)
+        ]
         for rid in list(engine.requests):
             engine.abort(rid)
         rows[batch] = {
@@ -147,11 +174,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--text-tokens", type=int, default=20480, help="quality: tokens of the fixed text for perplexity")
-    parser.add_argument("--compile", action="store_true", help="roofline: also batch-1 decode with torch.compile (inductor)")
+    parser.add_argument(
+        "--text-tokens", type=int, default=20480, help="quality: tokens of the fixed text for perplexity"
+    )
+    parser.add_argument(
+        "--compile", action="store_true", help="roofline: also batch-1 decode with torch.compile (inductor)"
+    )
     args = parser.parse_args(argv)
-    benches = {"throughput": throughput, "overhead": overhead, "roofline": roofline.run, "quality": quality,
-               "llamacpp": vs_llamacpp.run}
+    benches = {
+        "throughput": throughput,
+        "overhead": overhead,
+        "roofline": roofline.run,
+        "quality": quality,
+        "llamacpp": vs_llamacpp.run,
+    }
     print(json.dumps(benches[args.bench](args), indent=2))
     return 0
 

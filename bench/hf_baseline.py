@@ -79,14 +79,19 @@ def _generate(model, batch: list[RequestSpec]) -> list[float]:
     ids = torch.full((len(batch), width), pad, dtype=torch.long)
     mask = torch.zeros((len(batch), width), dtype=torch.long)
     for row, spec in enumerate(batch):  # left padding keeps every prompt's end aligned
-        ids[row, width - spec.prompt_len:] = torch.tensor(spec.prompt_token_ids)
-        mask[row, width - spec.prompt_len:] = 1
+        ids[row, width - spec.prompt_len :] = torch.tensor(spec.prompt_token_ids)
+        mask[row, width - spec.prompt_len :] = 1
     new = max(s.max_tokens for s in batch)
     clock = _StepClock()
     with torch.inference_mode():
         model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-            pad_token_id=pad, stopping_criteria=StoppingCriteriaList([clock]),
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=pad,
+            stopping_criteria=StoppingCriteriaList([clock]),
         )
     return clock.times
 
@@ -99,8 +104,8 @@ def run_hf(specs: list[RequestSpec], cfg: HFConfig, model=None, model_dir: str =
     bar = tqdm(total=len(specs), desc="hf generate", unit="req", disable=not cfg.progress, leave=False)
     start = time.perf_counter()
     for first in range(0, len(specs), cfg.batch_size):
-        batch = specs[first:first + cfg.batch_size]
-        rows = timelines[first:first + cfg.batch_size]
+        batch = specs[first : first + cfg.batch_size]
+        rows = timelines[first : first + cfg.batch_size]
         if time.perf_counter() - start > cfg.time_limit_s:
             for t in rows:
                 t.error = "not run: the time limit was reached"
@@ -115,7 +120,7 @@ def run_hf(specs: list[RequestSpec], cfg: HFConfig, model=None, model_dir: str =
             if len(steps) < spec.max_tokens:
                 t.error = error or f"generate stopped after {len(steps)} of {spec.max_tokens} steps"
                 continue
-            t.chunk_times = steps[:spec.max_tokens]
+            t.chunk_times = steps[: spec.max_tokens]
             t.chunk_tokens = [1] * spec.max_tokens
             t.end_time, t.finish_reason = steps[spec.max_tokens - 1], "length"
         bar.update(len(batch))

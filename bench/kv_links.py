@@ -63,7 +63,9 @@ class DecodeSide:
         self.cache = KVCacheView(list(self.tensor.unbind(0)), layout.block_size, layout.token_bytes)
         self.ledger = GrantLedger(layout.num_layers, layout.token_bytes, lease_s=IO_TIMEOUT_S)
         info = replace(info, extra={**info.extra, **(self.pool.describe() if self.pool else {})})
-        self.receiver = KVReceiver(self.ledger, self.cache, info, "127.0.0.1", 0, ucx=ucx if transport == "ucx" else None)
+        self.receiver = KVReceiver(
+            self.ledger, self.cache, info, "127.0.0.1", 0, ucx=ucx if transport == "ucx" else None
+        )
         self.receiver.start()
         self.address = f"127.0.0.1:{self.receiver.port}"
 
@@ -88,8 +90,19 @@ def connect(address: str, info: PeerInfo, cache: KVCacheView, transport: str, uc
 class TransportLink:
     """A prefill-side connection to a decode side, moving whole transfers of one payload."""
 
-    def __init__(self, transport: str, layout: KVLayout, src: KVCacheView, src_blocks: list[int], dst_blocks: list[int],
-                 num_tokens: int, src_sums: list[int], decode_info: PeerInfo, prefill_info: PeerInfo, ucx_pair) -> None:
+    def __init__(
+        self,
+        transport: str,
+        layout: KVLayout,
+        src: KVCacheView,
+        src_blocks: list[int],
+        dst_blocks: list[int],
+        num_tokens: int,
+        src_sums: list[int],
+        decode_info: PeerInfo,
+        prefill_info: PeerInfo,
+        ucx_pair,
+    ) -> None:
         self.name = transport
         self.layout, self.src, self.src_blocks = layout, src, src_blocks
         self.dst_blocks, self.num_tokens, self.src_sums = dst_blocks, num_tokens, src_sums
@@ -102,7 +115,9 @@ class TransportLink:
             raise
 
     def sample(self) -> float:
-        self.decode.tensor.view(torch.uint8).numpy().fill(0)  # numpy: no torch worker threads left spinning into the timed part
+        self.decode.tensor.view(torch.uint8).numpy().fill(
+            0
+        )  # numpy: no torch worker threads left spinning into the timed part
         transfer_id, landed = self.decode.grant(self.dst_blocks, self.num_tokens)
         acked = Waiter()
         started = time.perf_counter()

@@ -138,8 +138,10 @@ class LoadProbe:
             "other_cpu_share": None if other is None else round(other / (wall * cores), 3),
             "steal_cpu_s": None if steal is None else round(steal, 2),
             # Load from others at start (1-min average) or CPU they used during the run.
-            "other_load_present": bool((self.start_load and self.start_load[0] >= 0.5)
-                                       or (other is not None and other / (wall * cores) >= 0.05)),
+            "other_load_present": bool(
+                (self.start_load and self.start_load[0] >= 0.5)
+                or (other is not None and other / (wall * cores) >= 0.05)
+            ),
         }
 
 
@@ -155,8 +157,13 @@ class Geometry:
     dtype: torch.dtype = torch.float32
 
     def layout(self) -> KVLayout:
-        return KVLayout(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                        block_size=self.block_size, dtype=self.dtype)
+        return KVLayout(
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            block_size=self.block_size,
+            dtype=self.dtype,
+        )
 
     @property
     def token_bytes(self) -> int:
@@ -191,17 +198,32 @@ def block_ids(count: int, arrangement: str, seed: int) -> list[int]:
 
 def synthetic_peer(geometry: Geometry, transport: str, role: str) -> PeerInfo:
     return PeerInfo(
-        model_fingerprint="kv-transfer-bench", dtype=geometry.dtype_name, num_layers=geometry.num_layers,
-        num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim, block_size=geometry.block_size,
-        transports=(transport,), host_id=host_id(), role=role, token_bytes=geometry.token_bytes,
+        model_fingerprint="kv-transfer-bench",
+        dtype=geometry.dtype_name,
+        num_layers=geometry.num_layers,
+        num_kv_heads=geometry.num_kv_heads,
+        head_dim=geometry.head_dim,
+        block_size=geometry.block_size,
+        transports=(transport,),
+        host_id=host_id(),
+        role=role,
+        token_bytes=geometry.token_bytes,
     )
 
 
 # -- throughput of one payload, every method ------------------------------------------------------------
 
 
-def measure_payload(label: str, geometry: Geometry, num_tokens: int, samples: int, transports: list[str],
-                    arrangement: str, seed: int, ucx_pair) -> dict:
+def measure_payload(
+    label: str,
+    geometry: Geometry,
+    num_tokens: int,
+    samples: int,
+    transports: list[str],
+    arrangement: str,
+    seed: int,
+    ucx_pair,
+) -> dict:
     layout = geometry.layout()
     nblocks = -(-num_tokens // geometry.block_size)
     nbytes = num_tokens * geometry.num_layers * geometry.token_bytes
@@ -224,9 +246,20 @@ def measure_payload(label: str, geometry: Geometry, num_tokens: int, samples: in
         if "ucx" in transports:
             links.append(RawUcxLink(flat_src, flat_dst, flat_sum, ucx_pair))
         for transport in transports:
-            links.append(TransportLink(transport, layout, src, src_blocks, dst_blocks, num_tokens, src_sums,
-                                       synthetic_peer(geometry, transport, "decode"),
-                                       synthetic_peer(geometry, transport, "prefill"), ucx_pair))
+            links.append(
+                TransportLink(
+                    transport,
+                    layout,
+                    src,
+                    src_blocks,
+                    dst_blocks,
+                    num_tokens,
+                    src_sums,
+                    synthetic_peer(geometry, transport, "decode"),
+                    synthetic_peer(geometry, transport, "prefill"),
+                    ucx_pair,
+                )
+            )
         for link in links:  # warm-up: connection, page tables, caches; not timed
             link.sample()
         times: dict[str, list[float]] = {link.name: [] for link in links}
@@ -243,10 +276,17 @@ def measure_payload(label: str, geometry: Geometry, num_tokens: int, samples: in
     seconds = {name: statistics.median(ts) for name, ts in times.items()}
     gbps = {name: nbytes / s / 1e9 for name, s in seconds.items()}
     return {
-        "label": label, "bytes": nbytes, "num_tokens": num_tokens, "dtype": geometry.dtype_name,
-        "num_layers": geometry.num_layers, "token_bytes": geometry.token_bytes, "block_size": geometry.block_size,
-        "block_arrangement": arrangement, "samples": samples,
-        "seconds_median": seconds, "gbps": gbps,
+        "label": label,
+        "bytes": nbytes,
+        "num_tokens": num_tokens,
+        "dtype": geometry.dtype_name,
+        "num_layers": geometry.num_layers,
+        "token_bytes": geometry.token_bytes,
+        "block_size": geometry.block_size,
+        "block_arrangement": arrangement,
+        "samples": samples,
+        "seconds_median": seconds,
+        "gbps": gbps,
         "gbps_min_max": {name: [nbytes / max(ts) / 1e9, nbytes / min(ts) / 1e9] for name, ts in times.items()},
         "ratios": ratios(gbps),
     }
@@ -346,7 +386,7 @@ def measure_ttft(args, transports: list[str], ucx_pair) -> dict:
         for i in range(args.ttft_repeats):
             for t in transports:
                 modes = ["none", "pipelined", "after"]
-                modes = modes[i % 3:] + modes[:i % 3]
+                modes = modes[i % 3 :] + modes[: i % 3]
                 triples[t].append({mode: prefill(mode, None if mode == "none" else t) for mode in modes})
     finally:
         for conn in conns.values():
@@ -374,12 +414,19 @@ def measure_ttft(args, transports: list[str], ucx_pair) -> dict:
         }
     all_prefill = [r["none"][1] for runs in triples.values() for r in runs]
     return {
-        "model_dir": engine.model_dir, "dtype": "float32", "prompt_tokens": n, "block_size": block_size,
-        "transfer_bytes": n * layout.num_layers * layout.token_bytes, "repeats": args.ttft_repeats,
+        "model_dir": engine.model_dir,
+        "dtype": "float32",
+        "prompt_tokens": n,
+        "block_size": block_size,
+        "transfer_bytes": n * layout.num_layers * layout.token_bytes,
+        "repeats": args.ttft_repeats,
         "torch_threads": torch.get_num_threads(),
         "prefill_ms": median_ms(all_prefill) if all_prefill else None,
         "per_transport": per_transport,
-        "runs_ms": {t: [{mode: [f * 1e3, ack * 1e3] for mode, (f, ack) in r.items()} for r in runs] for t, runs in triples.items()},
+        "runs_ms": {
+            t: [{mode: [f * 1e3, ack * 1e3] for mode, (f, ack) in r.items()} for r in runs]
+            for t, runs in triples.items()
+        },
     }
 
 
@@ -401,14 +448,28 @@ def check_targets(rows: list[dict], ttft: dict | None) -> list[dict]:
         for key, minimum in TARGETS.items():
             if key in row["ratios"]:
                 value = row["ratios"][key]
-                checks.append({"row": row["label"], "target": f"{key} >= {minimum}", "value": value, "met": value >= minimum})
+                checks.append(
+                    {"row": row["label"], "target": f"{key} >= {minimum}", "value": value, "met": value >= minimum}
+                )
     if ttft:
         for t, r in ttft["per_transport"].items():
-            checks.append({"row": f"ttft {t}", "target": "pipelined - after prefill <= 0 ms",
-                           "value": r["pipelined_minus_after_ms"], "met": r["pipelined_minus_after_ms"] <= 0})
+            checks.append(
+                {
+                    "row": f"ttft {t}",
+                    "target": "pipelined - after prefill <= 0 ms",
+                    "value": r["pipelined_minus_after_ms"],
+                    "met": r["pipelined_minus_after_ms"] <= 0,
+                }
+            )
             if t in ("shm", "ucx"):
-                checks.append({"row": f"ttft {t}", "target": f"handoff adds <= {MAX_HANDOFF_MS} ms",
-                               "value": r["exposed_pipelined_ms"], "met": r["exposed_pipelined_ms"] <= MAX_HANDOFF_MS})
+                checks.append(
+                    {
+                        "row": f"ttft {t}",
+                        "target": f"handoff adds <= {MAX_HANDOFF_MS} ms",
+                        "value": r["exposed_pipelined_ms"],
+                        "met": r["exposed_pipelined_ms"] <= MAX_HANDOFF_MS,
+                    }
+                )
     return checks
 
 
@@ -434,8 +495,10 @@ def render(result: dict) -> str:
             r = row["ratios"]
             line = f"{row['label']:<22}{row['bytes'] / 1e6:>8.1f}{row['samples']:>4}"
             line += "".join(f"{row['gbps'][k]:>11.2f}" for k in names)
-            line += "".join(f"{_fmt(r.get(k)):>9}" for k in ("tcp_vs_raw_socket", "shm_vs_memcpy", "ucx_vs_raw_socket",
-                                                             "ucx_vs_raw_ucx"))
+            line += "".join(
+                f"{_fmt(r.get(k)):>9}"
+                for k in ("tcp_vs_raw_socket", "shm_vs_memcpy", "ucx_vs_raw_socket", "ucx_vs_raw_ucx")
+            )
             lines.append(line)
     ttft = result.get("ttft")
     if ttft:
@@ -444,8 +507,10 @@ def render(result: dict) -> str:
             f"TTFT, {ttft['prompt_tokens']}-token prompt, default model fp32, KV {ttft['transfer_bytes'] / 1e6:.1f} MB, "
             f"{ttft['repeats']} triples per transport; medians, differences taken within each triple"
         )
-        lines.append(f"{'transport':<10}{'(a) alone':>10}{'(b) pipe':>10}{'(c) after':>10}{'b-a':>8}{'c-a':>8}{'b-c':>8}"
-                     f"{'tail b':>8}{'tail c':>8}")
+        lines.append(
+            f"{'transport':<10}{'(a) alone':>10}{'(b) pipe':>10}{'(c) after':>10}{'b-a':>8}{'c-a':>8}{'b-c':>8}"
+            f"{'tail b':>8}{'tail c':>8}"
+        )
         for t, r in ttft["per_transport"].items():
             lines.append(
                 f"{t:<10}{r['prefill_ms']:>10.1f}{r['pipelined_ms']:>10.1f}{r['after_prefill_ms']:>10.1f}"
@@ -478,9 +543,15 @@ def run(args) -> dict:
     ucx_pair = (UcxWorker(), UcxWorker()) if "ucx" in transports else None
     result: dict = {
         "config": {
-            "sizes_mib": args.sizes_mib, "repeats": args.repeats, "transports": transports, "skipped": skipped,
-            "parts": args.parts, "blocks": args.blocks, "prompt_tokens": args.prompt_tokens,
-            "ttft_repeats": args.ttft_repeats, "seed": args.seed,
+            "sizes_mib": args.sizes_mib,
+            "repeats": args.repeats,
+            "transports": transports,
+            "skipped": skipped,
+            "parts": args.parts,
+            "blocks": args.blocks,
+            "prompt_tokens": args.prompt_tokens,
+            "ttft_repeats": args.ttft_repeats,
+            "seed": args.seed,
         },
     }
     try:
@@ -490,9 +561,18 @@ def run(args) -> dict:
             for i, size in enumerate(args.sizes_mib):
                 tokens = geometry.tokens_for(int(size * MIB))
                 nbytes = tokens * geometry.num_layers * geometry.token_bytes
-                result["micro"].append(measure_payload(
-                    f"{size:g} MiB", geometry, tokens, samples_for(nbytes, args.repeats), transports,
-                    args.blocks, args.seed + 10 * i, ucx_pair))
+                result["micro"].append(
+                    measure_payload(
+                        f"{size:g} MiB",
+                        geometry,
+                        tokens,
+                        samples_for(nbytes, args.repeats),
+                        transports,
+                        args.blocks,
+                        args.seed + 10 * i,
+                        ucx_pair,
+                    )
+                )
                 print(f"  measured {size:g} MiB", file=sys.stderr, flush=True)
         if "real" in args.parts:
             model = default_model_geometry()
@@ -500,9 +580,18 @@ def run(args) -> dict:
             for j, dtype in enumerate((torch.float32, torch.bfloat16)):
                 geometry = Geometry(model.num_layers, model.num_kv_heads, model.head_dim, 16, dtype)
                 nbytes = args.prompt_tokens * geometry.num_layers * geometry.token_bytes
-                result["real_request"].append(measure_payload(
-                    f"{args.prompt_tokens}-tok {geometry.dtype_name}", geometry, args.prompt_tokens,
-                    samples_for(nbytes, args.repeats), transports, args.blocks, args.seed + 1000 + j, ucx_pair))
+                result["real_request"].append(
+                    measure_payload(
+                        f"{args.prompt_tokens}-tok {geometry.dtype_name}",
+                        geometry,
+                        args.prompt_tokens,
+                        samples_for(nbytes, args.repeats),
+                        transports,
+                        args.blocks,
+                        args.seed + 1000 + j,
+                        ucx_pair,
+                    )
+                )
             print("  measured the real-request payloads", file=sys.stderr, flush=True)
         if "ttft" in args.parts:
             result["ttft"] = measure_ttft(args, transports, ucx_pair)
@@ -512,8 +601,11 @@ def run(args) -> dict:
                 u.close()
     result["targets"] = check_targets(result.get("micro", []) + result.get("real_request", []), result.get("ttft"))
     result["machine"] = {
-        **probe.report(), "python": platform.python_version(), "torch": torch.__version__,
-        "platform": platform.platform(), "ucx_available": ucx_available(),
+        **probe.report(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "ucx_available": ucx_available(),
         "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
     }
     return result
@@ -528,24 +620,56 @@ def default_model_geometry():
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes-mib", type=lambda s: parse_list(s, float), default=[1, 16, 64, 256],
-                        help="payload sizes for the micro part (default 1,16,64,256)")
-    parser.add_argument("--repeats", type=int, default=5,
-                        help="timed samples per method at >= 64 MiB; smaller payloads get up to 8x more (default 5)")
-    parser.add_argument("--transports", type=parse_list, default=list(ALL_TRANSPORTS),
-                        help=f"pdserve transports to measure (default {','.join(ALL_TRANSPORTS)}; unavailable ones are skipped with the reason)")
-    parser.add_argument("--parts", type=parse_list, default=["micro", "real", "ttft"],
-                        help="micro, real (a real request's KV), ttft (needs the default model); default all")
-    parser.add_argument("--blocks", choices=("contiguous", "shuffled"), default="contiguous",
-                        help="block ids on both sides: contiguous (a fresh cache) or shuffled (a fragmented one)")
-    parser.add_argument("--prompt-tokens", type=int, default=1024, help="prompt length of the real request and the TTFT runs")
+    parser.add_argument(
+        "--sizes-mib",
+        type=lambda s: parse_list(s, float),
+        default=[1, 16, 64, 256],
+        help="payload sizes for the micro part (default 1,16,64,256)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="timed samples per method at >= 64 MiB; smaller payloads get up to 8x more (default 5)",
+    )
+    parser.add_argument(
+        "--transports",
+        type=parse_list,
+        default=list(ALL_TRANSPORTS),
+        help=f"pdserve transports to measure (default {','.join(ALL_TRANSPORTS)}; unavailable ones are skipped with the reason)",
+    )
+    parser.add_argument(
+        "--parts",
+        type=parse_list,
+        default=["micro", "real", "ttft"],
+        help="micro, real (a real request's KV), ttft (needs the default model); default all",
+    )
+    parser.add_argument(
+        "--blocks",
+        choices=("contiguous", "shuffled"),
+        default="contiguous",
+        help="block ids on both sides: contiguous (a fresh cache) or shuffled (a fragmented one)",
+    )
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=1024, help="prompt length of the real request and the TTFT runs"
+    )
     parser.add_argument("--ttft-repeats", type=int, default=3, help="TTFT runs per mode and transport (default 3)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write every figure here")
     args = parser.parse_args(argv)
-    bad = [t for t in args.transports if t not in ALL_TRANSPORTS] + [p for p in args.parts if p not in ("micro", "real", "ttft")]
-    if bad or args.repeats < 1 or args.ttft_repeats < 1 or args.prompt_tokens < 1 or any(s <= 0 for s in args.sizes_mib):
-        parser.error(f"bad arguments {bad or ''}: transports are {','.join(ALL_TRANSPORTS)}; parts micro,real,ttft; counts and sizes > 0")
+    bad = [t for t in args.transports if t not in ALL_TRANSPORTS] + [
+        p for p in args.parts if p not in ("micro", "real", "ttft")
+    ]
+    if (
+        bad
+        or args.repeats < 1
+        or args.ttft_repeats < 1
+        or args.prompt_tokens < 1
+        or any(s <= 0 for s in args.sizes_mib)
+    ):
+        parser.error(
+            f"bad arguments {bad or ''}: transports are {','.join(ALL_TRANSPORTS)}; parts micro,real,ttft; counts and sizes > 0"
+        )
 
     result = run(args)
     print(render(result))

@@ -99,7 +99,9 @@ class Goodput:
         return any(v is not None for v in (self.ttft_ms, self.tpot_ms, self.e2el_ms))
 
     def as_dict(self) -> dict[str, float]:
-        return {k: v for k, v in (("ttft", self.ttft_ms), ("tpot", self.tpot_ms), ("e2el", self.e2el_ms)) if v is not None}
+        return {
+            k: v for k, v in (("ttft", self.ttft_ms), ("tpot", self.tpot_ms), ("e2el", self.e2el_ms)) if v is not None
+        }
 
     @staticmethod
     def parse(pairs: list[str] | None) -> "Goodput":
@@ -185,7 +187,7 @@ def _peaks(ok: list[Timeline]) -> tuple[float, int]:
     for t in ok:
         for at, n in zip(t.chunk_times, t.chunk_tokens):
             tokens[min(int(at - t0), buckets - 1)] += n
-        active[int(t.send_time - t0): int((t.end_time or t0) - t0) + 1] += 1
+        active[int(t.send_time - t0) : int((t.end_time or t0) - t0) + 1] += 1
     return float(tokens.max()), int(active.max())
 
 
@@ -199,8 +201,10 @@ def ttft_by_length(timelines: list[Timeline], short_threshold: int = DEFAULT_SHO
     ``short_threshold`` tokens ("short") and of the rest ("long"); None for an empty class."""
     ok = [t for t in timelines if t.success]
     out: dict = {"short_threshold": short_threshold}
-    for name, group in (("short", [t for t in ok if t.prompt_len < short_threshold]),
-                        ("long", [t for t in ok if t.prompt_len >= short_threshold])):
+    for name, group in (
+        ("short", [t for t in ok if t.prompt_len < short_threshold]),
+        ("long", [t for t in ok if t.prompt_len >= short_threshold]),
+    ):
         out[f"num_{name}"] = len(group)
         a = np.asarray([t.ttft for t in group], dtype=float) * 1e3
         for p in (50, 99):
@@ -280,7 +284,9 @@ def _speculative(c: dict[str, float]) -> dict[str, float | None]:
     """Speculative decoding over the run, summed over the decoding workers."""
     drafts, proposed, accepted = (c.get(k, 0.0) for k in SPEC_COUNTERS)
     return {
-        "drafts": drafts, "draft_tokens": proposed, "accepted_tokens": accepted,
+        "drafts": drafts,
+        "draft_tokens": proposed,
+        "accepted_tokens": accepted,
         "acceptance_rate": accepted / proposed if proposed else None,
         "mean_accepted_length": 1 + accepted / drafts if drafts else None,  # tokens per verification
     }

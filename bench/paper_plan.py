@@ -50,12 +50,18 @@ from pdserve.planner.simulator import SimConfig, Topology  # noqa: E402
 
 # DistServe's OPT-13B / A100 fits at pipeline parallel 1: TP -> (prefill a, b, c), (decode a, b, c), ms.
 DISTSERVE_OPT13B = {
-    1: ((0.09482354604158061, 4.03088651711854e-06, 18.891404031181914),
-        (0.0006109319663589057, 0.06818472528436295, 19.878099045083218)),
-    2: ((0.06373414217499217, 2.0426077577567835e-06, 17.73259930652419),
-        (0.00036709471825591145, 0.018816958156899988, 17.350085537432527)),
-    4: ((0.0324359612452919, 1.4551978520879437e-06, 12.64555955944732),
-        (0.0002088168996943625, -0.03482556407211749, 9.22092145851236)),
+    1: (
+        (0.09482354604158061, 4.03088651711854e-06, 18.891404031181914),
+        (0.0006109319663589057, 0.06818472528436295, 19.878099045083218),
+    ),
+    2: (
+        (0.06373414217499217, 2.0426077577567835e-06, 17.73259930652419),
+        (0.00036709471825591145, 0.018816958156899988, 17.350085537432527),
+    ),
+    4: (
+        (0.0324359612452919, 1.4551978520879437e-06, 12.64555955944732),
+        (0.0002088168996943625, -0.03482556407211749, 9.22092145851236),
+    ),
 }
 KV_BYTES_PER_TOKEN = 2 * 40 * 5120 * 2
 WEIGHT_BYTES = 12.85e9 * 2
@@ -71,12 +77,20 @@ def published_profile() -> Profile:
     for tp, ((pa, pb, _), (da, db, dc)) in DISTSERVE_OPT13B.items():
         steps[tp] = StepCost(base_ms=dc, decode_ms=db, prefill_ms=pa, decode_ctx_ms=da, prefill_attn_ms=2 * pb)
     return Profile(
-        model="OPT-13B", device="NVIDIA A100-SXM4-80GB", parallel="tensor_parallel", steps=steps,
-        kv_bytes_per_token=KV_BYTES_PER_TOKEN, transfers={"nvlink": TransferCost(0.0, 2**20 / NVLINK_BYTES_PER_S * 1e3)},
-        transport="nvlink", overheads=Overheads(), dtype="float16", cores=None, max_model_len=2048,
+        model="OPT-13B",
+        device="NVIDIA A100-SXM4-80GB",
+        parallel="tensor_parallel",
+        steps=steps,
+        kv_bytes_per_token=KV_BYTES_PER_TOKEN,
+        transfers={"nvlink": TransferCost(0.0, 2**20 / NVLINK_BYTES_PER_S * 1e3)},
+        transport="nvlink",
+        overheads=Overheads(),
+        dtype="float16",
+        cores=None,
+        max_model_len=2048,
         kv_cache_tokens={tp: int((tp * GPU_BYTES - WEIGHT_BYTES) // KV_BYTES_PER_TOKEN) for tp in steps},
         source="published figures: DistServe's OPT-13B A100 latency fits (github.com/LLMServe/DistServe, "
-               "simdisagg/timemodule/worktime.py), OPT-13B shape (Zhang et al. 2022), A100 datasheet (80 GB, NVLink 600 GB/s)",
+        "simdisagg/timemodule/worktime.py), OPT-13B shape (Zhang et al. 2022), A100 datasheet (80 GB, NVLink 600 GB/s)",
     )
 
 
@@ -92,15 +106,28 @@ def main(argv: list[str] | None = None) -> int:
     profile = published_profile()
     if args.output:
         profile.save(args.output)
-    specs = workloads.build(workloads.WorkloadConfig(name="sharegpt", num_prompts=args.num_prompts, seed=args.seed),
-                            lambda: None)
+    specs = workloads.build(
+        workloads.WorkloadConfig(name="sharegpt", num_prompts=args.num_prompts, seed=args.seed), lambda: None
+    )
     config = SimConfig(max_num_seqs=256, max_num_batched_tokens=4096, slo_tpot_ms=SLO.tpot_ms)
     with tqdm(desc="units", unit="unit") as bar:
-        fleet = plan(profile, specs, SLO, budget=8, max_unit_devices=8, top_k=args.top_k, config=config, seed=args.seed,
-                     span_s=args.span_s, progress=lambda label: (bar.set_postfix_str(label), bar.update()))
+        fleet = plan(
+            profile,
+            specs,
+            SLO,
+            budget=8,
+            max_unit_devices=8,
+            top_k=args.top_k,
+            config=config,
+            seed=args.seed,
+            span_s=args.span_s,
+            progress=lambda label: (bar.set_postfix_str(label), bar.update()),
+        )
         w = capacity.WorkloadStats.of(specs)
         guess = estimate(profile, DISTSERVE_UNIT, w, SLO, config.max_num_seqs)
-        rate, metrics = unit_goodput(profile, DISTSERVE_UNIT, specs, SLO, 0.9, config, guess, seed=args.seed, span_s=args.span_s)
+        rate, metrics = unit_goodput(
+            profile, DISTSERVE_UNIT, specs, SLO, 0.9, config, guess, seed=args.seed, span_s=args.span_s
+        )
         theirs = UnitResult(DISTSERVE_UNIT, unit_devices(profile, DISTSERVE_UNIT), guess, rate, metrics)
     simulated = [u for u in fleet.candidates if u.goodput is not None] + [theirs]
     print(f"{'unit':34s} {'GPUs':>4s} {'goodput':>8s} {'/GPU':>6s} {'TTFT p50':>9s} {'TTFT p99':>9s} {'TPOT p99':>9s}")
@@ -114,13 +141,30 @@ def main(argv: list[str] | None = None) -> int:
         n = budget // best.devices
         ours = n * best.goodput
         n_theirs = budget // theirs.devices
-        plans[budget] = {"unit": unit_summary(best), "replicas": n, "gpus_used": n * best.devices, "goodput_rps": ours,
-                         "distserve_replicas": n_theirs, "distserve_goodput_rps": n_theirs * theirs.goodput}
-        print(f"{budget:5d} GPUs: {n} x [{best.label}] = {n * best.devices} GPUs, {ours:.1f} req/s; DistServe's placement: "
-              f"{n_theirs} x [{theirs.label}] = {n_theirs * 3} GPUs, {n_theirs * theirs.goodput:.1f} req/s")
+        plans[budget] = {
+            "unit": unit_summary(best),
+            "replicas": n,
+            "gpus_used": n * best.devices,
+            "goodput_rps": ours,
+            "distserve_replicas": n_theirs,
+            "distserve_goodput_rps": n_theirs * theirs.goodput,
+        }
+        print(
+            f"{budget:5d} GPUs: {n} x [{best.label}] = {n * best.devices} GPUs, {ours:.1f} req/s; DistServe's placement: "
+            f"{n_theirs} x [{theirs.label}] = {n_theirs * 3} GPUs, {n_theirs * theirs.goodput:.1f} req/s"
+        )
     if args.json:
-        args.json.write_text(json.dumps({"profile": profile.source, "slo_ms": SLO.as_dict(), "plans": plans,
-                                         "units": [unit_summary(u) for u in simulated]}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "profile": profile.source,
+                    "slo_ms": SLO.as_dict(),
+                    "plans": plans,
+                    "units": [unit_summary(u) for u in simulated],
+                },
+                indent=1,
+            )
+        )
     return 0
 
 

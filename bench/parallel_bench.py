@@ -61,14 +61,24 @@ def timed_steps(engine: LLMEngine, count: int | None = None) -> list[tuple[float
 
 
 def figures(steps: list[tuple[float, float, float]]) -> StepFigures:
-    return StepFigures(statistics.median(s[0] for s in steps) * 1e3, statistics.median(s[1] for s in steps) * 1e3,
-                       statistics.median(s[2] for s in steps))
+    return StepFigures(
+        statistics.median(s[0] for s in steps) * 1e3,
+        statistics.median(s[1] for s in steps) * 1e3,
+        statistics.median(s[2] for s in steps),
+    )
 
 
 def measure(model_dir: str, tp: int, pp: int, args) -> tuple[StepFigures, StepFigures]:
-    config = EngineConfig(dtype="float32", device="cpu", kv_cache_memory="256MiB", tensor_parallel_size=tp,
-                          pipeline_parallel_size=pp, num_threads=args.threads,
-                          max_num_batched_tokens=args.batch * args.prompt_len, enable_prefix_caching=False)
+    config = EngineConfig(
+        dtype="float32",
+        device="cpu",
+        kv_cache_memory="256MiB",
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        num_threads=args.threads,
+        max_num_batched_tokens=args.batch * args.prompt_len,
+        enable_prefix_caching=False,
+    )
     engine = LLMEngine(config, model_dir=model_dir)
     try:
         rng = random.Random(0)
@@ -79,21 +89,28 @@ def measure(model_dir: str, tp: int, pp: int, args) -> tuple[StepFigures, StepFi
                 engine.add_request(str(i), [rng.randrange(100, 40000) for _ in range(args.prompt_len)], sampling)
             prefill += timed_steps(engine, 1)  # every prompt in one step (the budget holds them all)
             decode += timed_steps(engine)
-        return figures(prefill[1:] or prefill), figures(decode[args.decode_steps:] or decode)
+        return figures(prefill[1:] or prefill), figures(decode[args.decode_steps :] or decode)
     finally:
         engine.close()
 
 
 def run_measure(args) -> None:
     model_dir = str(resolve_model(args.model))
-    print(f"batch {args.batch} x {args.prompt_len}-token prompts, {args.decode_steps} decode steps, fp32, "
-          f"{args.threads} threads per worker, {os.cpu_count()} cores; medians over {args.rounds - 1} measured rounds")
-    print("| layout | ranks | prefill step ms | comm ms (share) | decode step ms | comm ms (share) | comm KiB / decode step |")
+    print(
+        f"batch {args.batch} x {args.prompt_len}-token prompts, {args.decode_steps} decode steps, fp32, "
+        f"{args.threads} threads per worker, {os.cpu_count()} cores; medians over {args.rounds - 1} measured rounds"
+    )
+    print(
+        "| layout | ranks | prefill step ms | comm ms (share) | decode step ms | comm ms (share) | comm KiB / decode step |"
+    )
     print("|---|---|---|---|---|---|---|")
     for tp, pp in parse_layouts(args.layouts):
         p, d = measure(model_dir, tp, pp, args)
-        print(f"| TP {tp} x PP {pp} | {tp * pp} | {p.ms:.1f} | {p.comm_ms:.1f} ({p.share:.0%}) | {d.ms:.1f} | "
-              f"{d.comm_ms:.1f} ({d.share:.0%}) | {d.comm_bytes / 1024:.0f} |", flush=True)
+        print(
+            f"| TP {tp} x PP {pp} | {tp * pp} | {p.ms:.1f} | {p.comm_ms:.1f} ({p.share:.0%}) | {d.ms:.1f} | "
+            f"{d.comm_ms:.1f} ({d.share:.0%}) | {d.comm_bytes / 1024:.0f} |",
+            flush=True,
+        )
 
 
 # -- on paper ----------------------------------------------------------------------------------------
@@ -121,18 +138,26 @@ SHAPES = (Shape("Llama-3-8B", 32, 4096, 8, 128), Shape("Llama-3-70B", 80, 8192, 
 def run_paper(args) -> None:
     for shape in SHAPES:
         payload = shape.allreduce_payload_per_token()
-        print(f"\n{shape.name}: (2 x {shape.layers} + 1) all-reduces x {shape.hidden} x {shape.dtype_bytes} B = "
-              f"{payload / 1024:.0f} KiB all-reduced per token")
-        print("| TP | all-reduces per step | payload KiB / token | ring: KiB each GPU sends / token | at 450 GB/s per GPU |")
+        print(
+            f"\n{shape.name}: (2 x {shape.layers} + 1) all-reduces x {shape.hidden} x {shape.dtype_bytes} B = "
+            f"{payload / 1024:.0f} KiB all-reduced per token"
+        )
+        print(
+            "| TP | all-reduces per step | payload KiB / token | ring: KiB each GPU sends / token | at 450 GB/s per GPU |"
+        )
         print("|---|---|---|---|---|")
         for tp in (1, 2, 4, 8):
             wire = 2 * (tp - 1) / tp * payload
-            print(f"| {tp} | {0 if tp == 1 else 2 * shape.layers + 1} | {0 if tp == 1 else payload / 1024:.0f} | "
-                  f"{wire / 1024:.0f} | {wire / 450e9 * 1e6:.2f} µs |")
+            print(
+                f"| {tp} | {0 if tp == 1 else 2 * shape.layers + 1} | {0 if tp == 1 else payload / 1024:.0f} | "
+                f"{wire / 1024:.0f} | {wire / 450e9 * 1e6:.2f} µs |"
+            )
         per_token = shape.kv_bytes_per_token()
         total = per_token * args.prompt_len
-        print(f"\nKV: 2 x {shape.layers} layers x {shape.kv_heads} KV heads x {shape.head_dim} x {shape.dtype_bytes} B = "
-              f"{per_token / 1024:.0f} KiB per token; a {args.prompt_len}-token prompt: {total / 2**20:.0f} MiB")
+        print(
+            f"\nKV: 2 x {shape.layers} layers x {shape.kv_heads} KV heads x {shape.head_dim} x {shape.dtype_bytes} B = "
+            f"{per_token / 1024:.0f} KiB per token; a {args.prompt_len}-token prompt: {total / 2**20:.0f} MiB"
+        )
         print("| prefill TP -> decode TP | MiB per request | MiB into each decode rank | units per layer per chunk |")
         print("|---|---|---|---|")
         for src, dst in ((1, 1), (1, 4), (1, 8), (4, 1), (4, 8), (8, 8), (8, 16)):

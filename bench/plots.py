@@ -48,7 +48,7 @@ def _cdf(results: list[dict], samples, title: str, xlabel: str, path: Path) -> N
     cols = min(CDF_COLUMNS, len(modes))
     rows = math.ceil(len(modes) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 4 * rows), sharex=True, sharey=True, squeeze=False)
-    for ax in axes.flat[len(modes):]:
+    for ax in axes.flat[len(modes) :]:
         ax.set_visible(False)
     for ax, mode in zip(axes.flat, modes):
         for r in sorted((r for r in results if r["mode"] == mode), key=_rate_key):
@@ -115,10 +115,15 @@ def write_all(results: list[dict], out_dir: Path) -> list[Path]:
     plt.close(fig)
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), squeeze=False)
-    _vs_rate(results, fig, axes, [
-        (axes[0][0], lambda r: r["request_throughput"], "requests/s", "Request throughput"),
-        (axes[0][1], lambda r: r["output_throughput"], "output tokens/s", "Output token throughput"),
-    ])
+    _vs_rate(
+        results,
+        fig,
+        axes,
+        [
+            (axes[0][0], lambda r: r["request_throughput"], "requests/s", "Request throughput"),
+            (axes[0][1], lambda r: r["output_throughput"], "output tokens/s", "Output token throughput"),
+        ],
+    )
     fig.tight_layout()
     fig.savefig(paths[3], dpi=100)
     plt.close(fig)

@@ -44,9 +44,12 @@ def token_logits(engine: LLMEngine, token_ids: list[int], chunk: int = CHUNK) ->
             end = min(n, start + chunk)
             positions = torch.arange(start, end, device=device)
             batch = ForwardBatch(
-                input_ids=ids[start:end], positions=positions,
+                input_ids=ids[start:end],
+                positions=positions,
                 slot_mapping=table[positions // bs] * bs + positions % bs,
-                num_decode=0, decode_block_tables=None, decode_context_lens=None,
+                num_decode=0,
+                decode_block_tables=None,
+                decode_context_lens=None,
                 prefills=[PrefillSegment(query_start=0, num_query=end - start, context_len=end, block_table=table)],
                 logits_indices=torch.arange(end - start, device=device),
             )
@@ -127,8 +130,12 @@ def quality(args) -> dict:
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(None)))
     text_ids = tokenizer(fixed_text()).input_ids[: args.text_tokens]
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                             tokenize=True, return_dict=True)["input_ids"] for p in PROMPTS]
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+        for p in PROMPTS
+    ]
     rows = {}
     reference = None
     for label, quant, kv, allowed in CONFIGS:
@@ -140,9 +147,20 @@ def quality(args) -> dict:
         same = sum(a == b for got, want in zip(outputs, ref_outputs) for a, b in zip(got, want))
         increase = ppl.ppl / ref_ppl.ppl - 1
         rows[label] = {
-            "perplexity": round(ppl.ppl, 3), "tokens": ppl.tokens, "increase": round(increase, 4),
-            "gate": f"<= +{allowed:.0%}", "gate_met": increase <= allowed,
+            "perplexity": round(ppl.ppl, 3),
+            "tokens": ppl.tokens,
+            "increase": round(increase, 4),
+            "gate": f"<= +{allowed:.0%}",
+            "gate_met": increase <= allowed,
             "greedy_identical_share": round(same / sum(map(len, ref_outputs)), 3),
-            "top1_agreement": round(top1_agreement(engine, ref_engine, [p + o for p, o in zip(prompts, ref_outputs)]), 4),
+            "top1_agreement": round(
+                top1_agreement(engine, ref_engine, [p + o for p, o in zip(prompts, ref_outputs)]), 4
+            ),
         }
-    return {"bench": "quality", "dtype": args.dtype, "reference": reference, "text": "pydoc_data.topics", "configs": rows}
+    return {
+        "bench": "quality",
+        "dtype": args.dtype,
+        "reference": reference,
+        "text": "pydoc_data.topics",
+        "configs": rows,
+    }

@@ -27,7 +27,13 @@ from typing import TextIO
 
 from pdserve.bench.metrics import DEFAULT_SHORT_THRESHOLD, Goodput, RunMetrics, Timeline, ttft_by_length
 
-LATENCY_METRICS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL"), ("itl_per_token", "ITL per token"))
+LATENCY_METRICS = (
+    ("ttft", "TTFT"),
+    ("tpot", "TPOT"),
+    ("itl", "ITL"),
+    ("e2el", "E2EL"),
+    ("itl_per_token", "ITL per token"),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,21 +144,55 @@ def print_tables(results: list[dict], out: TextIO | None = None) -> None:
     rows = []
     for r in results:
         good = "-" if r["request_goodput"] is None else f"{r['request_goodput']:.2f}"
-        rows.append([
-            r["mode"], _rate(r), str(r["completed"]), str(r["failed"]), f"{r['duration']:.2f}",
-            str(r["total_input_tokens"]), str(r["total_output_tokens"]),
-            f"{r['request_throughput']:.2f}", good, f"{r['output_throughput']:.1f}", f"{r['total_token_throughput']:.1f}",
-            _pct(r.get("prefix_hit_rate")),
-        ])
-    _table(["mode", "rate", "ok", "failed", "time s", "in tok", "out tok", "req/s", "goodput", "out tok/s", "tot tok/s",
-            "prefix hit"], rows, out)
+        rows.append(
+            [
+                r["mode"],
+                _rate(r),
+                str(r["completed"]),
+                str(r["failed"]),
+                f"{r['duration']:.2f}",
+                str(r["total_input_tokens"]),
+                str(r["total_output_tokens"]),
+                f"{r['request_throughput']:.2f}",
+                good,
+                f"{r['output_throughput']:.1f}",
+                f"{r['total_token_throughput']:.1f}",
+                _pct(r.get("prefix_hit_rate")),
+            ]
+        )
+    _table(
+        [
+            "mode",
+            "rate",
+            "ok",
+            "failed",
+            "time s",
+            "in tok",
+            "out tok",
+            "req/s",
+            "goodput",
+            "out tok/s",
+            "tot tok/s",
+            "prefix hit",
+        ],
+        rows,
+        out,
+    )
     _cluster_table(results, out)
     if any(r.get("workload") == "mixed" for r in results):
         threshold = results[0].get("short_threshold", DEFAULT_SHORT_THRESHOLD)
         print(f"\n== TTFT by prompt length (ms; short: < {threshold} tokens) ==", file=out)
         rows = [
-            [r["mode"], _rate(r), str(r.get("num_short", 0)), _ms(r.get("short_ttft_p50_ms")), _ms(r.get("short_ttft_p99_ms")),
-             str(r.get("num_long", 0)), _ms(r.get("long_ttft_p50_ms")), _ms(r.get("long_ttft_p99_ms"))]
+            [
+                r["mode"],
+                _rate(r),
+                str(r.get("num_short", 0)),
+                _ms(r.get("short_ttft_p50_ms")),
+                _ms(r.get("short_ttft_p99_ms")),
+                str(r.get("num_long", 0)),
+                _ms(r.get("long_ttft_p50_ms")),
+                _ms(r.get("long_ttft_p99_ms")),
+            ]
             for r in results
         ]
         _table(["mode", "rate", "short n", "short p50", "short p99", "long n", "long p50", "long p99"], rows, out)
@@ -185,14 +225,34 @@ def _cluster_table(results: list[dict], out: TextIO) -> None:
             c = r["prefix_cache"].get(role)
             cells.append("-" if c is None else f"{c['hits']:.0f}/{c['queries']:.0f} {_pct(c['hit_rate'])}")
         incomplete = " (incomplete)" if r.get("cluster_stats_incomplete") else ""
-        rows.append([r["mode"], _rate(r), _pct(r["prefix_hit_rate"]) + incomplete, *cells,
-                     f"{r.get('migrations') or 0:.0f}", f"{r.get('retries') or 0:.0f}"])
+        rows.append(
+            [
+                r["mode"],
+                _rate(r),
+                _pct(r["prefix_hit_rate"]) + incomplete,
+                *cells,
+                f"{r.get('migrations') or 0:.0f}",
+                f"{r.get('retries') or 0:.0f}",
+            ]
+        )
     _table(["mode", "rate", "prefix hit", *roles, "migrations", "retries"], rows, out)
     spec = [r for r in with_stats if r.get("speculative")]
     if spec:
         print("\n== Speculative decoding (over each run) ==", file=out)
-        _table(["mode", "rate", "verifications", "proposed", "accepted", "acceptance", "tokens/verification"], [
-            [r["mode"], _rate(r), f"{s['drafts']:.0f}", f"{s['draft_tokens']:.0f}", f"{s['accepted_tokens']:.0f}",
-             _pct(s["acceptance_rate"]), "-" if s["mean_accepted_length"] is None else f"{s['mean_accepted_length']:.2f}"]
-            for r in spec for s in [r["speculative"]]
-        ], out)
+        _table(
+            ["mode", "rate", "verifications", "proposed", "accepted", "acceptance", "tokens/verification"],
+            [
+                [
+                    r["mode"],
+                    _rate(r),
+                    f"{s['drafts']:.0f}",
+                    f"{s['draft_tokens']:.0f}",
+                    f"{s['accepted_tokens']:.0f}",
+                    _pct(s["acceptance_rate"]),
+                    "-" if s["mean_accepted_length"] is None else f"{s['mean_accepted_length']:.2f}",
+                ]
+                for r in spec
+                for s in [r["speculative"]]
+            ],
+            out,
+        )

@@ -36,8 +36,11 @@ def streamed_bytes(layer: nn.Module) -> int:
 
 
 def decoder_linears(engine: LLMEngine) -> list[nn.Module]:
-    return [m for layer in engine.model.model.layers
-            for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    return [
+        m
+        for layer in engine.model.model.layers
+        for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    ]
 
 
 def prefill_flops(engine: LLMEngine, tokens: int) -> float:
@@ -50,8 +53,9 @@ def prefill_flops(engine: LLMEngine, tokens: int) -> float:
 
 def batch1_decode_s(engine: LLMEngine, repeats: int, context: int = 64) -> float:
     """Median step time of one sequence decoding at a short context."""
-    engine.add_request("b1", list(range(1000, 1000 + context)),
-                       SamplingParams(max_tokens=repeats + 4, temperature=0, ignore_eos=True))
+    engine.add_request(
+        "b1", list(range(1000, 1000 + context)), SamplingParams(max_tokens=repeats + 4, temperature=0, ignore_eos=True)
+    )
     for _ in range(3):
         engine.step()
     decode_s = statistics.median(timed(engine.step) for _ in range(repeats))
@@ -62,15 +66,18 @@ def batch1_decode_s(engine: LLMEngine, repeats: int, context: int = 64) -> float
 def prefill_s(engine: LLMEngine, repeats: int, tokens: int = PROMPT_TOKENS) -> float:
     times = []
     for i in range(repeats):
-        engine.add_request(f"p{i}", [1000 + (i * 7 + j) % 30000 for j in range(tokens)], SamplingParams(max_tokens=1, temperature=0))
+        engine.add_request(
+            f"p{i}", [1000 + (i * 7 + j) % 30000 for j in range(tokens)], SamplingParams(max_tokens=1, temperature=0)
+        )
         times.append(timed(engine.step))
         while engine.has_unfinished():
             engine.step()
     return statistics.median(times)
 
 
-def decode_attention_s(engine: LLMEngine, repeats: int, batch: int = ATTENTION_BATCH,
-                       context: int = ATTENTION_CONTEXT) -> tuple[float, int]:
+def decode_attention_s(
+    engine: LLMEngine, repeats: int, batch: int = ATTENTION_BATCH, context: int = ATTENTION_CONTEXT
+) -> tuple[float, int]:
     """Median time of one decode step's attention over every layer (``batch`` sequences of
     ``context`` tokens in shuffled blocks, as a long-running cache holds them), and the K/V bytes it reads."""
     layout, cfg = engine.kv_layout, engine.model_config
@@ -83,9 +90,11 @@ def decode_attention_s(engine: LLMEngine, repeats: int, batch: int = ATTENTION_B
     if layout.storage_dtype.is_floating_point:
         caches = [torch.randn(shape, generator=generator).to(layout.storage_dtype) for _ in range(cfg.num_layers)]
     else:  # 8-bit values with their scales packed in the slot: bytes that read as small, normal floats
-        caches = [torch.randint(40, 60, shape, generator=generator, dtype=layout.storage_dtype) for _ in range(cfg.num_layers)]
+        caches = [
+            torch.randint(40, 60, shape, generator=generator, dtype=layout.storage_dtype) for _ in range(cfg.num_layers)
+        ]
     q = torch.randn(batch, cfg.num_heads, cfg.head_dim, generator=generator).to(engine.dtype)
-    backend, scale = engine.model.backend, cfg.head_dim ** -0.5
+    backend, scale = engine.model.backend, cfg.head_dim**-0.5
 
     def step():
         for kv in caches:
@@ -113,24 +122,37 @@ def run(args: argparse.Namespace) -> dict:
         # whole Python decoder (the C++ decode loop is switched off for this figure).
         engine.model.decode_stack = None
         started = time.perf_counter()
-        engine.model.model.layers = nn.ModuleList(torch.compile(layer, dynamic=True) for layer in engine.model.model.layers)
+        engine.model.model.layers = nn.ModuleList(
+            torch.compile(layer, dynamic=True) for layer in engine.model.model.layers
+        )
         batch1_decode_s(engine, 1)  # compiles
-        compiled = {"compile_s": round(time.perf_counter() - started, 1),
-                    "decode_ms_compiled": round(batch1_decode_s(engine, args.repeats) * 1e3, 2)}
+        compiled = {
+            "compile_s": round(time.perf_counter() - started, 1),
+            "decode_ms_compiled": round(batch1_decode_s(engine, args.repeats) * 1e3, 2),
+        }
     floor = weight_bytes / bandwidth
     flops = prefill_flops(engine, PROMPT_TOKENS)
     return {
-        "bench": "roofline", "dtype": args.dtype, "quantization": args.quantization, "threads": args.threads,
-        "streamed_weight_mb": round(weight_bytes / 1e6, 1), "memory_gb_s": round(bandwidth / 1e9, 1),
+        "bench": "roofline",
+        "dtype": args.dtype,
+        "quantization": args.quantization,
+        "threads": args.threads,
+        "streamed_weight_mb": round(weight_bytes / 1e6, 1),
+        "memory_gb_s": round(bandwidth / 1e9, 1),
         "matmul_gflop_s": round(peak / 1e9, 1),
-        "decode_ms": round(decode * 1e3, 2), "decode_tok_s": round(1 / decode, 1),
-        "decode_floor_ms": round(floor * 1e3, 2), "decode_fraction_of_limit": round(floor / decode, 3),
-        "prefill_tok_s": round(PROMPT_TOKENS / prefill, 1), "prefill_gflop_per_prompt": round(flops / 1e9, 1),
+        "decode_ms": round(decode * 1e3, 2),
+        "decode_tok_s": round(1 / decode, 1),
+        "decode_floor_ms": round(floor * 1e3, 2),
+        "decode_fraction_of_limit": round(floor / decode, 3),
+        "prefill_tok_s": round(PROMPT_TOKENS / prefill, 1),
+        "prefill_gflop_per_prompt": round(flops / 1e9, 1),
         "prefill_fraction_of_peak": round(flops / prefill / peak, 3),
         "attention_shape": f"batch {ATTENTION_BATCH}, context {ATTENTION_CONTEXT}, {engine.model_config.num_layers} layers",
-        "attention_ms": round(attention * 1e3, 2), "attention_kv_mb": round(attention_bytes / 1e6, 1),
+        "attention_ms": round(attention * 1e3, 2),
+        "attention_kv_mb": round(attention_bytes / 1e6, 1),
         "attention_gb_s": round(attention_bytes / attention / 1e9, 1),
-        "attention_fraction_of_bandwidth": round(attention_bytes / attention / bandwidth, 3), **compiled,
+        "attention_fraction_of_bandwidth": round(attention_bytes / attention / bandwidth, 3),
+        **compiled,
     }
 
 

@@ -43,7 +43,9 @@ SAMPLING = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
 
 async def through_router(stub, prompt: str) -> float:
     started = time.perf_counter()
-    call = stub.Generate(build_request(prompt, max_tokens=SAMPLING.max_tokens, temperature=SAMPLING.temperature), timeout=60)
+    call = stub.Generate(
+        build_request(prompt, max_tokens=SAMPLING.max_tokens, temperature=SAMPLING.temperature), timeout=60
+    )
     try:
         first = await call.read()
         elapsed = time.perf_counter() - started
@@ -57,12 +59,20 @@ async def direct(prefill, decode, token_ids: list[int]) -> float:
     metadata = (("authorization", f"Bearer {TOKEN}"),)
     sampling = sampling_to_proto(SAMPLING)
     started = time.perf_counter()
-    call = decode.Decode(pb.DecodeRequest(request_id=f"d{started}", token_ids=token_ids, sampling=sampling), timeout=60,
-                         metadata=metadata)
+    call = decode.Decode(
+        pb.DecodeRequest(request_id=f"d{started}", token_ids=token_ids, sampling=sampling),
+        timeout=60,
+        metadata=metadata,
+    )
     try:
         reservation = (await call.read()).reservation
-        response = await prefill.Prefill(pb.PrefillRequest(request_id=f"d{started}", token_ids=token_ids, sampling=sampling,
-                                                           target=reservation.target), timeout=60, metadata=metadata)
+        response = await prefill.Prefill(
+            pb.PrefillRequest(
+                request_id=f"d{started}", token_ids=token_ids, sampling=sampling, target=reservation.target
+            ),
+            timeout=60,
+            metadata=metadata,
+        )
         elapsed = time.perf_counter() - started
         _check_kv_was_shipped(response.finish_reason)
         return elapsed
@@ -73,7 +83,9 @@ async def direct(prefill, decode, token_ids: list[int]) -> float:
 def _check_kv_was_shipped(finish_reason: str) -> None:
     """A first token that ends the request skips the KV handoff: the paths would not compare."""
     if finish_reason:
-        raise RuntimeError(f"the first token ended the request ({finish_reason}); use a --prompt that does not end at once")
+        raise RuntimeError(
+            f"the first token ended the request ({finish_reason}); use a --prompt that does not end at once"
+        )
 
 
 async def _interleaved(args, router, prefill, decode, token_ids: list[int]) -> tuple[list[float], list[float]]:
@@ -94,26 +106,40 @@ async def _interleaved(args, router, prefill, decode, token_ids: list[int]) -> t
 
 async def run(args: argparse.Namespace) -> dict:
     engine = EngineConfig(dtype=args.dtype, kv_cache_memory="256MiB", enable_prefix_caching=False)
-    cluster = Cluster(engine, WorkerSettings(kv_transport=args.kv_transport), RouterSettings(port=0),
-                      ClusterSettings(prefill=1, decode=1), SecuritySettings(cluster_token=TOKEN))
+    cluster = Cluster(
+        engine,
+        WorkerSettings(kv_transport=args.kv_transport),
+        RouterSettings(port=0),
+        ClusterSettings(prefill=1, decode=1),
+        SecuritySettings(cluster_token=TOKEN),
+    )
     address = cluster.start()
     try:
         token_ids = RouterTokenizer(resolve_model(None)).encode(args.prompt)
         async with grpc.aio.insecure_channel(address) as r:
             router = pdserve_pb2_grpc.RouterStub(r)
-            workers = {w.role: w.address for w in (await router.GetClusterStats(pb.ClusterStatsRequest(), timeout=10)).workers}
-            async with grpc.aio.insecure_channel(workers["prefill"]) as p, grpc.aio.insecure_channel(workers["decode"]) as d:
+            workers = {
+                w.role: w.address for w in (await router.GetClusterStats(pb.ClusterStatsRequest(), timeout=10)).workers
+            }
+            async with (
+                grpc.aio.insecure_channel(workers["prefill"]) as p,
+                grpc.aio.insecure_channel(workers["decode"]) as d,
+            ):
                 prefill, decode = pdserve_pb2_grpc.PrefillWorkerStub(p), pdserve_pb2_grpc.DecodeWorkerStub(d)
                 routed, straight = await _interleaved(args, router, prefill, decode, token_ids)
     finally:
         cluster.stop()
     ms = lambda xs, q: statistics.quantiles(xs, n=100)[q - 1] * 1e3  # noqa: E731
     return {
-        "requests": args.requests, "prompt_tokens": len(token_ids), "max_tokens": MAX_TOKENS, "kv_transport": args.kv_transport,
+        "requests": args.requests,
+        "prompt_tokens": len(token_ids),
+        "max_tokens": MAX_TOKENS,
+        "kv_transport": args.kv_transport,
         "ttft_router_p50_ms": round(statistics.median(routed) * 1e3, 2),
         "ttft_direct_p50_ms": round(statistics.median(straight) * 1e3, 2),
         "router_added_p50_ms": round((statistics.median(routed) - statistics.median(straight)) * 1e3, 2),
-        "ttft_router_p90_ms": round(ms(routed, 90), 2), "ttft_direct_p90_ms": round(ms(straight, 90), 2),
+        "ttft_router_p90_ms": round(ms(routed, 90), 2),
+        "ttft_direct_p90_ms": round(ms(straight, 90), 2),
     }
 
 

@@ -44,8 +44,12 @@ def start_once(timeout_s: float) -> dict:
         for line in proc.stdout:
             if parse_ready(line) is not None:
                 ready_s = time.perf_counter() - started
-                return {"ready_s": ready_s, "rss_mib": _status_kib(proc.pid, "VmRSS") / 1024,
-                        "peak_rss_mib": _status_kib(proc.pid, "VmHWM") / 1024, "torch_loaded": _maps_torch(proc.pid)}
+                return {
+                    "ready_s": ready_s,
+                    "rss_mib": _status_kib(proc.pid, "VmRSS") / 1024,
+                    "peak_rss_mib": _status_kib(proc.pid, "VmHWM") / 1024,
+                    "torch_loaded": _maps_torch(proc.pid),
+                }
             if time.perf_counter() > deadline:
                 break
         raise RuntimeError(f"the router printed no ready line (exit code {proc.poll()})")

@@ -66,8 +66,10 @@ from pdserve.config import add_arguments, resolve  # noqa: E402
 from pdserve.engine.engine_config import EngineConfig  # noqa: E402
 from pdserve.settings import KV_TRANSPORTS, ROUTING_POLICIES, ClusterSettings, RouterSettings, WorkerSettings  # noqa: E402
 
-MODE_SYNTAX = "live, hf, colocated or NpMd (e.g. 1p1d, 2p1d), the last two optionally followed by " \
+MODE_SYNTAX = (
+    "live, hf, colocated or NpMd (e.g. 1p1d, 2p1d), the last two optionally followed by "
     f"-POLICY ({', '.join(ROUTING_POLICIES)}), -nochunk and/or -ngram or -draft (speculative decoding), NpMd also by -conditional"
+)
 SPECULATIVE_SUFFIXES = ("ngram", "draft")
 MAX_WORKERS_PER_ROLE = 16
 PROG = "pdserve bench"
@@ -161,41 +163,86 @@ class Plan:
 
 def add_workload_arguments(wl) -> None:
     """The workload options (shared with pdserve simulate and pdserve plan)."""
-    wl.add_argument("--workload", "--dataset-name", dest="workload", default="random",
-                    help=f"one of {', '.join(workloads.WORKLOADS)} (default: random)")
+    wl.add_argument(
+        "--workload",
+        "--dataset-name",
+        dest="workload",
+        default="random",
+        help=f"one of {', '.join(workloads.WORKLOADS)} (default: random)",
+    )
     wl.add_argument("--dataset-path", default=None, help="JSONL file for the jsonl workload")
     wl.add_argument("--input-len", default=None, help="input tokens, N or LO:HI (per-workload default)")
     wl.add_argument("--output-len", default=None, help="output tokens, N or LO:HI (per-workload default)")
     wl.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: distinct system prompts (default: 4)")
-    wl.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: tokens per system prompt (default: 256)")
-    wl.add_argument("--long-fraction", type=float, default=workloads.MIXED_LONG_FRACTION,
-                    help="mixed: share of long requests (default: %(default)s); --input-len/--output-len set the short ones")
-    wl.add_argument("--long-input-len", default=None,
-                    help="mixed: input tokens of the long requests, N or LO:HI (default: %d:%d)" % workloads.MIXED_LONG_INPUT)
-    wl.add_argument("--long-output-len", default=None,
-                    help="mixed: output tokens of the long requests, N or LO:HI (default: %d:%d)" % workloads.MIXED_LONG_OUTPUT)
-    wl.add_argument("--short-threshold", type=int, default=DEFAULT_SHORT_THRESHOLD,
-                    help="prompts shorter than this many tokens are 'short' in the TTFT split (default: %(default)s)")
+    wl.add_argument(
+        "--prefix-len", type=int, default=256, help="shared-prefix: tokens per system prompt (default: 256)"
+    )
+    wl.add_argument(
+        "--long-fraction",
+        type=float,
+        default=workloads.MIXED_LONG_FRACTION,
+        help="mixed: share of long requests (default: %(default)s); --input-len/--output-len set the short ones",
+    )
+    wl.add_argument(
+        "--long-input-len",
+        default=None,
+        help="mixed: input tokens of the long requests, N or LO:HI (default: %d:%d)" % workloads.MIXED_LONG_INPUT,
+    )
+    wl.add_argument(
+        "--long-output-len",
+        default=None,
+        help="mixed: output tokens of the long requests, N or LO:HI (default: %d:%d)" % workloads.MIXED_LONG_OUTPUT,
+    )
+    wl.add_argument(
+        "--short-threshold",
+        type=int,
+        default=DEFAULT_SHORT_THRESHOLD,
+        help="prompts shorter than this many tokens are 'short' in the TTFT split (default: %(default)s)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="TTFT/TPOT/ITL serving benchmark (vLLM metric definitions)")
     load = p.add_argument_group("load")
-    load.add_argument("--addr", default=DEFAULT_ADDRESS, help="router of a live stack, for mode live (default: %(default)s)")
-    load.add_argument("--modes", default="live",
-                      help=f"comma-separated: {MODE_SYNTAX}; all but live and hf start their own stack (default: live)")
-    load.add_argument("--request-rates", "--request-rate", dest="request_rates", default="inf",
-                      help="comma-separated req/s to sweep, or inf = all at once (default: inf)")
+    load.add_argument(
+        "--addr", default=DEFAULT_ADDRESS, help="router of a live stack, for mode live (default: %(default)s)"
+    )
+    load.add_argument(
+        "--modes",
+        default="live",
+        help=f"comma-separated: {MODE_SYNTAX}; all but live and hf start their own stack (default: live)",
+    )
+    load.add_argument(
+        "--request-rates",
+        "--request-rate",
+        dest="request_rates",
+        default="inf",
+        help="comma-separated req/s to sweep, or inf = all at once (default: inf)",
+    )
     load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps: 1 = Poisson, <1 burstier")
-    load.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (rate inf: fixed concurrency)")
+    load.add_argument(
+        "--max-concurrency", type=int, default=None, help="most requests in flight (rate inf: fixed concurrency)"
+    )
     load.add_argument("--num-prompts", type=int, default=100, help="measured requests per run (default: 100)")
     load.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default: 0)")
-    load.add_argument("--warmup", "--num-warmups", dest="warmup", type=int, default=2,
-                      help="uncounted requests before each mode's sweep (default: 2)")
-    load.add_argument("--goodput", nargs="+", metavar="KEY:MS", help="SLOs, e.g. ttft:500 tpot:50 (keys ttft, tpot, e2el)")
-    load.add_argument("--time-limit-s", type=float, default=600.0, help="limit per run, one mode at one rate (default: 600)")
+    load.add_argument(
+        "--warmup",
+        "--num-warmups",
+        dest="warmup",
+        type=int,
+        default=2,
+        help="uncounted requests before each mode's sweep (default: 2)",
+    )
+    load.add_argument(
+        "--goodput", nargs="+", metavar="KEY:MS", help="SLOs, e.g. ttft:500 tpot:50 (keys ttft, tpot, e2el)"
+    )
+    load.add_argument(
+        "--time-limit-s", type=float, default=600.0, help="limit per run, one mode at one rate (default: 600)"
+    )
     load.add_argument("--request-timeout-s", type=float, default=120.0, help="deadline of each request (default: 120)")
-    load.add_argument("--connect-timeout-s", type=float, default=10.0, help="wait for the router to accept (default: 10)")
+    load.add_argument(
+        "--connect-timeout-s", type=float, default=10.0, help="wait for the router to accept (default: 10)"
+    )
     load.add_argument("--hf-batch-size", type=int, default=8, help="static batch of the hf baseline (default: 8)")
     load.add_argument("--result-dir", default="bench/results", help="JSON files and PNG plots (default: %(default)s)")
     load.add_argument("--disable-tqdm", action="store_true", help="no progress bars")
@@ -204,29 +251,54 @@ def build_parser() -> argparse.ArgumentParser:
     stack = p.add_argument_group("stacks started by the benchmark (and the hf baseline)")
     add_arguments(stack, EngineConfig)
     stack.add_argument("--kv-transport", default=None, choices=KV_TRANSPORTS, help="KV transport of the started stacks")
-    stack.add_argument("--policy", default=None, choices=ROUTING_POLICIES,
-                       help="routing policy of a started stack whose mode names none (default: kv_aware)")
-    stack.add_argument("--pin-cores", action=argparse.BooleanOptionalAction, default=None, help="pin each worker to its own cores")
+    stack.add_argument(
+        "--policy",
+        default=None,
+        choices=ROUTING_POLICIES,
+        help="routing policy of a started stack whose mode names none (default: kv_aware)",
+    )
+    stack.add_argument(
+        "--pin-cores", action=argparse.BooleanOptionalAction, default=None, help="pin each worker to its own cores"
+    )
     stack.add_argument("--startup-timeout-s", type=float, default=None, help="wait for a started stack (default: 300)")
-    stack.add_argument("--profile", default=None,
-                       help="a profile (pdserve profile) for started stacks: the conditional threshold and, with "
-                            "--slo-tpot-ms, prefill chunks sized from it")
-    stack.add_argument("--slo-tpot-ms", type=float, default=None,
-                       help="started stacks keep a step that mixes prefill and decode within this many ms (needs --profile)")
-    stack.add_argument("--conditional-threshold-tokens", type=int, default=None,
-                       help="-conditional stacks: uncached prompt tokens a decode worker always prefills (default: from --profile)")
+    stack.add_argument(
+        "--profile",
+        default=None,
+        help="a profile (pdserve profile) for started stacks: the conditional threshold and, with "
+        "--slo-tpot-ms, prefill chunks sized from it",
+    )
+    stack.add_argument(
+        "--slo-tpot-ms",
+        type=float,
+        default=None,
+        help="started stacks keep a step that mixes prefill and decode within this many ms (needs --profile)",
+    )
+    stack.add_argument(
+        "--conditional-threshold-tokens",
+        type=int,
+        default=None,
+        help="-conditional stacks: uncached prompt tokens a decode worker always prefills (default: from --profile)",
+    )
     return p
 
 
 def workload_config(args: argparse.Namespace) -> workloads.WorkloadConfig:
     return workloads.WorkloadConfig(
-        name=args.workload, num_prompts=args.num_prompts, seed=args.seed,
+        name=args.workload,
+        num_prompts=args.num_prompts,
+        seed=args.seed,
         input_len=workloads.parse_range(args.input_len) if args.input_len else None,
         output_len=workloads.parse_range(args.output_len) if args.output_len else None,
-        num_prefixes=args.num_prefixes, prefix_len=args.prefix_len, path=args.dataset_path,
+        num_prefixes=args.num_prefixes,
+        prefix_len=args.prefix_len,
+        path=args.dataset_path,
         long_fraction=args.long_fraction,
-        long_input_len=workloads.parse_range(args.long_input_len) if args.long_input_len else workloads.MIXED_LONG_INPUT,
-        long_output_len=workloads.parse_range(args.long_output_len) if args.long_output_len else workloads.MIXED_LONG_OUTPUT,
+        long_input_len=workloads.parse_range(args.long_input_len)
+        if args.long_input_len
+        else workloads.MIXED_LONG_INPUT,
+        long_output_len=workloads.parse_range(args.long_output_len)
+        if args.long_output_len
+        else workloads.MIXED_LONG_OUTPUT,
     )
 
 
@@ -235,8 +307,12 @@ def make_plan(args: argparse.Namespace) -> Plan:
     modes = parse_modes(args.modes)
     rates = tuple(parse_rates(args.request_rates))
     validate_arrivals(math.inf, args.burstiness)
-    counts = (("--num-prompts", args.num_prompts, 1), ("--warmup", args.warmup, 0), ("--hf-batch-size", args.hf_batch_size, 1),
-              ("--short-threshold", args.short_threshold, 1))
+    counts = (
+        ("--num-prompts", args.num_prompts, 1),
+        ("--warmup", args.warmup, 0),
+        ("--hf-batch-size", args.hf_batch_size, 1),
+        ("--short-threshold", args.short_threshold, 1),
+    )
     for name, value, low in counts:
         if value < low:
             raise ValueError(f"{name} must be >= {low}, got {value}")
@@ -260,11 +336,26 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if any(m.speculative == "draft" for m in modes) and not engine.draft_model:
         raise ValueError("a -draft mode needs the draft model: give --draft-model PATH")
     return Plan(
-        modes=modes, address=args.addr, rates=rates, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
-        seed=args.seed, warmup=args.warmup, goodput=Goodput.parse(args.goodput), result_dir=Path(args.result_dir),
-        time_limit_s=args.time_limit_s, request_timeout_s=args.request_timeout_s, connect_timeout_s=args.connect_timeout_s,
-        hf_batch_size=args.hf_batch_size, progress=not args.disable_tqdm, plots=not args.no_plots, workload=wl,
-        short_threshold=args.short_threshold, policy=args.policy, profile=args.profile, slo_tpot_ms=args.slo_tpot_ms,
+        modes=modes,
+        address=args.addr,
+        rates=rates,
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
+        seed=args.seed,
+        warmup=args.warmup,
+        goodput=Goodput.parse(args.goodput),
+        result_dir=Path(args.result_dir),
+        time_limit_s=args.time_limit_s,
+        request_timeout_s=args.request_timeout_s,
+        connect_timeout_s=args.connect_timeout_s,
+        hf_batch_size=args.hf_batch_size,
+        progress=not args.disable_tqdm,
+        plots=not args.no_plots,
+        workload=wl,
+        short_threshold=args.short_threshold,
+        policy=args.policy,
+        profile=args.profile,
+        slo_tpot_ms=args.slo_tpot_ms,
         conditional_threshold_tokens=args.conditional_threshold_tokens,
         engine=engine,
         worker=resolve(WorkerSettings, args, env={}),
@@ -291,12 +382,21 @@ def _stack_config(mode: Mode, plan: Plan, port: int = 0) -> tuple[EngineConfig, 
     engine = plan.engine if mode.chunked_prefill else dataclasses.replace(plan.engine, enable_chunked_prefill=False)
     if mode.speculative is not None:
         engine = dataclasses.replace(engine, speculative=mode.speculative)
-    router = RouterSettings(host="127.0.0.1", port=port, policy=mode.policy or plan.policy or RouterSettings.policy,
-                            conditional=mode.conditional, profile=plan.profile, slo_tpot_ms=plan.slo_tpot_ms,
-                            conditional_threshold_tokens=plan.conditional_threshold_tokens)
+    router = RouterSettings(
+        host="127.0.0.1",
+        port=port,
+        policy=mode.policy or plan.policy or RouterSettings.policy,
+        conditional=mode.conditional,
+        profile=plan.profile,
+        slo_tpot_ms=plan.slo_tpot_ms,
+        conditional_threshold_tokens=plan.conditional_threshold_tokens,
+    )
     cluster = ClusterSettings(
-        prefill=mode.prefill, decode=mode.decode, colocated=mode.colocated,
-        pin_cores=plan.cluster.pin_cores, startup_timeout_s=plan.cluster.startup_timeout_s,
+        prefill=mode.prefill,
+        decode=mode.decode,
+        colocated=mode.colocated,
+        pin_cores=plan.cluster.pin_cores,
+        startup_timeout_s=plan.cluster.startup_timeout_s,
     )
     return engine, router, cluster
 
@@ -306,11 +406,18 @@ def _stack_info(mode: Mode, plan: Plan) -> dict | None:
         return None
     engine, router, cluster = _stack_config(mode, plan)
     return {
-        "prefill_workers": cluster.prefill, "decode_workers": cluster.decode, "colocated": cluster.colocated,
-        "policy": router.policy, "chunked_prefill": engine.enable_chunked_prefill,
-        "max_num_batched_tokens": engine.max_num_batched_tokens, "pin_cores": cluster.pin_cores,
-        "conditional": router.conditional, "profile": router.profile, "slo_tpot_ms": router.slo_tpot_ms,
-        "speculative": engine.speculative, "num_speculative_tokens": engine.num_speculative_tokens,
+        "prefill_workers": cluster.prefill,
+        "decode_workers": cluster.decode,
+        "colocated": cluster.colocated,
+        "policy": router.policy,
+        "chunked_prefill": engine.enable_chunked_prefill,
+        "max_num_batched_tokens": engine.max_num_batched_tokens,
+        "pin_cores": cluster.pin_cores,
+        "conditional": router.conditional,
+        "profile": router.profile,
+        "slo_tpot_ms": router.slo_tpot_ms,
+        "speculative": engine.speculative,
+        "num_speculative_tokens": engine.num_speculative_tokens,
         "draft_model": engine.draft_model if engine.speculative == "draft" else None,
     }
 
@@ -338,10 +445,19 @@ def _stack(mode: Mode, plan: Plan) -> Iterator[str]:
 def _info(plan: Plan, mode: Mode, rate: float, variant: int = 0) -> results.RunInfo:
     backend = "hf-generate" if mode.kind == "hf" else "pdserve-grpc"
     return results.RunInfo(
-        mode=mode.label, backend=backend, model_id=plan.engine.model or "default", workload=plan.workload.name,
-        num_prompts=plan.workload.num_prompts, request_rate=rate, burstiness=plan.burstiness,
-        max_concurrency=None if backend != "pdserve-grpc" else plan.max_concurrency, seed=plan.seed, goodput=plan.goodput,
-        short_threshold=plan.short_threshold, stack=_stack_info(mode, plan), prompt_variant=variant,
+        mode=mode.label,
+        backend=backend,
+        model_id=plan.engine.model or "default",
+        workload=plan.workload.name,
+        num_prompts=plan.workload.num_prompts,
+        request_rate=rate,
+        burstiness=plan.burstiness,
+        max_concurrency=None if backend != "pdserve-grpc" else plan.max_concurrency,
+        seed=plan.seed,
+        goodput=plan.goodput,
+        short_threshold=plan.short_threshold,
+        stack=_stack_info(mode, plan),
+        prompt_variant=variant,
     )
 
 
@@ -350,8 +466,12 @@ def _record(plan: Plan, info: results.RunInfo, timelines, duration: float, clust
     result = results.to_result(info, metrics, timelines, cluster)
     path = results.write(plan.result_dir, info, result)
     hit = "" if result["prefix_hit_rate"] is None else f", prefix hit {result['prefix_hit_rate']:.1%}"
-    print(f"[{info.mode} @ {result['request_rate']}] {metrics.completed} ok, {metrics.failed} failed, "
-          f"{duration:.2f} s{hit} -> {path}", file=sys.stderr, flush=True)
+    print(
+        f"[{info.mode} @ {result['request_rate']}] {metrics.completed} ok, {metrics.failed} failed, "
+        f"{duration:.2f} s{hit} -> {path}",
+        file=sys.stderr,
+        flush=True,
+    )
     return result
 
 
@@ -361,20 +481,31 @@ async def _sweep(plan: Plan, mode: Mode, address: str, specs: list[workloads.Req
         warm = await warm_up(address, workloads.warmup_specs(specs, plan.warmup, plan.seed), plan.request_timeout_s)
         bad = [t.error for t in warm if not t.success]
         if bad:
-            print(f"[{mode.label}] warning: {len(bad)} of {len(warm)} warm-up requests failed: {bad[0]}", file=sys.stderr)
+            print(
+                f"[{mode.label}] warning: {len(bad)} of {len(warm)} warm-up requests failed: {bad[0]}", file=sys.stderr
+            )
     out = []
     for k, rate in enumerate(plan.rates):
         cfg = LoadConfig(
-            address=address, request_rate=rate, burstiness=plan.burstiness, max_concurrency=plan.max_concurrency,
-            seed=plan.seed, request_timeout_s=plan.request_timeout_s, time_limit_s=plan.time_limit_s,
-            progress=plan.progress, label=f"{mode.label} @ {rate:g} req/s",
+            address=address,
+            request_rate=rate,
+            burstiness=plan.burstiness,
+            max_concurrency=plan.max_concurrency,
+            seed=plan.seed,
+            request_timeout_s=plan.request_timeout_s,
+            time_limit_s=plan.time_limit_s,
+            progress=plan.progress,
+            label=f"{mode.label} @ {rate:g} req/s",
         )
         before = await fetch_cluster_stats(address, plan.connect_timeout_s)
         load = await run_load(workloads.variant(specs, k), cfg)
         after = await fetch_cluster_stats(address, plan.connect_timeout_s) if before is not None else None
         if after is None:
-            print(f"[{mode.label}] warning: the router's cluster stats could not be read; no prefix hit rate",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[{mode.label}] warning: the router's cluster stats could not be read; no prefix hit rate",
+                file=sys.stderr,
+                flush=True,
+            )
         cluster = cluster_delta(before, after) if before is not None and after is not None else None
         out.append(_record(plan, _info(plan, mode, rate, k), load.timelines, load.duration, cluster))
     return out
@@ -384,8 +515,13 @@ def _run_hf(plan: Plan, specs: list[workloads.RequestSpec]) -> dict:
     from pdserve.bench.hf_baseline import HFConfig, run_hf
 
     cfg = HFConfig(
-        model=plan.engine.model, dtype=plan.engine.dtype, batch_size=plan.hf_batch_size, time_limit_s=plan.time_limit_s,
-        cache_dir=plan.engine.cache_dir, num_threads=plan.engine.num_threads, progress=plan.progress,
+        model=plan.engine.model,
+        dtype=plan.engine.dtype,
+        batch_size=plan.hf_batch_size,
+        time_limit_s=plan.time_limit_s,
+        cache_dir=plan.engine.cache_dir,
+        num_threads=plan.engine.num_threads,
+        progress=plan.progress,
     )
     print("[hf] loading the model ...", file=sys.stderr, flush=True)
     res = run_hf(specs, cfg)

@@ -28,7 +28,12 @@ import os  # noqa: E402
 from pdserve.bench import serve  # noqa: E402
 from pdserve.planner import simulate_cli  # noqa: E402
 
-METRICS = (("median_ttft_ms", "TTFT p50"), ("p99_ttft_ms", "TTFT p99"), ("median_itl_ms", "ITL p50"), ("p99_itl_ms", "ITL p99"))
+METRICS = (
+    ("median_ttft_ms", "TTFT p50"),
+    ("p99_ttft_ms", "TTFT p99"),
+    ("median_itl_ms", "ITL p50"),
+    ("p99_itl_ms", "ITL p99"),
+)
 
 
 def compare(measured_dir: Path, simulated_dir: Path, tolerance: float) -> list[dict]:
@@ -41,8 +46,12 @@ def compare(measured_dir: Path, simulated_dir: Path, tolerance: float) -> list[d
         row = {"mode": sim["mode"], "rate": sim["request_rate"], "completed": [real["completed"], sim["completed"]]}
         for key, label in METRICS:
             error = (sim[key] - real[key]) / real[key] if real[key] else None
-            row[label] = {"measured": real[key], "predicted": sim[key], "error": error,
-                          "within": error is not None and abs(error) <= tolerance}
+            row[label] = {
+                "measured": real[key],
+                "predicted": sim[key],
+                "error": error,
+                "within": error is not None and abs(error) <= tolerance,
+            }
         rows.append(row)
     return rows
 
@@ -67,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", required=True, help="the profile to simulate with (pdserve profile)")
     parser.add_argument("--result-dir", type=Path, default=Path("bench/results/sim-accuracy"))
     parser.add_argument("--compare-only", action="store_true", help="compare the result folders of an earlier run")
-    parser.add_argument("--tolerance", type=float, default=0.15, help="relative error counted as accurate (default 0.15)")
+    parser.add_argument(
+        "--tolerance", type=float, default=0.15, help="relative error counted as accurate (default 0.15)"
+    )
     args, bench_args = parser.parse_known_args(argv)
     measured, simulated = args.result_dir / "measured", args.result_dir / "simulated"
     load = {}
@@ -87,9 +98,18 @@ def main(argv: list[str] | None = None) -> int:
     print(render(rows, args.tolerance))
     if load:
         print(f"load average (1, 5, 15 min) before the measured runs {load['before']}, after {load['after']}")
-    (args.result_dir / "accuracy.json").write_text(json.dumps(
-        {"profile": args.profile, "bench_args": bench_args, "tolerance": args.tolerance, "load_average": load, "rows": rows},
-        indent=1))
+    (args.result_dir / "accuracy.json").write_text(
+        json.dumps(
+            {
+                "profile": args.profile,
+                "bench_args": bench_args,
+                "tolerance": args.tolerance,
+                "load_average": load,
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
     return 0
 
 

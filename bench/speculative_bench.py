@@ -92,15 +92,25 @@ def truncated_copy(layers: int, cache: Path) -> Path:
     config = json.loads((source / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}))
     state = load_state_dict(source, torch.float32)
-    keep = {k: v.contiguous() for k, v in state.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    keep = {
+        k: v.contiguous()
+        for k, v in state.items()
+        if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers
+    }
     save_file(keep, str(folder / "model.safetensors"))
     return folder
 
 
 def make_engines(args: argparse.Namespace) -> dict[str, LLMEngine]:
     # No prefix caching: every engine computes every prompt (the rounds repeat prompts).
-    base = dict(dtype=args.dtype, device="cpu", kv_cache_memory=args.kv_cache_memory, num_threads=args.threads,
-                enable_prefix_caching=False, num_speculative_tokens=args.k)
+    base = dict(
+        dtype=args.dtype,
+        device="cpu",
+        kv_cache_memory=args.kv_cache_memory,
+        num_threads=args.threads,
+        enable_prefix_caching=False,
+        num_speculative_tokens=args.k,
+    )
     engines = {"none": LLMEngine(EngineConfig(**base))}
     engines["ngram"] = LLMEngine(EngineConfig(**base, speculative="ngram"))
     model = str(resolve_model(None))
@@ -119,12 +129,17 @@ def spec_delta(engine: LLMEngine, before) -> dict | None:
     drafts = after.drafts - before.drafts
     proposed = after.draft_tokens - before.draft_tokens
     accepted = after.accepted_tokens - before.accepted_tokens
-    return {"verifications": drafts, "acceptance_rate": accepted / proposed if proposed else None,
-            "mean_accepted_length": 1 + accepted / drafts if drafts else None}
+    return {
+        "verifications": drafts,
+        "acceptance_rate": accepted / proposed if proposed else None,
+        "mean_accepted_length": 1 + accepted / drafts if drafts else None,
+    }
 
 
 def run_alone(engine: LLMEngine, spec: workloads.RequestSpec, tally: Tally) -> None:
-    engine.add_request("r", list(spec.prompt_token_ids), SamplingParams(max_tokens=spec.max_tokens, temperature=0, ignore_eos=True))
+    engine.add_request(
+        "r", list(spec.prompt_token_ids), SamplingParams(max_tokens=spec.max_tokens, temperature=0, ignore_eos=True)
+    )
     first = True
     while engine.has_unfinished():
         start = time.perf_counter()
@@ -145,7 +160,7 @@ def batch1(engines: dict[str, LLMEngine], specs: list[workloads.RequestSpec]) ->
     before = {name: e.speculator.stats if e.speculator else None for name, e in engines.items()}
     names = list(engines)
     for i, spec in enumerate(specs):
-        for name in names[i % len(names):] + names[: i % len(names)]:
+        for name in names[i % len(names) :] + names[: i % len(names)]:
             run_alone(engines[name], spec, tallies[name])
     return {name: tallies[name].summary(spec_delta(engines[name], before[name])) for name in engines}
 
@@ -160,7 +175,11 @@ def at_rate(engine: LLMEngine, specs: list[workloads.RequestSpec], rate: float, 
         now = time.perf_counter() - start
         while pending < len(specs) and arrivals[pending] <= now:
             s = specs[pending]
-            engine.add_request(f"q{pending}", list(s.prompt_token_ids), SamplingParams(max_tokens=s.max_tokens, temperature=0, ignore_eos=True))
+            engine.add_request(
+                f"q{pending}",
+                list(s.prompt_token_ids),
+                SamplingParams(max_tokens=s.max_tokens, temperature=0, ignore_eos=True),
+            )
             pending += 1
         if not engine.has_unfinished():
             time.sleep(max(0.0, min(0.05, arrivals[pending] - now)))
@@ -177,7 +196,9 @@ def at_rate(engine: LLMEngine, specs: list[workloads.RequestSpec], rate: float, 
     tally.elapsed += time.perf_counter() - start
 
 
-def rate_part(engines: dict[str, LLMEngine], specs: list[workloads.RequestSpec], rate: float, seed: int) -> dict[str, dict]:
+def rate_part(
+    engines: dict[str, LLMEngine], specs: list[workloads.RequestSpec], rate: float, seed: int
+) -> dict[str, dict]:
     tallies = {name: Tally() for name in engines}
     before = {name: e.speculator.stats if e.speculator else None for name, e in engines.items()}
     for names in (list(engines), list(reversed(engines))):
@@ -202,12 +223,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate-prompts", type=int, default=12, help="requests per workload in the rate part (default: 12)")
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens (default: 4)")
     p.add_argument("--draft-layers", default="6", help="truncated drafts, comma-separated layer counts (default: 6)")
-    p.add_argument("--no-self-draft", dest="self_draft", action="store_false", help="skip the default model as its own draft")
+    p.add_argument(
+        "--no-self-draft", dest="self_draft", action="store_false", help="skip the default model as its own draft"
+    )
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--kv-cache-memory", default="1GiB")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "pdserve-spec-bench"), help="where truncated drafts are built")
+    p.add_argument(
+        "--cache",
+        default=str(Path(tempfile.gettempdir()) / "pdserve-spec-bench"),
+        help="where truncated drafts are built",
+    )
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     args.draft_layers = [int(x) for x in args.draft_layers.split(",") if x]
@@ -225,12 +252,19 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.workloads.split(","):
             n = args.num_prompts if part == "batch1" else args.rate_prompts
             wl = workloads.WorkloadConfig(
-                name=name, num_prompts=n, seed=args.seed, output_len=workloads.parse_range(args.output_len),
-                input_len=None if name == "extractive" else workloads.parse_range(args.random_input_len))
+                name=name,
+                num_prompts=n,
+                seed=args.seed,
+                output_len=workloads.parse_range(args.output_len),
+                input_len=None if name == "extractive" else workloads.parse_range(args.random_input_len),
+            )
             specs = workloads.build(wl, lambda: tokenizer)
             results = batch1(engines, specs) if part == "batch1" else rate_part(engines, specs, args.rate, args.seed)
-            out[part][name] = {"engines": results, "itl_ratio": ratios(results, "itl_per_token_p50_ms"),
-                               "throughput_ratio": ratios(results, "decode_tokens_per_s" if part == "batch1" else "output_throughput")}
+            out[part][name] = {
+                "engines": results,
+                "itl_ratio": ratios(results, "itl_per_token_p50_ms"),
+                "throughput_ratio": ratios(results, "decode_tokens_per_s" if part == "batch1" else "output_throughput"),
+            }
             print(json.dumps({part: {name: out[part][name]}}, indent=1), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))

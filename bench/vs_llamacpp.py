@@ -33,9 +33,18 @@ class LlamaCpp:
         try:
             from llama_cpp import Llama
         except ImportError as e:
-            raise SystemExit(f"llama-cpp-python is not installed ({e}): CMAKE_ARGS=-DGGML_NATIVE=ON pip install 'pdserve[bench]'") from None
-        self.llm = Llama(model_path=str(DEFAULT_MODEL.locate()), n_ctx=2048, n_batch=PROMPT_TOKENS, n_threads=threads,
-                         n_threads_batch=threads, logits_all=logits_all, verbose=False)
+            raise SystemExit(
+                f"llama-cpp-python is not installed ({e}): CMAKE_ARGS=-DGGML_NATIVE=ON pip install 'pdserve[bench]'"
+            ) from None
+        self.llm = Llama(
+            model_path=str(DEFAULT_MODEL.locate()),
+            n_ctx=2048,
+            n_batch=PROMPT_TOKENS,
+            n_threads=threads,
+            n_threads_batch=threads,
+            logits_all=logits_all,
+            verbose=False,
+        )
 
     def prefill_s(self, tokens: list[int]) -> float:
         self.llm.reset()
@@ -92,8 +101,10 @@ def measure(system: str, what: str, threads: int, repeats: int, tokens: int) -> 
             return {"perplexity": LlamaCpp(threads, logits_all=True).perplexity(text_ids(tokens))}
         llama = LlamaCpp(threads)
         llama.prefill_s(prompt[:32])  # warm-up
-        return {"decode_s": llama.decode_s(prompt[:DECODE_CONTEXT], DECODE_TOKENS),
-                "prefill_s": statistics.median(llama.prefill_s(prompt) for _ in range(repeats))}
+        return {
+            "decode_s": llama.decode_s(prompt[:DECODE_CONTEXT], DECODE_TOKENS),
+            "prefill_s": statistics.median(llama.prefill_s(prompt) for _ in range(repeats)),
+        }
     from pdserve.bench.engine_bench import make_engine
     from pdserve.bench.quality import perplexity
     from pdserve.bench.roofline import batch1_decode_s, prefill_s
@@ -102,13 +113,28 @@ def measure(system: str, what: str, threads: int, repeats: int, tokens: int) -> 
     if what == "perplexity":
         return {"perplexity": perplexity(engine, text_ids(tokens)).ppl}
     prefill_s(engine, 1, 32)  # warm-up
-    return {"decode_s": batch1_decode_s(engine, DECODE_TOKENS, context=DECODE_CONTEXT),
-            "prefill_s": prefill_s(engine, repeats, PROMPT_TOKENS)}
+    return {
+        "decode_s": batch1_decode_s(engine, DECODE_TOKENS, context=DECODE_CONTEXT),
+        "prefill_s": prefill_s(engine, repeats, PROMPT_TOKENS),
+    }
 
 
 def _in_subprocess(system: str, what: str, args: argparse.Namespace) -> dict:
-    cmd = [sys.executable, "-m", "pdserve.bench.vs_llamacpp", "--system", system, "--what", what,
-           "--threads", str(args.threads), "--repeats", str(max(3, args.repeats // 5)), "--text-tokens", str(args.text_tokens)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdserve.bench.vs_llamacpp",
+        "--system",
+        system,
+        "--what",
+        what,
+        "--threads",
+        str(args.threads),
+        "--repeats",
+        str(max(3, args.repeats // 5)),
+        "--text-tokens",
+        str(args.text_tokens),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -127,12 +153,19 @@ def run(args: argparse.Namespace) -> dict:
         d = statistics.median(r["decode_s"] for r in speed[system])
         p = statistics.median(r["prefill_s"] for r in speed[system])
         rows[system if system == "llama.cpp" else f"pdserve-{system}"] = {
-            "decode_tok_s": round(1 / d, 1), "decode_vs_llamacpp": round(ref_d / d, 2),
-            "prefill_tok_s": round(PROMPT_TOKENS / p, 1), "prefill_vs_llamacpp": round(ref_p / p, 2),
+            "decode_tok_s": round(1 / d, 1),
+            "decode_vs_llamacpp": round(ref_d / d, 2),
+            "prefill_tok_s": round(PROMPT_TOKENS / p, 1),
+            "prefill_vs_llamacpp": round(ref_p / p, 2),
             "perplexity": round(quality[system], 3),
         }
-    return {"bench": "llamacpp", "threads": args.threads, "rounds": rounds, "text_tokens": args.text_tokens,
-            "systems": rows}
+    return {
+        "bench": "llamacpp",
+        "threads": args.threads,
+        "rounds": rounds,
+        "text_tokens": args.text_tokens,
+        "systems": rows,
+    }
 
 
 if __name__ == "__main__":

@@ -59,10 +59,22 @@ TOKEN_ID_RANGE = (1000, 40000)
 SHAREGPT_INPUT = (5.0, 1.0)  # lognormal (mu, sigma) of input lengths
 SHAREGPT_OUTPUT = (4.8, 0.9)  # lognormal (mu, sigma) of output lengths
 SHAREGPT_MAX_TOTAL = 2048
-DEFAULT_INPUT_LEN = {"random": (32, 256), "sharegpt": (4, 1024), "shared-prefix": (16, 64), "mixed": (32, 128),
-                     "extractive": (160, 400), "jsonl": (1, 1)}
-DEFAULT_OUTPUT_LEN = {"random": (16, 64), "sharegpt": (4, 512), "shared-prefix": (16, 64), "mixed": (16, 64),
-                      "extractive": (64, 128), "jsonl": (16, 64)}
+DEFAULT_INPUT_LEN = {
+    "random": (32, 256),
+    "sharegpt": (4, 1024),
+    "shared-prefix": (16, 64),
+    "mixed": (32, 128),
+    "extractive": (160, 400),
+    "jsonl": (1, 1),
+}
+DEFAULT_OUTPUT_LEN = {
+    "random": (16, 64),
+    "sharegpt": (4, 512),
+    "shared-prefix": (16, 64),
+    "mixed": (16, 64),
+    "extractive": (64, 128),
+    "jsonl": (16, 64),
+}
 EXTRACTIVE_TASKS = (
     "Repeat the following passage exactly, word for word.",
     "The following passage contains a few typos. Write out the corrected passage in full.",
@@ -120,15 +132,21 @@ class WorkloadConfig:
             raise WorkloadError(f"unknown workload {self.name!r}; choose one of {', '.join(WORKLOADS)}")
         if self.num_prompts < 1:
             raise WorkloadError(f"--num-prompts must be >= 1, got {self.num_prompts}")
-        ranges = (("--input-len", self.input_len), ("--output-len", self.output_len),
-                  ("--long-input-len", self.long_input_len), ("--long-output-len", self.long_output_len))
+        ranges = (
+            ("--input-len", self.input_len),
+            ("--output-len", self.output_len),
+            ("--long-input-len", self.long_input_len),
+            ("--long-output-len", self.long_output_len),
+        )
         for label, rng in ranges:
             if rng is not None and not (1 <= rng[0] <= rng[1]):
                 raise WorkloadError(f"{label} must be N or LO:HI with 1 <= LO <= HI, got {rng[0]}:{rng[1]}")
         if not 0.0 <= self.long_fraction <= 1.0:
             raise WorkloadError(f"--long-fraction must be in [0, 1], got {self.long_fraction}")
         if self.long_output_len[1] >= MAX_MODEL_LEN:
-            raise WorkloadError(f"--long-output-len must leave room for a prompt in the context of {MAX_MODEL_LEN} tokens")
+            raise WorkloadError(
+                f"--long-output-len must leave room for a prompt in the context of {MAX_MODEL_LEN} tokens"
+            )
         if self.num_prefixes < 1 or self.prefix_len < 1:
             raise WorkloadError("--num-prefixes and --prefix-len must be >= 1")
         if self.name == "jsonl" and not self.path:
@@ -243,7 +261,9 @@ def _text_ids(rng: np.random.Generator, tok: Tokenizer, head: str, n: int) -> li
 
 def _shared_prefix(cfg: WorkloadConfig, rng: np.random.Generator, tok: Tokenizer) -> list[RequestSpec]:
     (ilo, ihi), (olo, ohi) = cfg.input_range(), cfg.output_range()
-    prefixes = [_text_ids(rng, tok, f"System: you are assistant {k}. Rules:", cfg.prefix_len) for k in range(cfg.num_prefixes)]
+    prefixes = [
+        _text_ids(rng, tok, f"System: you are assistant {k}. Rules:", cfg.prefix_len) for k in range(cfg.num_prefixes)
+    ]
     groups = rng.permutation(np.arange(cfg.num_prompts) % cfg.num_prefixes)  # even split, shuffled order
     specs = []
     for i, g in enumerate(groups):
@@ -330,7 +350,9 @@ def _extractive(cfg: WorkloadConfig, rng: np.random.Generator, tok: Tokenizer) -
     return specs
 
 
-def load_jsonl(path: Path, cfg: WorkloadConfig, rng: np.random.Generator, tokenizer: Callable[[], Tokenizer]) -> list[RequestSpec]:
+def load_jsonl(
+    path: Path, cfg: WorkloadConfig, rng: np.random.Generator, tokenizer: Callable[[], Tokenizer]
+) -> list[RequestSpec]:
     """The first ``num_prompts`` requests of a JSONL file; errors name the line number."""
     if not path.is_file():
         raise WorkloadError(f"{path}: no such file")

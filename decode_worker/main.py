@@ -54,29 +54,58 @@ async def serve(engine_config: EngineConfig, settings: WorkerSettings, security:
 
     shards = handoff_shards(engine)  # every rank's cache (one, at tensor parallel 1): units land in their heads
     one_sided = any(registry.get(t).one_sided for t in transports)
-    ledger = GrantLedger(shards.layout.num_layers, shards.token_bytes, lease_s=settings.kv_lease_s,
-                         quarantine_s=ONE_SIDED_QUARANTINE_S if one_sided else 0.0)
+    ledger = GrantLedger(
+        shards.layout.num_layers,
+        shards.token_bytes,
+        lease_s=settings.kv_lease_s,
+        quarantine_s=ONE_SIDED_QUARANTINE_S if one_sided else 0.0,
+    )
     ucx = UcxWorker() if "ucx" in transports else None
     fingerprint = await asyncio.to_thread(model_fingerprint, engine.model_dir, engine_config.cache_dir)
-    peer = local_peer_info(fingerprint, engine.kv_layout, role=role, transports=transports,
-                           extra=pools[0].describe() if pools else {}, tp_size=shards.tp_size)
+    peer = local_peer_info(
+        fingerprint,
+        engine.kv_layout,
+        role=role,
+        transports=transports,
+        extra=pools[0].describe() if pools else {},
+        tp_size=shards.tp_size,
+    )
     cache = KVCacheView(shards.layers, engine.config.block_size, shards.token_bytes)
-    receiver = KVReceiver(ledger, cache, peer, settings.host, settings.kv_port, ucx=ucx,
-                          secret=security.cluster_token.encode() if security.cluster_token else None)
+    receiver = KVReceiver(
+        ledger,
+        cache,
+        peer,
+        settings.host,
+        settings.kv_port,
+        ucx=ucx,
+        secret=security.cluster_token.encode() if security.cluster_token else None,
+    )
     receiver.start()
     kv_address = f"{public_host}:{receiver.port}"
 
-    service = DecodeService(loop, ledger, kv_address, role, address="", max_queued_requests=settings.max_queued_requests)
+    service = DecodeService(
+        loop, ledger, kv_address, role, address="", max_queued_requests=settings.max_queued_requests
+    )
     server = await start_server(
-        [lambda s: pdserve_pb2_grpc.add_DecodeWorkerServicer_to_server(service, s)], ["DecodeWorker"],
-        settings.host, settings.port, credentials=security.server_credentials(),
+        [lambda s: pdserve_pb2_grpc.add_DecodeWorkerServicer_to_server(service, s)],
+        ["DecodeWorker"],
+        settings.host,
+        settings.port,
+        credentials=security.server_credentials(),
         interceptors=[TokenAuth(security.cluster_token, ["pdserve.v1.DecodeWorker"])],
     )
     service.address = f"{public_host}:{server.port}"
     reaper = asyncio.create_task(_expire_leases(ledger))
     metrics_address = start_worker_metrics(
-        settings.metrics_port, settings.host, public_host, WorkerCollector(role, loop.stats, lambda: ledger.counters))
-    log.info("%s worker serving on %s, KV transfer on %s (transports: %s)", role, service.address, kv_address, ", ".join(transports))
+        settings.metrics_port, settings.host, public_host, WorkerCollector(role, loop.stats, lambda: ledger.counters)
+    )
+    log.info(
+        "%s worker serving on %s, KV transfer on %s (transports: %s)",
+        role,
+        service.address,
+        kv_address,
+        ", ".join(transports),
+    )
     announce_ready(role, grpc=service.address, kv=kv_address, metrics=metrics_address)
 
     signal_name = await wait_for_shutdown_signal()

@@ -28,17 +28,28 @@ log = logging.getLogger(__name__)
 
 
 def token_event(out: RequestOutput) -> pb.DecodeEvent:
-    return pb.DecodeEvent(tokens=pb.TokenBatch(
-        token_ids=out.new_token_ids, finish_reason=out.finish_reason.value if out.finish_reason else "",
-        num_cached_tokens=out.num_cached_tokens, index=out.index,
-        logprobs=[logprob_to_proto(lp) for lp in out.logprobs or ()],
-        prompt_logprobs=[logprob_to_proto(lp) for lp in out.prompt_logprobs or ()],
-    ))
+    return pb.DecodeEvent(
+        tokens=pb.TokenBatch(
+            token_ids=out.new_token_ids,
+            finish_reason=out.finish_reason.value if out.finish_reason else "",
+            num_cached_tokens=out.num_cached_tokens,
+            index=out.index,
+            logprobs=[logprob_to_proto(lp) for lp in out.logprobs or ()],
+            prompt_logprobs=[logprob_to_proto(lp) for lp in out.prompt_logprobs or ()],
+        )
+    )
 
 
 class DecodeService(pdserve_pb2_grpc.DecodeWorkerServicer):
-    def __init__(self, loop: EngineLoop, ledger: GrantLedger, kv_address: str, role: str, address: str,
-                 max_queued_requests: int = 256) -> None:
+    def __init__(
+        self,
+        loop: EngineLoop,
+        ledger: GrantLedger,
+        kv_address: str,
+        role: str,
+        address: str,
+        max_queued_requests: int = 256,
+    ) -> None:
         self.loop = loop
         self.engine: LLMEngine = loop.engine
         self.ledger = ledger
@@ -48,7 +59,9 @@ class DecodeService(pdserve_pb2_grpc.DecodeWorkerServicer):
         self.max_queued_requests = max_queued_requests
         self.queued = 0  # requests accepted and not yet started (reserved, or prefilled here)
 
-    async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DecodeEvent]:
+    async def Decode(
+        self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.DecodeEvent]:
         rid = request.request_id
         token_ids = [int(t) for t in request.token_ids]
         try:
@@ -56,7 +69,9 @@ class DecodeService(pdserve_pb2_grpc.DecodeWorkerServicer):
                 raise ValueError("request_id: the router's key for the request is missing")
             sampling = sampling_from_proto(request.sampling)
             self.engine.validate(token_ids, sampling, request.num_prior_output_tokens)
-            await asyncio.to_thread(self.engine.compile_constraint, sampling)  # off the event loop and the engine thread
+            await asyncio.to_thread(
+                self.engine.compile_constraint, sampling
+            )  # off the event loop and the engine thread
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if self.queued >= self.max_queued_requests:
@@ -65,11 +80,19 @@ class DecodeService(pdserve_pb2_grpc.DecodeWorkerServicer):
         kv = None
         if not request.prefill_locally:  # wait for free blocks at most a lease (or the budget, or the deadline)
             remaining = context.time_remaining()
-            budget_s = max(0.001, min(budget_s or self.ledger.lease_s, remaining if remaining is not None else self.ledger.lease_s))
+            budget_s = max(
+                0.001, min(budget_s or self.ledger.lease_s, remaining if remaining is not None else self.ledger.lease_s)
+            )
             kv = KVReceive(self.ledger)
         start = lambda e: e.add_request(  # noqa: E731
-            rid, token_ids, sampling, priority=request.priority, num_prior_output_tokens=request.num_prior_output_tokens,
-            ttft_budget_s=budget_s, kv_receive=kv)
+            rid,
+            token_ids,
+            sampling,
+            priority=request.priority,
+            num_prior_output_tokens=request.num_prior_output_tokens,
+            ttft_budget_s=budget_s,
+            kv_receive=kv,
+        )
 
         waiting = True  # counts against the queue bound until it has started
         self.queued += 1
@@ -78,18 +101,27 @@ class DecodeService(pdserve_pb2_grpc.DecodeWorkerServicer):
                 if waiting:
                     self.queued, waiting = self.queued - 1, False
                 if isinstance(out.kv, KVReservation):
-                    yield pb.DecodeEvent(reservation=pb.Reservation(target=pb.KvTarget(
-                        transfer_id=transfer_key(out.kv.transfer_id), kv_address=self.kv_address, block_ids=out.kv.block_ids,
-                        block_size=self.engine.config.block_size, num_tokens=out.kv.num_tokens,
-                        skip_tokens=out.kv.num_cached_tokens,
-                    )))
+                    yield pb.DecodeEvent(
+                        reservation=pb.Reservation(
+                            target=pb.KvTarget(
+                                transfer_id=transfer_key(out.kv.transfer_id),
+                                kv_address=self.kv_address,
+                                block_ids=out.kv.block_ids,
+                                block_size=self.engine.config.block_size,
+                                num_tokens=out.kv.num_tokens,
+                                skip_tokens=out.kv.num_cached_tokens,
+                            )
+                        )
+                    )
                     continue
                 yield token_event(out)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RequestRejected:
             if kv is not None:
-                await abort_overloaded(context, f"decode worker has no room for {len(token_ids)} tokens of KV cache; retry later")
+                await abort_overloaded(
+                    context, f"decode worker has no room for {len(token_ids)} tokens of KV cache; retry later"
+                )
             await abort_overloaded(context, "request could not start within its ttft_budget_ms")
         except TransferFailed as e:
             code = grpc.StatusCode.DATA_LOSS if e.corrupted else grpc.StatusCode.UNAVAILABLE
@@ -100,5 +132,12 @@ class DecodeService(pdserve_pb2_grpc.DecodeWorkerServicer):
             self.queued -= waiting
 
     async def GetStats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.WorkerStats:
-        return worker_stats(self.loop.stats(), self.role, self.address, self.ledger.num_active,
-                            self.ledger.counters, self.engine.config.block_size, self.engine.config.max_num_seqs)
+        return worker_stats(
+            self.loop.stats(),
+            self.role,
+            self.address,
+            self.ledger.num_active,
+            self.ledger.counters,
+            self.engine.config.block_size,
+            self.engine.config.max_num_seqs,
+        )

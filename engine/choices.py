@@ -59,8 +59,9 @@ def request_finished(seq: Sequence) -> bool:
 class Forker:
     """Creates a request's choices once their first tokens are known (engine thread)."""
 
-    def __init__(self, blocks: BlockManager, scheduler: Scheduler, kv_cache: KVCache,
-                 grammar_state: Callable[[Sequence], object]) -> None:
+    def __init__(
+        self, blocks: BlockManager, scheduler: Scheduler, kv_cache: KVCache, grammar_state: Callable[[Sequence], object]
+    ) -> None:
         self.blocks = blocks
         self.scheduler = scheduler
         self.kv_cache = kv_cache
@@ -77,9 +78,15 @@ class Forker:
         parent.group = group
         for index, token_id in enumerate(first_token_ids[1:], start=1):
             child = Sequence(
-                parent.request_id, prompt + [token_id], parent.num_prompt_tokens, choice_sampling(parent.sampling, index),
-                priority=parent.priority, arrival_time=parent.arrival_time,
-                num_prior_output_tokens=parent.num_prior_output_tokens, choice=index, group=group,
+                parent.request_id,
+                prompt + [token_id],
+                parent.num_prompt_tokens,
+                choice_sampling(parent.sampling, index),
+                priority=parent.priority,
+                arrival_time=parent.arrival_time,
+                num_prior_output_tokens=parent.num_prior_output_tokens,
+                choice=index,
+                group=group,
             )
             child.grammar = self.grammar_state(child)
             group.seqs.append(child)

@@ -19,12 +19,20 @@ def _linear(module, layer: nn.Module):
     if isinstance(layer, QuantizedLinear):
         if layer.kernels is None:
             return None  # the dequantize-and-matmul fallback has no C++ counterpart
-        return module.StackLinear.quantized(layer.packed, layer.col_scale, layer.bias, layer.padded_out,
-                                            layer.in_features, layer.out_features, int(layer.fmt))
+        return module.StackLinear.quantized(
+            layer.packed,
+            layer.col_scale,
+            layer.bias,
+            layer.padded_out,
+            layer.in_features,
+            layer.out_features,
+            int(layer.fmt),
+        )
     bias = layer.bias.detach() if layer.bias is not None else torch.empty(0)
     if isinstance(layer, PackedBF16Linear):
-        return module.StackLinear.packed_bf16(layer.packed, layer.kernel_bias, layer.weight, bias, layer.padded_out,
-                                              MAX_KERNEL_ROWS)
+        return module.StackLinear.packed_bf16(
+            layer.packed, layer.kernel_bias, layer.weight, bias, layer.padded_out, MAX_KERNEL_ROWS
+        )
     return module.StackLinear.dense(layer.weight.detach(), bias)
 
 
@@ -38,8 +46,25 @@ def build_decode_stack(model: nn.Module, module, kv_kind: int):
         if any(lin is None for lin in linears):
             return None
         qkv, o, gate_up, down = linears
-        layers.append(module.StackLayer(layer.input_layernorm.weight.detach(), qkv, o,
-                                        layer.post_attention_layernorm.weight.detach(), gate_up, down))
+        layers.append(
+            module.StackLayer(
+                layer.input_layernorm.weight.detach(),
+                qkv,
+                o,
+                layer.post_attention_layernorm.weight.detach(),
+                gate_up,
+                down,
+            )
+        )
     config = model.config
-    return module.DecoderStack(layers, model.model.norm.weight.detach(), config.rms_norm_eps, model.rope.cos,
-                               model.rope.sin, config.num_heads, config.num_kv_heads, config.head_dim, kv_kind)
+    return module.DecoderStack(
+        layers,
+        model.model.norm.weight.detach(),
+        config.rms_norm_eps,
+        model.rope.cos,
+        model.rope.sin,
+        config.num_heads,
+        config.num_kv_heads,
+        config.head_dim,
+        kv_kind,
+    )

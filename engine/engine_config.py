@@ -22,9 +22,21 @@ MAX_SPECULATIVE_TOKENS = 16
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str | None = setting(None, "model: a Hugging Face folder or a .gguf file (default: SmolLM2-135M-Instruct)")
-    dtype: str = setting("auto", "weights and KV cache dtype; auto: bfloat16 where the hardware has it, else float32 (CPU) / float16 (GPU)", choices=DTYPES)
-    kv_cache_dtype: str = setting("auto", "KV cache storage: auto (the model dtype), or int8/fp8 values with per-token, per-head scales (half the memory and transfer bytes)", choices=KV_CACHE_DTYPES)
-    quantization: str = setting("none", "weight quantization of the linear layers: int8 (per channel), int4 (groups of 32; a GGUF's own Q4/Q8 blocks are kept)", choices=QUANTIZATIONS)
+    dtype: str = setting(
+        "auto",
+        "weights and KV cache dtype; auto: bfloat16 where the hardware has it, else float32 (CPU) / float16 (GPU)",
+        choices=DTYPES,
+    )
+    kv_cache_dtype: str = setting(
+        "auto",
+        "KV cache storage: auto (the model dtype), or int8/fp8 values with per-token, per-head scales (half the memory and transfer bytes)",
+        choices=KV_CACHE_DTYPES,
+    )
+    quantization: str = setting(
+        "none",
+        "weight quantization of the linear layers: int8 (per channel), int4 (groups of 32; a GGUF's own Q4/Q8 blocks are kept)",
+        choices=QUANTIZATIONS,
+    )
     device: str = setting("auto", "torch device; auto picks CUDA when present")
     block_size: int = setting(16, "KV cache block size in tokens")
     kv_cache_memory: str = setting("auto", "KV cache budget: '2GiB', bytes, or a fraction of free memory")
@@ -32,22 +44,35 @@ class EngineConfig:
     max_num_batched_tokens: int = setting(1024, "token budget of one forward pass (chunked prefill)")
     enable_chunked_prefill: bool = setting(True, "split long prompts across steps")
     enable_prefix_caching: bool = setting(True, "reuse the KV of shared prompt prefixes")
-    preemption_mode: str = setting("auto", "when KV blocks run out: swap to host memory or recompute; auto: swap on GPUs", choices=PREEMPTION_MODES)
+    preemption_mode: str = setting(
+        "auto", "when KV blocks run out: swap to host memory or recompute; auto: swap on GPUs", choices=PREEMPTION_MODES
+    )
     swap_space: str = setting("4GiB", "host memory for swapped-out KV blocks (preemption_mode swap)")
     attention_backend: str = setting("auto", "attention kernels", choices=ATTENTION_BACKENDS)
     cache_dir: str | None = setting(None, "where converted models are kept (default ~/.cache/pdserve)")
     num_threads: int | None = setting(None, "torch CPU threads for this process")
-    tensor_parallel_size: int = setting(1, "ranks (one process each) that split every layer: attention heads and MLP columns, "
-                                           "one all-reduce after each (Megatron)")
-    pipeline_parallel_size: int = setting(1, "ranks (one process each) that take consecutive layers, the batch passed "
-                                             "between them in micro-batches")
+    tensor_parallel_size: int = setting(
+        1,
+        "ranks (one process each) that split every layer: attention heads and MLP columns, "
+        "one all-reduce after each (Megatron)",
+    )
+    pipeline_parallel_size: int = setting(
+        1, "ranks (one process each) that take consecutive layers, the batch passed between them in micro-batches"
+    )
     # Speculative decoding (engine/speculative): decoding sequences propose tokens that one
     # forward pass of the model verifies. Decode roles only; a prefill worker ignores it.
-    speculative: str = setting("none", "speculative decoding: ngram (prompt lookup in the prompt and output so far) or "
-                               "draft (a smaller model, --draft-model)", choices=SPECULATIVE_METHODS)
+    speculative: str = setting(
+        "none",
+        "speculative decoding: ngram (prompt lookup in the prompt and output so far) or "
+        "draft (a smaller model, --draft-model)",
+        choices=SPECULATIVE_METHODS,
+    )
     num_speculative_tokens: int = setting(4, "speculative decoding: most tokens proposed per sequence and step")
-    draft_model: str | None = setting(None, "the draft model of --speculative draft: a Hugging Face folder or .gguf with "
-                                      "the target's vocabulary ('default': the default model)")
+    draft_model: str | None = setting(
+        None,
+        "the draft model of --speculative draft: a Hugging Face folder or .gguf with "
+        "the target's vocabulary ('default': the default model)",
+    )
     prompt_lookup_min: int = setting(2, "speculative ngram: shortest suffix n-gram looked up")
     prompt_lookup_max: int = setting(4, "speculative ngram: longest suffix n-gram looked up (the longest match wins)")
 
@@ -65,18 +90,29 @@ class EngineConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.world_size > 1 and self.preemption_mode == "swap":
-            raise ValueError("preemption_mode swap keeps one rank's KV cache: with tensor or pipeline parallelism use recompute")
-        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], "
-                             f"got {self.num_speculative_tokens!r}")
+            raise ValueError(
+                "preemption_mode swap keeps one rank's KV cache: with tensor or pipeline parallelism use recompute"
+            )
+        if (
+            not isinstance(self.num_speculative_tokens, int)
+            or not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS
+        ):
+            raise ValueError(
+                f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], "
+                f"got {self.num_speculative_tokens!r}"
+            )
         if self.speculative == "draft" and not self.draft_model:
             raise ValueError("draft_model: --speculative draft needs a draft model (--draft-model PATH)")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise ValueError(f"prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max, "
-                             f"got {self.prompt_lookup_min} and {self.prompt_lookup_max}")
+            raise ValueError(
+                f"prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max, "
+                f"got {self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )
         if self.world_size > 1 and self.speculative != "none":
-            raise ValueError("speculative decoding runs in single-rank workers: with tensor or pipeline parallelism "
-                             "use --speculative none")
+            raise ValueError(
+                "speculative decoding runs in single-rank workers: with tensor or pipeline parallelism "
+                "use --speculative none"
+            )
 
     @property
     def world_size(self) -> int:

@@ -181,8 +181,14 @@ def _tokens_only(out: RequestOutput) -> bool:
 
 
 def _merged(first: RequestOutput, then: RequestOutput) -> RequestOutput:
-    return RequestOutput(first.request_id, first.new_token_ids + then.new_token_ids, then.finish_reason,
-                         first.num_prompt_tokens, first.num_cached_tokens, finished=then.finished)
+    return RequestOutput(
+        first.request_id,
+        first.new_token_ids + then.new_token_ids,
+        then.finish_reason,
+        first.num_prompt_tokens,
+        first.num_cached_tokens,
+        finished=then.finished,
+    )
 
 
 def _settle(future: asyncio.Future, result: object, error: Exception | None) -> None:

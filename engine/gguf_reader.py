@@ -54,7 +54,9 @@ def read_config(reader) -> dict[str, Any]:
         architecture = "MistralForCausalLM"
     config = {
         "architectures": [architecture],
-        "model_type": {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}[architecture],
+        "model_type": {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}[
+            architecture
+        ],
         "vocab_size": _field(reader, f"{arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens")),
         "hidden_size": hidden,
         "intermediate_size": _field(reader, f"{arch}.feed_forward_length"),
@@ -71,7 +73,9 @@ def read_config(reader) -> dict[str, Any]:
         "torch_dtype": "float32",
     }
     if "rope_freqs.weight" in tensor_names:
-        raise ValueError("GGUF files with precomputed rope_freqs (Llama 3.1 scaling) are not supported; use the Hugging Face folder")
+        raise ValueError(
+            "GGUF files with precomputed rope_freqs (Llama 3.1 scaling) are not supported; use the Hugging Face folder"
+        )
     scaling = _field(reader, f"{arch}.rope.scaling.type")
     if scaling == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
@@ -157,5 +161,9 @@ def native_codes(tensor) -> QuantizedWeight | None:
         codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
         m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if kind == T.Q4_1 else -8 * d
         fmt = QuantFormat.INT4_GROUP
-    return QuantizedWeight(torch.from_numpy(np.ascontiguousarray(codes.reshape(rows, -1))),
-                           torch.from_numpy(d), torch.from_numpy(np.ascontiguousarray(m)), fmt)
+    return QuantizedWeight(
+        torch.from_numpy(np.ascontiguousarray(codes.reshape(rows, -1))),
+        torch.from_numpy(d),
+        torch.from_numpy(np.ascontiguousarray(m)),
+        fmt,
+    )

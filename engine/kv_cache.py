@@ -26,7 +26,9 @@ class KVLayout:
     cache_dtype: str = "auto"  # how K/V are stored: auto (= dtype), int8, fp8 (see kernels.kv_format)
 
     @classmethod
-    def for_model(cls, config: ModelConfig, block_size: int, dtype: torch.dtype, cache_dtype: str = "auto") -> "KVLayout":
+    def for_model(
+        cls, config: ModelConfig, block_size: int, dtype: torch.dtype, cache_dtype: str = "auto"
+    ) -> "KVLayout":
         return cls(config.num_layers, config.num_kv_heads, config.head_dim, block_size, dtype, cache_dtype)
 
     @property
@@ -57,7 +59,9 @@ class KVLayout:
 
 
 class KVCache:
-    def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device, tensor: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, layout: KVLayout, num_blocks: int, device: torch.device, tensor: torch.Tensor | None = None
+    ) -> None:
         """``tensor`` lets the caller supply the storage (shared memory, for instance)."""
         self.layout = layout
         self.num_blocks = num_blocks
@@ -78,7 +82,9 @@ def parse_memory(value: str | int | float) -> tuple[int | None, float | None]:
     text = str(value).strip().lower().replace(" ", "")
     match = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[0-9]+)?)([a-z]*)", text)
     if not match or match.group(2) not in _UNITS:
-        raise ValueError(f"kv cache memory must look like '2GiB', '512MiB', a byte count, or a fraction in (0, 1]; got {value!r}")
+        raise ValueError(
+            f"kv cache memory must look like '2GiB', '512MiB', a byte count, or a fraction in (0, 1]; got {value!r}"
+        )
     number, unit = float(match.group(1)), match.group(2)
     if not unit and 0 < number <= 1 and "." in match.group(1):
         return None, number
@@ -110,7 +116,9 @@ def free_memory(device: torch.device) -> int:
     return max(available, 0)
 
 
-def num_blocks_for_budget(layout: KVLayout, budget: str | int | float, device: torch.device, extra_block_bytes: int = 0) -> int:
+def num_blocks_for_budget(
+    layout: KVLayout, budget: str | int | float, device: torch.device, extra_block_bytes: int = 0
+) -> int:
     """Blocks that fit the budget ('auto': 90% of free GPU memory, or min(2 GiB, 25% of RAM) on CPU).
     ``extra_block_bytes``: what else each block costs (a speculative draft's cache keeps one block per block)."""
     if budget == "auto":

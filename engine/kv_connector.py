@@ -81,8 +81,14 @@ class KVReceive:
 
 
 class KVConnector:
-    def __init__(self, scheduler: Scheduler, blocks: BlockManager, num_layers: int, vocab_size: int,
-                 finish_reason: Callable[[Sequence, int], FinishReason | None]) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        blocks: BlockManager,
+        num_layers: int,
+        vocab_size: int,
+        finish_reason: Callable[[Sequence, int], FinishReason | None],
+    ) -> None:
         self.scheduler = scheduler
         self.blocks = blocks
         self.num_layers = num_layers
@@ -110,21 +116,29 @@ class KVConnector:
         """The scheduler reserved ``seq``'s blocks: let a prefill worker fill them."""
         receive = seq.kv_receive
         receive.transfer_id = receive.receiver.grant(
-            list(seq.block_table), seq.num_tokens, seq.num_cached_tokens, self._reporter(seq))
+            list(seq.block_table), seq.num_tokens, seq.num_cached_tokens, self._reporter(seq)
+        )
         reservation = KVReservation(receive.transfer_id, list(seq.block_table), seq.num_tokens, seq.num_cached_tokens)
         return RequestOutput(seq.request_id, [], None, seq.num_prompt_tokens, seq.num_cached_tokens, kv=reservation)
 
     def _landed(self, seq: Sequence, outcome: TransferOutcome) -> RequestOutput | None:
-        bad = next((t for t in (outcome.first_token_id, *outcome.more_first_token_ids) if not 0 <= t < self.vocab_size), None)
+        bad = next(
+            (t for t in (outcome.first_token_id, *outcome.more_first_token_ids) if not 0 <= t < self.vocab_size), None
+        )
         if outcome.ok and bad is not None:
             outcome = TransferOutcome(False, f"the prefill worker sent token id {bad}, outside the vocabulary")
         if outcome.ok and len(outcome.more_first_token_ids) != seq.sampling.n - 1:
-            outcome = TransferOutcome(False, f"the prefill worker sent {1 + len(outcome.more_first_token_ids)} first "
-                                             f"tokens for {seq.sampling.n} choices")
+            outcome = TransferOutcome(
+                False,
+                f"the prefill worker sent {1 + len(outcome.more_first_token_ids)} first "
+                f"tokens for {seq.sampling.n} choices",
+            )
         if not outcome.ok:
             self.scheduler.remove(seq)
             self._finish(seq, free=True)
-            return RequestOutput.failed(seq.request_id, TransferFailed(outcome.reason, outcome.corrupted), seq.num_prompt_tokens)
+            return RequestOutput.failed(
+                seq.request_id, TransferFailed(outcome.reason, outcome.corrupted), seq.num_prompt_tokens
+            )
         seq.token_ids.append(outcome.first_token_id)
         seq.num_computed_tokens = seq.num_tokens - 1
         self.blocks.commit_full_blocks(seq)
@@ -135,7 +149,9 @@ class KVConnector:
         if reason is not None:  # the prefill worker's token already ends it
             self.scheduler.remove(seq)
             self._finish(seq, free=True, reason=reason)
-            return RequestOutput(seq.request_id, [], reason, seq.num_prompt_tokens, seq.num_cached_tokens, finished=True)
+            return RequestOutput(
+                seq.request_id, [], reason, seq.num_prompt_tokens, seq.num_cached_tokens, finished=True
+            )
         self.scheduler.admit_landed(seq)
         return None
 
@@ -180,9 +196,18 @@ class KVConnector:
         del self.sending[seq]
         self._finish(seq, free=True)
         if not outcome.ok:
-            return RequestOutput.failed(seq.request_id, TransferFailed(outcome.reason, outcome.corrupted), seq.num_prompt_tokens)
-        return RequestOutput(seq.request_id, [], None, seq.num_prompt_tokens, seq.num_cached_tokens, finished=True,
-                             kv=KVSent(outcome.transport, outcome.nbytes))
+            return RequestOutput.failed(
+                seq.request_id, TransferFailed(outcome.reason, outcome.corrupted), seq.num_prompt_tokens
+            )
+        return RequestOutput(
+            seq.request_id,
+            [],
+            None,
+            seq.num_prompt_tokens,
+            seq.num_cached_tokens,
+            finished=True,
+            kv=KVSent(outcome.transport, outcome.nbytes),
+        )
 
     # -- once per step (engine thread) -----------------------------------------------------------------
     def drain(self) -> list[RequestOutput]:

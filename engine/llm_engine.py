@@ -62,8 +62,13 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, *, model_dir: str | None = None,
-                 kv_storage: Callable[[KVLayout, int], torch.Tensor | None] | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        model_dir: str | None = None,
+        kv_storage: Callable[[KVLayout, int], torch.Tensor | None] | None = None,
+    ) -> None:
         """``kv_storage(layout, num_blocks)`` may supply the cache tensor (shared memory, an IPC-able GPU allocation)."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -79,14 +84,19 @@ class LLMEngine:
             from pdserve.engine.parallel.driver import ParallelDriver
 
             self.parallel = ParallelDriver(config, self.model_dir, self.device, kv_storage)
-            self.model, self.kv_cache, self.kv_shards = self.parallel.model, self.parallel.kv_cache, self.parallel.kv_shards
+            self.model, self.kv_cache, self.kv_shards = (
+                self.parallel.model,
+                self.parallel.kv_cache,
+                self.parallel.kv_shards,
+            )
             forward, backend_name = self.parallel, f"{self.model.backend.name} x{config.world_size} ranks"
         else:
             backend = select_backend(self.device, config.attention_backend, self.kv_layout.format)
             self.model = forward = load_model(self.model_dir, self.dtype, self.device, backend, config.quantization)
             draft = speculative.load_draft(self) if config.speculative == "draft" else None  # shares the KV budget
-            num_blocks = num_blocks_for_budget(self.kv_layout, config.kv_cache_memory, self.device,
-                                               draft.block_bytes if draft else 0)
+            num_blocks = num_blocks_for_budget(
+                self.kv_layout, config.kv_cache_memory, self.device, draft.block_bytes if draft else 0
+            )
             storage = kv_storage(self.kv_layout, num_blocks) if kv_storage else None
             self.kv_cache = KVCache(self.kv_layout, num_blocks, self.device, getattr(storage, "tensor", storage))
             self.kv_shards = KVShards(self.kv_cache.layers, self.kv_layout)  # the cache as the KV handoff sees it
@@ -96,25 +106,35 @@ class LLMEngine:
         self.swap = self._swap_space(num_blocks)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill),
-            self.blocks, self.swap,
+            self.blocks,
+            self.swap,
         )
         self.runner = ModelRunner(forward, self.kv_cache.layers, config.block_size, self.device)
         # Speculative decoding hooks into the scheduler (lookahead) and the runner (verify).
         self.speculator = speculative.attach(self, draft, num_blocks) if config.speculative != "none" else None
-        self.connector = KVConnector(self.scheduler, self.blocks, self.model_config.num_layers, self.model_config.vocab_size,
-                                     self._finish_reason)
+        self.connector = KVConnector(
+            self.scheduler, self.blocks, self.model_config.num_layers, self.model_config.vocab_size, self._finish_reason
+        )
         # API parity: grammars for structured output, forks for n > 1 (engine/choices.py).
-        self.grammars = GrammarCompiler(self.model_dir, self.model_config.vocab_size, sorted(self.model_config.eos_token_ids))
+        self.grammars = GrammarCompiler(
+            self.model_dir, self.model_config.vocab_size, sorted(self.model_config.eos_token_ids)
+        )
         self.forker = Forker(self.blocks, self.scheduler, self.kv_cache, self._grammar_state)
-        self.connector.start_choices = lambda seq, token_ids: (self._start_choices(seq, [(t, None) for t in token_ids],
-                                                                                   emit=False) or [None])[-1]
+        self.connector.start_choices = lambda seq, token_ids: (
+            self._start_choices(seq, [(t, None) for t in token_ids], emit=False) or [None]
+        )[-1]
         self.requests: dict[str, Sequence] = {}
         self.prefill_rate = 0.0  # tokens/s of recent prefill steps (an EMA), for TTFT estimates
         self._digest: tuple[int, tuple[int, ...]] = (-1, ())  # (block cache version, its hashes)
         log.info(
             "engine loaded: %s %s on %s, %d KV blocks of %d tokens (%.0f MiB), attention=%s",
-            self.model_config.architecture, str(self.dtype).removeprefix("torch."), self.device, num_blocks, config.block_size,
-            self.kv_cache.nbytes / 2**20, backend_name,
+            self.model_config.architecture,
+            str(self.dtype).removeprefix("torch."),
+            self.device,
+            num_blocks,
+            config.block_size,
+            self.kv_cache.nbytes / 2**20,
+            backend_name,
         )
 
     def _swap_space(self, num_blocks: int) -> SwapSpace | None:
@@ -145,8 +165,12 @@ class LLMEngine:
         check_prompt_tokens(prompt_token_ids, vocab_size=vocab, max_model_len=self.max_model_len)
         if not 0 <= num_prior_output_tokens < sampling.max_tokens:
             raise ValueError(f"num_prior_output_tokens: {num_prior_output_tokens} must be in [0, max_tokens)")
-        check_sampling(sampling, vocab_size=vocab, prompt_len=len(prompt_token_ids) - num_prior_output_tokens,
-                       max_model_len=self.max_model_len)
+        check_sampling(
+            sampling,
+            vocab_size=vocab,
+            prompt_len=len(prompt_token_ids) - num_prior_output_tokens,
+            max_model_len=self.max_model_len,
+        )
         if self.blocks.blocks_needed(len(prompt_token_ids) + 1) > self.blocks.num_blocks:
             raise ValueError(f"prompt_token_ids: {len(prompt_token_ids)} tokens do not fit this worker's KV cache")
 
@@ -181,8 +205,14 @@ class LLMEngine:
             raise ValueError("a request either sends its KV or receives it, not both")
         self.validate(prompt_token_ids, sampling, num_prior_output_tokens)
         seq = Sequence(
-            request_id, list(prompt_token_ids), len(prompt_token_ids), sampling, priority=priority,
-            num_prior_output_tokens=num_prior_output_tokens, kv_send=kv_send, kv_receive=kv_receive,
+            request_id,
+            list(prompt_token_ids),
+            len(prompt_token_ids),
+            sampling,
+            priority=priority,
+            num_prior_output_tokens=num_prior_output_tokens,
+            kv_send=kv_send,
+            kv_receive=kv_receive,
         )
         if ttft_budget_s is not None:
             seq.start_deadline = seq.arrival_time + ttft_budget_s
@@ -222,7 +252,9 @@ class LLMEngine:
         schedule = self.scheduler.schedule()
         for seq in schedule.expired:
             seq.status = SequenceStatus.FINISHED
-            outputs.append(RequestOutput.failed(seq.request_id, RequestRejected("could not start in time"), seq.num_prompt_tokens))
+            outputs.append(
+                RequestOutput.failed(seq.request_id, RequestRejected("could not start in time"), seq.num_prompt_tokens)
+            )
         outputs += [self.connector.open_grant(seq) for seq in schedule.reserved]
         if not schedule.empty:
             outputs += self._forward(schedule)
@@ -275,17 +307,28 @@ class LLMEngine:
         return outputs
 
     # -- API parity: choices, logprobs, grammars ---------------------------------------------------
-    def _output(self, seq: Sequence, token_ids: list[int], reason: FinishReason | None, logprob: TokenLogprob | None,
-                **extra) -> RequestOutput:
+    def _output(
+        self, seq: Sequence, token_ids: list[int], reason: FinishReason | None, logprob: TokenLogprob | None, **extra
+    ) -> RequestOutput:
         return RequestOutput(
-            seq.request_id, token_ids, reason, seq.num_prompt_tokens, seq.num_cached_tokens,
-            finished=reason is not None and request_finished(seq), index=seq.choice,
-            logprobs=[logprob] if logprob is not None else None, prompt_logprobs=take_prompt_logprobs(seq), **extra)
+            seq.request_id,
+            token_ids,
+            reason,
+            seq.num_prompt_tokens,
+            seq.num_cached_tokens,
+            finished=reason is not None and request_finished(seq),
+            index=seq.choice,
+            logprobs=[logprob] if logprob is not None else None,
+            prompt_logprobs=take_prompt_logprobs(seq),
+            **extra,
+        )
 
     def _grammar_state(self, seq: Sequence):
         return self.grammars.state(seq.sampling.constraint) if seq.sampling.constraint is not None else None
 
-    def _start_choices(self, seq: Sequence, first: list[tuple[int, TokenLogprob | None]], emit: bool) -> list[RequestOutput]:
+    def _start_choices(
+        self, seq: Sequence, first: list[tuple[int, TokenLogprob | None]], emit: bool
+    ) -> list[RequestOutput]:
         """n > 1: ``seq`` holds its prompt and choice 0's first token; ``first`` has every choice's.
         A prefill worker sends them all with the K/V; elsewhere the choices fork here. ``emit``:
         return each choice's first token (False where the router already has them)."""
@@ -311,8 +354,11 @@ class LLMEngine:
             self._finish(seq, reasons[0])
         outputs = [self._output(c, [t], r, lp) for c, (t, lp), r in zip(choices, first, reasons) if emit]
         if not emit and seq.group.finished:  # nothing goes on: the request ends here
-            outputs.append(RequestOutput(seq.request_id, [], reasons[0], seq.num_prompt_tokens, seq.num_cached_tokens,
-                                         finished=True))
+            outputs.append(
+                RequestOutput(
+                    seq.request_id, [], reasons[0], seq.num_prompt_tokens, seq.num_cached_tokens, finished=True
+                )
+            )
         if outputs and seq.group.finished:  # the request ends with the last output, however they were ordered
             for out in outputs:
                 out.finished = out is outputs[-1]
@@ -323,14 +369,22 @@ class LLMEngine:
         b = self.blocks.stats()
         pending = [*self.scheduler.waiting, *(s for s in self.scheduler.running if s.is_prefilling)]
         return EngineStats(
-            blocks_total=b.num_blocks, blocks_free=b.num_free, blocks_cached=b.num_cached,
-            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-            prefilled_held=len(self.connector.sending), preemptions=self.scheduler.num_preemptions,
-            prefix_queries=b.prefix_queries, prefix_hits=b.prefix_hits, evictions=b.evictions,
+            blocks_total=b.num_blocks,
+            blocks_free=b.num_free,
+            blocks_cached=b.num_cached,
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            prefilled_held=len(self.connector.sending),
+            preemptions=self.scheduler.num_preemptions,
+            prefix_queries=b.prefix_queries,
+            prefix_hits=b.prefix_hits,
+            evictions=b.evictions,
             queued_prefill_tokens=sum(s.num_tokens - s.num_computed_tokens for s in pending if s.kv_receive is None),
             cached_block_hashes=self._cached_hashes() if with_digest else (),
-            prefill_tokens_per_s=self.prefill_rate, rejected=self.scheduler.num_rejected,
-            waiting_for_kv=len(self.scheduler.waiting_for_kv), forks=self.forker.num_forks,
+            prefill_tokens_per_s=self.prefill_rate,
+            rejected=self.scheduler.num_rejected,
+            waiting_for_kv=len(self.scheduler.waiting_for_kv),
+            forks=self.forker.num_forks,
             spec=self.speculator.stats if self.speculator is not None else None,
         )
 

@@ -16,12 +16,20 @@ from pdserve.engine.packed_linear import PackedBF16Linear
 from pdserve.engine.quantization import QuantFormat, QuantizedLinear, QuantizedWeight, load_codes, quantize
 from pdserve.kernels import AttentionBackend, select_layer_ops
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # Our stacked layers and the checkpoint layers they hold, in order.
-STACKED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-           "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+STACKED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
 
 
 def parse_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -93,8 +101,14 @@ def stack_checkpoint(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device, backend: AttentionBackend,
-               quantization: str = "none", shard=None) -> CausalLM:
+def load_model(
+    folder: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    backend: AttentionBackend,
+    quantization: str = "none",
+    shard=None,
+) -> CausalLM:
     """``shard``: this rank's part of a tensor/pipeline-parallel model (``engine.parallel.sharding.ModelShard``)."""
     folder = Path(folder)
     config = ModelConfig.from_folder(folder)
@@ -110,7 +124,9 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device, bac
     expected = {k for k in model.state_dict() if not (config.tie_word_embeddings and k == "lm_head.weight")}
     missing, unexpected = expected - state.keys(), state.keys() - expected
     if missing or unexpected:
-        raise ValueError(f"weights in {folder} do not fit {config.architecture}: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+        raise ValueError(
+            f"weights in {folder} do not fit {config.architecture}: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+        )
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings and model.lm_head is not None:
         model.lm_head.weight = model.model.embed_tokens.weight

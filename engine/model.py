@@ -40,7 +40,11 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
-        hidden, q_dim, kv_dim = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        hidden, q_dim, kv_dim = (
+            config.hidden_size,
+            config.num_heads * config.head_dim,
+            config.num_kv_heads * config.head_dim,
+        )
         # q, k and v in one matmul (the loader stacks the checkpoint's three): one larger GEMM
         # runs markedly faster than three small ones at decode batch sizes.
         self.split = (q_dim, kv_dim, kv_dim)
@@ -56,8 +60,17 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q, k, v = rope_then_write(backend, self.qkv_proj(x), batch.positions, rope, kv, batch.slot_mapping,
-                                  self.num_heads, self.num_kv_heads, self.head_dim)
+        q, k, v = rope_then_write(
+            backend,
+            self.qkv_proj(x),
+            batch.positions,
+            rope,
+            kv,
+            batch.slot_mapping,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+        )
         out = torch.empty((tokens, self.num_heads, self.head_dim), dtype=q.dtype, device=q.device)
         nd = batch.num_decode
         if nd:
@@ -94,13 +107,24 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, residual: torch.Tensor, next_norm: RMSNorm, batch: ForwardBatch,
-                kv: torch.Tensor, rope: RotaryEmbedding, backend: AttentionBackend, ops: LayerOps) -> torch.Tensor:
+    def forward(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor,
+        next_norm: RMSNorm,
+        batch: ForwardBatch,
+        kv: torch.Tensor,
+        rope: RotaryEmbedding,
+        backend: AttentionBackend,
+        ops: LayerOps,
+    ) -> torch.Tensor:
         """``h``: this layer's normalized input; ``residual``: the residual stream, updated in
         place. Returns ``next_norm(residual)``, the next layer's input (the residual adds are
         fused into the norms)."""
         eps = self.post_attention_layernorm.eps
-        h = ops.add_rms_norm(self.self_attn(h, batch, kv, rope, backend), residual, self.post_attention_layernorm.weight, eps)
+        h = ops.add_rms_norm(
+            self.self_attn(h, batch, kv, rope, backend), residual, self.post_attention_layernorm.weight, eps
+        )
         return ops.add_rms_norm(self.mlp(h, ops), residual, next_norm.weight, next_norm.eps)
 
 
@@ -133,8 +157,14 @@ class CausalLM(nn.Module):
         layers = self.model.layers
         residual = self.model.embed_tokens(batch.input_ids)
         if self.decode_stack is not None and layer_hook is None and batch.num_decode == batch.num_tokens:
-            h = self.decode_stack.forward(residual, kv_layers, batch.positions, batch.slot_mapping,
-                                          batch.decode_block_tables, batch.decode_context_lens)
+            h = self.decode_stack.forward(
+                residual,
+                kv_layers,
+                batch.positions,
+                batch.slot_mapping,
+                batch.decode_block_tables,
+                batch.decode_context_lens,
+            )
             return self.lm_head(h[batch.logits_indices]).float()
         first = layers[0].input_layernorm
         h = self.ops.rms_norm(residual, first.weight, first.eps)

@@ -111,7 +111,9 @@ class ModelConfig:
             # generate() stops at the generation config's EOS ids; so do we.
             gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
             if gen_eos is not None:
-                merged = [cfg.get("eos_token_id")] if not isinstance(cfg.get("eos_token_id"), list) else cfg["eos_token_id"]
+                merged = (
+                    [cfg.get("eos_token_id")] if not isinstance(cfg.get("eos_token_id"), list) else cfg["eos_token_id"]
+                )
                 extra = gen_eos if isinstance(gen_eos, list) else [gen_eos]
                 cfg = {**cfg, "eos_token_id": [e for e in dict.fromkeys([*merged, *extra]) if e is not None]}
         return cls.from_dict(cfg, name=folder.name)

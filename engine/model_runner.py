@@ -61,8 +61,14 @@ class ModelRunner:
             input_ids += [seq.token_ids[start], *chunk.draft]
             positions.extend(range(start, start + count))
             slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, start + count))
-            segments.append(PrefillSegment(query_start, count, start + count,
-                                           torch.tensor(seq.block_table, dtype=torch.int64, device=self.device)))
+            segments.append(
+                PrefillSegment(
+                    query_start,
+                    count,
+                    start + count,
+                    torch.tensor(seq.block_table, dtype=torch.int64, device=self.device),
+                )
+            )
             logits_indices.extend(range(query_start, query_start + count))
         for chunk in out.prefills:
             seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens

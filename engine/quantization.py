@@ -81,8 +81,12 @@ class QuantizedWeight:
         fmts = {p.fmt for p in parts}
         if len(fmts) != 1:
             raise ValueError(f"cannot stack weights quantized differently: {sorted(f.name for f in fmts)}")
-        return QuantizedWeight(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
-                               torch.cat([p.offset for p in parts]), parts[0].fmt)
+        return QuantizedWeight(
+            torch.cat([p.codes for p in parts]),
+            torch.cat([p.scale for p in parts]),
+            torch.cat([p.offset for p in parts]),
+            parts[0].fmt,
+        )
 
 
 def quantize_int8_channel(w: torch.Tensor) -> QuantizedWeight:
@@ -124,8 +128,14 @@ class QuantizedLinear(nn.Module):
     """``y = x W^T + b`` with ``W`` quantized. ``use_kernel``: the packed CPU kernel (default:
     when the weight is on the CPU and the kernel has its fast path here)."""
 
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, device: torch.device,
-                 use_kernel: bool | None = None, float_out: bool = False) -> None:
+    def __init__(
+        self,
+        weight: QuantizedWeight,
+        bias: torch.Tensor | None,
+        device: torch.device,
+        use_kernel: bool | None = None,
+        float_out: bool = False,
+    ) -> None:
         """``float_out``: return fp32 whatever the input dtype (the lm_head's logits)."""
         super().__init__()
         n, k = weight.shape
@@ -167,8 +177,17 @@ class QuantizedLinear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if self.kernels is not None:
-            y = self.kernels.quant_linear(x2, self.packed, self.col_scale, self.bias, self.padded_out,
-                                          self.in_features, int(self.fmt), True, self.float_out)
+            y = self.kernels.quant_linear(
+                x2,
+                self.packed,
+                self.col_scale,
+                self.bias,
+                self.padded_out,
+                self.in_features,
+                int(self.fmt),
+                True,
+                self.float_out,
+            )
             if self.padded_out != self.out_features:
                 y = y[:, : self.out_features]
         else:
@@ -188,9 +207,12 @@ def _pad_rows(w: QuantizedWeight, rows: int) -> QuantizedWeight:
         return w
     pad = rows - n
     codes = torch.cat([w.codes, torch.zeros(pad, w.codes.shape[1], dtype=w.codes.dtype)])
-    return QuantizedWeight(codes, F.pad(w.scale, (0, 0, 0, pad)) if w.scale.dim() == 2 else F.pad(w.scale, (0, pad)),
-                           F.pad(w.offset, (0, 0, 0, pad)) if w.offset.dim() == 2 else F.pad(w.offset, (0, pad)),
-                           w.fmt)
+    return QuantizedWeight(
+        codes,
+        F.pad(w.scale, (0, 0, 0, pad)) if w.scale.dim() == 2 else F.pad(w.scale, (0, pad)),
+        F.pad(w.offset, (0, 0, 0, pad)) if w.offset.dim() == 2 else F.pad(w.offset, (0, pad)),
+        w.fmt,
+    )
 
 
 def save_codes(weights: dict[str, QuantizedWeight], path: Path) -> None:
@@ -211,6 +233,12 @@ def load_codes(path: Path) -> dict[str, QuantizedWeight]:
         return {}
     with safe_open(str(path), framework="pt") as f:
         formats = json.loads(f.metadata()["formats"])
-        return {name: QuantizedWeight(f.get_tensor(f"{name}.codes"), f.get_tensor(f"{name}.scale"),
-                                      f.get_tensor(f"{name}.offset"), QuantFormat[fmt])
-                for name, fmt in formats.items()}
+        return {
+            name: QuantizedWeight(
+                f.get_tensor(f"{name}.codes"),
+                f.get_tensor(f"{name}.scale"),
+                f.get_tensor(f"{name}.offset"),
+                QuantFormat[fmt],
+            )
+            for name, fmt in formats.items()
+        }

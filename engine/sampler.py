@@ -33,9 +33,7 @@ class Sampler:
         self.device = device
         self._generator = torch.Generator(device=device)
 
-    def __call__(
-        self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int]
-    ) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int]) -> torch.Tensor:
         """logits: [B, V] fp32; ``output_index[i]``: how many tokens row i has generated so far."""
         greedy_ids = logits.argmax(dim=-1)
         if all(p.greedy for p in params):

@@ -44,8 +44,9 @@ class SamplingStep:
         self.masker = BatchMasker()
         self.verify: Verify | None = None  # set by the speculator
 
-    def __call__(self, logits: torch.Tensor, chunks: list[ScheduledChunk],
-                 prompt_rows: list[PromptRows] = ()) -> list[SampledToken]:
+    def __call__(
+        self, logits: torch.Tensor, chunks: list[ScheduledChunk], prompt_rows: list[PromptRows] = ()
+    ) -> list[SampledToken]:
         """``logits``: 1 + len(chunk.draft) rows per chunk (in order), then the prompt rows."""
         num_rows = sum(1 + len(c.draft) for c in chunks)
         if prompt_rows:
@@ -84,8 +85,11 @@ class SamplingStep:
             num_top = max(params[r].logprobs for r in wanted)
             for r, lp in zip(wanted, token_logprobs(raw, token_ids[wanted], num_top)):
                 keep = params[r].logprobs
-                logprobs[r] = lp if keep == num_top else TokenLogprob(lp.logprob, lp.rank, lp.top_token_ids[:keep],
-                                                                         lp.top_logprobs[:keep])
+                logprobs[r] = (
+                    lp
+                    if keep == num_top
+                    else TokenLogprob(lp.logprob, lp.rank, lp.top_token_ids[:keep], lp.top_logprobs[:keep])
+                )
         ids = token_ids.tolist()
         out: list[SampledToken] = []
         r = 0

@@ -163,7 +163,11 @@ class Scheduler:
 
         self._swap_in()
         out.expired = self._expire_waiting()
-        while self.waiting and len(self.running) + len(self.waiting_for_kv) < self.config.max_num_seqs and not self.swapped:
+        while (
+            self.waiting
+            and len(self.running) + len(self.waiting_for_kv) < self.config.max_num_seqs
+            and not self.swapped
+        ):
             seq = self.waiting[0]
             if seq.kv_receive is not None:
                 if not self._reserve_for_remote_kv(seq):

@@ -58,8 +58,9 @@ class GrammarCompiler:
                 from transformers import AutoTokenizer
 
                 tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir)
-                info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
-                                                          stop_token_ids=self.stop_token_ids)
+                info = xgr.TokenizerInfo.from_huggingface(
+                    tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+                )
                 self._compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS)
             return self._compiler
 
@@ -78,7 +79,9 @@ class GrammarCompiler:
             if c.kind == "grammar":
                 return compiler.compile_grammar(c.value)
         except (RuntimeError, ValueError, TypeError) as e:
-            raise InvalidRequest(constraint_field(c), f"the grammar engine cannot compile it: {_engine_message(e)}") from None
+            raise InvalidRequest(
+                constraint_field(c), f"the grammar engine cannot compile it: {_engine_message(e)}"
+            ) from None
         raise InvalidRequest("sampling.structured_output", f"unknown kind {c.kind!r}")
 
     def state(self, c: Constraint) -> GrammarState:
@@ -128,5 +131,9 @@ class BatchMasker:
         bitmask = self._buffers[key]
         for row, state in states:
             state.fill(bitmask, row)
-        xgr.apply_token_bitmask_inplace(logits, bitmask[:rows].to(logits.device, non_blocking=True), vocab_size=vocab,
-                                        indices=[row for row, _ in states])
+        xgr.apply_token_bitmask_inplace(
+            logits,
+            bitmask[:rows].to(logits.device, non_blocking=True),
+            vocab_size=vocab,
+            indices=[row for row, _ in states],
+        )

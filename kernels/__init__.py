@@ -17,8 +17,16 @@ from pdserve.kernels import reference
 from pdserve.kernels.kv_format import KV_CACHE_DTYPES, KVFormat
 from pdserve.kernels.layer_ops import TORCH_LAYER_OPS, LayerOps, select_layer_ops
 
-__all__ = ["AttentionBackend", "BACKENDS", "KV_CACHE_DTYPES", "KVFormat", "LayerOps", "TORCH_LAYER_OPS",
-           "select_backend", "select_layer_ops"]
+__all__ = [
+    "AttentionBackend",
+    "BACKENDS",
+    "KV_CACHE_DTYPES",
+    "KVFormat",
+    "LayerOps",
+    "TORCH_LAYER_OPS",
+    "select_backend",
+    "select_layer_ops",
+]
 
 # (qkv [T, (Hq + 2 Hkv) D], positions [T], rope, kv layer, slot_mapping [T], Hq, Hkv, D) -> q, k, v
 RopeWriteKV = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -38,8 +46,17 @@ class AttentionBackend:
     kv_format: KVFormat | None = None
 
 
-def rope_then_write(backend: AttentionBackend, qkv: torch.Tensor, positions: torch.Tensor, rope, kv: torch.Tensor,
-                    slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):
+def rope_then_write(
+    backend: AttentionBackend,
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    rope,
+    kv: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+):
     """Splits q/k/v, applies RoPE and stores k/v: the backend's fused kernel, or the same in steps."""
     if backend.rope_write_kv is not None:
         return backend.rope_write_kv(qkv, positions, rope, kv, slot_mapping, num_heads, num_kv_heads, head_dim)
@@ -106,8 +123,9 @@ def cpu_backend(fmt: KVFormat | None = None) -> AttentionBackend | None:
 
     def rope_write_kv(qkv, positions, rope, kv, slot_mapping, num_heads, num_kv_heads, head_dim):
         qkv = qkv.contiguous()
-        module.rope_write_kv(qkv, positions, rope.cos, rope.sin, num_heads, num_kv_heads, head_dim, kv,
-                             slot_mapping, fmt.kind)
+        module.rope_write_kv(
+            qkv, positions, rope.cos, rope.sin, num_heads, num_kv_heads, head_dim, kv, slot_mapping, fmt.kind
+        )
         tokens, q_width, kv_width = qkv.shape[0], num_heads * head_dim, num_kv_heads * head_dim
         q = qkv[:, :q_width].view(tokens, num_heads, head_dim)
         k = qkv[:, q_width : q_width + kv_width].view(tokens, num_kv_heads, head_dim)

@@ -56,8 +56,11 @@ def module_name() -> str:
 
 def cache_root() -> Path:
     """The first writable of $PDSERVE_KERNEL_CACHE, ~/.cache/pdserve/kernels and a temp folder."""
-    candidates = [os.environ.get(CACHE_ENV), Path.home() / ".cache" / "pdserve" / "kernels",
-                  Path(tempfile.gettempdir()) / f"pdserve-kernels-{os.getuid()}"]
+    candidates = [
+        os.environ.get(CACHE_ENV),
+        Path.home() / ".cache" / "pdserve" / "kernels",
+        Path(tempfile.gettempdir()) / f"pdserve-kernels-{os.getuid()}",
+    ]
     for candidate in candidates:
         if not candidate:
             continue
@@ -94,8 +97,10 @@ def load():
         name = module_name()
         return _build(name, cache_root() / name)
     except Exception as e:  # noqa: BLE001 - any build problem means: use the torch fallbacks
-        log.warning("C++ CPU kernels unavailable (%s); using torch fallbacks",
-                    str(e).splitlines()[0] if str(e) else type(e).__name__)
+        log.warning(
+            "C++ CPU kernels unavailable (%s); using torch fallbacks",
+            str(e).splitlines()[0] if str(e) else type(e).__name__,
+        )
         return None
 
 

@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from pdserve.kernels.kv_format import KVFormat
 
 
-def write_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
-             fmt: KVFormat | None = None) -> None:
+def write_kv(
+    kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, fmt: KVFormat | None = None
+) -> None:
     """Store ``k``/``v`` ([T, H, D]) at ``slot_mapping`` ([T]) of one layer's cache."""
     slots = kv.view(-1, *kv.shape[2:])
     if fmt is not None and fmt.quantized:
@@ -34,8 +35,9 @@ def _decode_slots(tokens: torch.Tensor, fmt: KVFormat | None) -> tuple[torch.Ten
     return tokens[..., 0, :, :], tokens[..., 1, :, :]
 
 
-def gather_kv(kv: torch.Tensor, block_table: torch.Tensor, num_tokens: int,
-              fmt: KVFormat | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kv(
+    kv: torch.Tensor, block_table: torch.Tensor, num_tokens: int, fmt: KVFormat | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The first ``num_tokens`` tokens of one sequence as dense ``k, v`` ([num_tokens, H, D])."""
     block_size = kv.shape[1]
     num_blocks = -(-num_tokens // block_size)
@@ -46,8 +48,12 @@ def gather_kv(kv: torch.Tensor, block_table: torch.Tensor, num_tokens: int,
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, **mask) -> torch.Tensor:
     """SDPA on token-major tensors: q [Tq, Hq, D], k/v [Tk, Hkv, D] -> [Tq, Hq, D]."""
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-        scale=scale, enable_gqa=q.shape[1] != k.shape[1], **mask,
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+        **mask,
     )
     return out.squeeze(0).transpose(0, 1)
 
@@ -58,7 +64,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 
 def paged_prefill_attention(
-    q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, context_len: int, scale: float,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    block_table: torch.Tensor,
+    context_len: int,
+    scale: float,
     fmt: KVFormat | None = None,
 ) -> torch.Tensor:
     """Attention for a chunk of one sequence whose K/V (earlier context included) are in the cache.
@@ -74,7 +84,11 @@ def paged_prefill_attention(
 
 
 def paged_decode_attention(
-    q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
     fmt: KVFormat | None = None,
 ) -> torch.Tensor:
     """One query token per sequence over its cached context.

@@ -90,9 +90,13 @@ def _write_kv_quant_kernel(
     scale_base = scales_ptr + slot * stride_scale_slot + head
     for which in tl.static_range(2):
         if which == 0:
-            x = tl.load(k_ptr + tok.to(tl.int64) * stride_kt + head * stride_kh + d, mask=dmask, other=0.0).to(tl.float32)
+            x = tl.load(k_ptr + tok.to(tl.int64) * stride_kt + head * stride_kh + d, mask=dmask, other=0.0).to(
+                tl.float32
+            )
         else:
-            x = tl.load(v_ptr + tok.to(tl.int64) * stride_vt + head * stride_vh + d, mask=dmask, other=0.0).to(tl.float32)
+            x = tl.load(v_ptr + tok.to(tl.int64) * stride_vt + head * stride_vh + d, mask=dmask, other=0.0).to(
+                tl.float32
+            )
         amax = tl.max(tl.abs(x), axis=0)
         inv = tl.where(amax > 0.0, MAX_CODE / amax, 0.0)
         y = x * inv
@@ -199,9 +203,7 @@ def _attention_kernel(
             slot = pos.to(tl.int64)
         kv_mask = pos_ok[None, :] & dmask[:, None]
         # K is loaded transposed ([D, N]) so the score product needs no tl.trans.
-        k = tl.load(
-            k_ptr + slot[None, :] * stride_kt + kv_head * stride_kh + d[:, None], mask=kv_mask, other=0.0
-        )
+        k = tl.load(k_ptr + slot[None, :] * stride_kt + kv_head * stride_kh + d[:, None], mask=kv_mask, other=0.0)
         if QUANT:  # 8-bit codes times each token's scale
             k_scale = tl.load(k_scale_ptr + slot * stride_ks + kv_head, mask=pos_ok, other=0.0)
             k = k.to(tl.float32) * k_scale[None, :]
@@ -347,12 +349,16 @@ def _cache_views(kv: torch.Tensor, fmt: KVFormat | None = None):
     floats = flat.view(torch.float32)  # token_bytes is a multiple of 4: the scales are aligned
     first = 2 * width // 4
     k_scales, v_scales = floats[:, first : first + heads], floats[:, first + heads : first + 2 * heads]
-    return (codes[:, :width].view(-1, heads, dim), codes[:, width : 2 * width].view(-1, heads, dim),
-            (k_scales, v_scales))
+    return (
+        codes[:, :width].view(-1, heads, dim),
+        codes[:, width : 2 * width].view(-1, heads, dim),
+        (k_scales, v_scales),
+    )
 
 
-def write_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
-             fmt: KVFormat | None = None) -> None:
+def write_kv(
+    kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, fmt: KVFormat | None = None
+) -> None:
     """Store ``k``/``v`` ([T, H, D]) at ``slot_mapping`` ([T]) of one layer's cache."""
     if not kv.is_contiguous():
         raise ValueError("the KV cache must be contiguous")
@@ -403,7 +409,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 
 def paged_prefill_attention(
-    q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, context_len: int, scale: float,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    block_table: torch.Tensor,
+    context_len: int,
+    scale: float,
     fmt: KVFormat | None = None,
 ) -> torch.Tensor:
     """Attention for a chunk of one sequence whose K/V (earlier context included) are in the cache.
@@ -418,7 +428,11 @@ def paged_prefill_attention(
 
 
 def paged_decode_attention(
-    q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
     fmt: KVFormat | None = None,
 ) -> torch.Tensor:
     """One query token per sequence over its cached context.

@@ -81,8 +81,14 @@ class CudaIpcPool:
         self._pci_bus_id = pci_bus_id(ordinal)
 
     def describe(self) -> dict:
-        return {"cuda_ipc": {"handle": self._handle.hex(), "nbytes": self.nbytes, "pci_bus_id": self._pci_bus_id,
-                             "num_layers": self.layout.num_layers}}
+        return {
+            "cuda_ipc": {
+                "handle": self._handle.hex(),
+                "nbytes": self.nbytes,
+                "pci_bus_id": self._pci_bus_id,
+                "num_layers": self.layout.num_layers,
+            }
+        }
 
     def close(self) -> None:
         pass  # the allocation lives as long as the engine's cache
@@ -166,8 +172,10 @@ class Sender:
                 copied = torch.cuda.Event()
                 copied.record(stream)
                 copied.synchronize()
-        self.ctx.send_frame(FrameHeader(FrameKind.WRITTEN, unit.transfer_id, unit.layer, unit.start, unit.end, checksum=digest),
-                            defer=True)
+        self.ctx.send_frame(
+            FrameHeader(FrameKind.WRITTEN, unit.transfer_id, unit.layer, unit.start, unit.end, checksum=digest),
+            defer=True,
+        )
 
     def flush(self, transfer_id: int) -> None:
         pass  # each unit's copy has completed before its WRITTEN

@@ -56,7 +56,9 @@ class Grant:
     nbytes: int = 0
     writers: int = 0  # writes in progress (a TCP payload being read, a posted UCX receive, ...)
     cancellers: list[Callable[[], None]] = field(default_factory=list)  # stop the writes in progress
-    pending_done: tuple[int, str, Callable[[AckStatus], None], tuple[int, ...]] | None = None  # DONE seen, writes still landing
+    pending_done: tuple[int, str, Callable[[AckStatus], None], tuple[int, ...]] | None = (
+        None  # DONE seen, writes still landing
+    )
     failure: TransferOutcome | None = None  # set when FAILED; reported once the blocks are safe
     landed: np.ndarray = field(init=False)
     _slots: tuple[int, int, Slots] | None = None  # the last token range's slots: every layer reuses them
@@ -79,7 +81,9 @@ class Grant:
 class GrantLedger:
     """Implements the engine's ``IncomingKV``; transport threads call the rest."""
 
-    def __init__(self, num_layers: int, token_bytes: int, lease_s: float = DEFAULT_LEASE_S, quarantine_s: float = 0.0) -> None:
+    def __init__(
+        self, num_layers: int, token_bytes: int, lease_s: float = DEFAULT_LEASE_S, quarantine_s: float = 0.0
+    ) -> None:
         self.num_layers = num_layers
         self.token_bytes = token_bytes
         self.lease_s = lease_s
@@ -90,13 +94,15 @@ class GrantLedger:
         self._lock = threading.Lock()  # guards ``grants`` and ``releasing``
 
     # -- the engine side -----------------------------------------------------------------------
-    def grant(self, block_ids: list[int], num_tokens: int, skip_tokens: int, report: Report,
-              lease_s: float | None = None) -> int:
+    def grant(
+        self, block_ids: list[int], num_tokens: int, skip_tokens: int, report: Report, lease_s: float | None = None
+    ) -> int:
         """Expects tokens [skip_tokens, num_tokens) of every layer in ``block_ids`` (the first
         ``skip_tokens`` are already there: shared prefix blocks). Returns the transfer id."""
         lease = lease_s or self.lease_s
-        grant = Grant(secrets.randbits(63), list(block_ids), num_tokens, self.num_layers, report, lease,
-                      time.monotonic() + lease)
+        grant = Grant(
+            secrets.randbits(63), list(block_ids), num_tokens, self.num_layers, report, lease, time.monotonic() + lease
+        )
         grant.landed[:, :skip_tokens] = True
         with self._lock:
             self.grants[grant.transfer_id] = grant
@@ -139,7 +145,9 @@ class GrantLedger:
         """The grant a unit may write into (its write has begun: call ``end_write``), or None
         (refused, counted and logged). Renews the lease."""
         grant = self.lookup(transfer_id)
-        problem = "unknown or finished transfer" if grant is None else self._check_range(grant, layer, start, end, nbytes)
+        problem = (
+            "unknown or finished transfer" if grant is None else self._check_range(grant, layer, start, end, nbytes)
+        )
         if problem is None:
             with grant.lock:
                 if grant.state is GrantState.ACTIVE:
@@ -170,8 +178,15 @@ class GrantLedger:
                 return
         canceller()
 
-    def end_write(self, grant: Grant, layer: int, start: int, end: int, checksum_ok: bool | None,
-                  canceller: Callable[[], None] | None = None) -> None:
+    def end_write(
+        self,
+        grant: Grant,
+        layer: int,
+        start: int,
+        end: int,
+        checksum_ok: bool | None,
+        canceller: Callable[[], None] | None = None,
+    ) -> None:
         """A write admitted by ``admit`` is over. ``checksum_ok`` None: it broke off and
         nothing usable landed."""
         with grant.lock:
@@ -193,8 +208,14 @@ class GrantLedger:
         if deferred is not None:
             deferred[2](self.finish(grant, deferred[0], deferred[1], more_token_ids=deferred[3]))
 
-    def finish(self, grant: Grant, first_token_id: int, transport: str,
-               reply: Callable[[AckStatus], None] | None = None, more_token_ids: tuple[int, ...] = ()) -> AckStatus | None:
+    def finish(
+        self,
+        grant: Grant,
+        first_token_id: int,
+        transport: str,
+        reply: Callable[[AckStatus], None] | None = None,
+        more_token_ids: tuple[int, ...] = (),
+    ) -> AckStatus | None:
         """The sender is done: verify coverage and integrity, then complete or fail. Returns
         None when writes are still landing; ``reply`` then gets the status later.
         ``more_token_ids``: the other choices' first tokens (n > 1)."""
@@ -219,8 +240,15 @@ class GrantLedger:
             self.grants.pop(grant.transfer_id, None)
         self.counters[f"transfers_{transport}"] += 1
         self.counters[f"bytes_{transport}"] += grant.nbytes
-        grant.report(TransferOutcome(True, first_token_id=first_token_id, transport=transport, nbytes=grant.nbytes,
-                                     more_first_token_ids=tuple(more_token_ids)))
+        grant.report(
+            TransferOutcome(
+                True,
+                first_token_id=first_token_id,
+                transport=transport,
+                nbytes=grant.nbytes,
+                more_first_token_ids=tuple(more_token_ids),
+            )
+        )
         return AckStatus.OK
 
     def fail(self, grant: Grant, reason: str) -> bool:

@@ -87,24 +87,46 @@ class PeerInfo:
         prefill, decode = (self, other) if self.role == "prefill" else (other, self)
         problem = mapping_problem(self.num_kv_heads, prefill.tp_size, decode.tp_size, self.dtype)
         if problem is not None:
-            raise HandshakeError(f"KV layouts cannot be mapped (prefill tensor parallel {prefill.tp_size}, decode "
-                                 f"{decode.tp_size}, {self.num_kv_heads} KV heads): {problem}")
+            raise HandshakeError(
+                f"KV layouts cannot be mapped (prefill tensor parallel {prefill.tp_size}, decode "
+                f"{decode.tp_size}, {self.num_kv_heads} KV heads): {problem}"
+            )
 
 
 _FIELD_TYPES = {
-    "model_fingerprint": str, "dtype": str, "num_layers": int, "num_kv_heads": int, "head_dim": int,
-    "block_size": int, "host_id": str, "role": str, "extra": dict, "token_bytes": int, "nonce": str, "proof": str,
+    "model_fingerprint": str,
+    "dtype": str,
+    "num_layers": int,
+    "num_kv_heads": int,
+    "head_dim": int,
+    "block_size": int,
+    "host_id": str,
+    "role": str,
+    "extra": dict,
+    "token_bytes": int,
+    "nonce": str,
+    "proof": str,
     "tp_size": int,
 }
 
 
-def local_peer_info(fingerprint: str, layout, *, role: str, transports: tuple[str, ...], extra: dict | None = None,
-                    tp_size: int = 1) -> PeerInfo:
+def local_peer_info(
+    fingerprint: str, layout, *, role: str, transports: tuple[str, ...], extra: dict | None = None, tp_size: int = 1
+) -> PeerInfo:
     """``layout``: the engine's ``KVLayout`` (the whole model's); ``tp_size``: how its heads are split."""
     return PeerInfo(
-        model_fingerprint=fingerprint, dtype=layout.stored_as, num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
-        head_dim=layout.head_dim, block_size=layout.block_size, transports=transports, host_id=host_id(), role=role,
-        extra=extra or {}, token_bytes=layout.token_bytes, tp_size=tp_size,
+        model_fingerprint=fingerprint,
+        dtype=layout.stored_as,
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        block_size=layout.block_size,
+        transports=transports,
+        host_id=host_id(),
+        role=role,
+        extra=extra or {},
+        token_bytes=layout.token_bytes,
+        tp_size=tp_size,
     )
 
 
@@ -175,8 +197,7 @@ def client_handshake(sock: socket.socket, local: PeerInfo, secret: bytes | None,
     return remote
 
 
-def server_handshake(sock: socket.socket, local: PeerInfo, secret: bytes | None,
-                     reply_extra) -> tuple[PeerInfo, str]:
+def server_handshake(sock: socket.socket, local: PeerInfo, secret: bytes | None, reply_extra) -> tuple[PeerInfo, str]:
     """Decode side: checks the peer (credential first, then compatibility), picks the
     transport and answers HELLO_OK with ``reply_extra(transport)`` merged into our extra.
     Raises HandshakeError (the caller answers REJECT) or ProtocolError."""
@@ -195,7 +216,9 @@ def server_handshake(sock: socket.socket, local: PeerInfo, secret: bytes | None,
         proof = _mac(secret, b"server", _unhex(remote.nonce), server_nonce).hex()
     local.check_compatible(remote)
     transport = choose(local, remote)
-    reply = replace(local, extra={**local.extra, **reply_extra(transport), "transport": transport}, proof=proof).to_json()
+    reply = replace(
+        local, extra={**local.extra, **reply_extra(transport), "transport": transport}, proof=proof
+    ).to_json()
     send_frame(sock, FrameHeader(FrameKind.HELLO_OK, payload_len=len(reply)), reply)
     return remote, transport
 

@@ -64,7 +64,9 @@ def reference_chunk_digests(data: bytes) -> np.ndarray:
     """What ``chunk_digests`` computes, with the xxhash library (for tests)."""
     n_chunks = max(1, -(-len(data) // CHUNK))
     padded = data.ljust(n_chunks * CHUNK, b"\0")
-    return np.array([xxhash.xxh64_intdigest(padded[i * CHUNK:(i + 1) * CHUNK]) for i in range(n_chunks)], dtype=np.uint64)
+    return np.array(
+        [xxhash.xxh64_intdigest(padded[i * CHUNK : (i + 1) * CHUNK]) for i in range(n_chunks)], dtype=np.uint64
+    )
 
 
 def _signed(value: int) -> int:

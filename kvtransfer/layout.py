@@ -147,7 +147,9 @@ class KVCacheView:
     (how the GPU path is tested without a GPU).
     """
 
-    def __init__(self, layers: list[torch.Tensor], block_size: int, token_bytes: int, *, force_staging: bool = False) -> None:
+    def __init__(
+        self, layers: list[torch.Tensor], block_size: int, token_bytes: int, *, force_staging: bool = False
+    ) -> None:
         self.block_size = block_size
         self.token_bytes = token_bytes
         self.device = layers[0].device
@@ -199,7 +201,9 @@ class KVCacheView:
         """Where to put the bytes of ``slots`` in ``layer``: in place, or a staging buffer that
         ``commit`` scatters into the cache."""
         if self.on_host and slots.contiguous:
-            return WriteTarget(self, layer, slots, self._numpy[layer][slots.first : slots.first + len(slots)].reshape(-1))
+            return WriteTarget(
+                self, layer, slots, self._numpy[layer][slots.first : slots.first + len(slots)].reshape(-1)
+            )
         host = self.host_staging.take(len(slots) * self.token_bytes)
         return WriteTarget(self, layer, slots, host[: len(slots) * self.token_bytes].numpy(), host)
 
@@ -224,8 +228,13 @@ class HostBytes:
 
     __slots__ = ("data", "staged", "_pool", "_buffer")
 
-    def __init__(self, data: np.ndarray, pool: StagingPool | None = None, buffer: torch.Tensor | None = None,
-                 staged: bool = False) -> None:
+    def __init__(
+        self,
+        data: np.ndarray,
+        pool: StagingPool | None = None,
+        buffer: torch.Tensor | None = None,
+        staged: bool = False,
+    ) -> None:
         self.data, self._pool, self._buffer = data, pool, buffer
         self.staged = staged or buffer is not None  # a copy: the cache itself is not exposed
 
@@ -240,7 +249,9 @@ class WriteTarget:
 
     __slots__ = ("view", "layer", "slots", "data", "_buffer")
 
-    def __init__(self, view: KVCacheView, layer: int, slots: Slots, data: np.ndarray, buffer: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, view: KVCacheView, layer: int, slots: Slots, data: np.ndarray, buffer: torch.Tensor | None = None
+    ) -> None:
         self.view, self.layer, self.slots, self.data, self._buffer = view, layer, slots, data, buffer
 
     @property

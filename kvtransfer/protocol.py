@@ -65,8 +65,17 @@ class FrameHeader:
 
     def pack(self) -> bytes:
         return HEADER.pack(
-            MAGIC, VERSION, int(self.kind), self.flags, self.transfer_id, self.layer,
-            self.start, self.end, self.aux, self.payload_len, self.checksum,
+            MAGIC,
+            VERSION,
+            int(self.kind),
+            self.flags,
+            self.transfer_id,
+            self.layer,
+            self.start,
+            self.end,
+            self.aux,
+            self.payload_len,
+            self.checksum,
         )
 
     @classmethod

@@ -28,8 +28,17 @@ HANDSHAKE_TIMEOUT_S = 10.0
 
 
 class KVReceiver:
-    def __init__(self, ledger: GrantLedger, cache: KVCacheView, local: PeerInfo, host: str, port: int, *,
-                 secret: bytes | None = None, ucx=None) -> None:
+    def __init__(
+        self,
+        ledger: GrantLedger,
+        cache: KVCacheView,
+        local: PeerInfo,
+        host: str,
+        port: int,
+        *,
+        secret: bytes | None = None,
+        ucx=None,
+    ) -> None:
         self.ledger = ledger
         self.cache = cache
         self.local = local
@@ -98,8 +107,15 @@ class _Connection:
 
     def _handshake(self) -> bool:
         configure(self.sock, HANDSHAKE_TIMEOUT_S)
-        ctx = ReceiveContext(self.sock, self.server.cache, self.ledger, self.server.ucx, str(self.peer),
-                             self.server.local.extra, self._ack)
+        ctx = ReceiveContext(
+            self.sock,
+            self.server.cache,
+            self.ledger,
+            self.server.ucx,
+            str(self.peer),
+            self.server.local.extra,
+            self._ack,
+        )
 
         def reply_extra(transport: str) -> dict:
             self.receiver = registry.get(transport).load().Receiver(ctx)
@@ -144,8 +160,9 @@ class _Connection:
         if grant is None:
             self._ack(h.transfer_id, AckStatus.UNKNOWN_TRANSFER)
             return
-        status = self.ledger.finish(grant, h.aux, self.transport, reply=lambda s: self._ack(h.transfer_id, s),
-                                    more_token_ids=more)
+        status = self.ledger.finish(
+            grant, h.aux, self.transport, reply=lambda s: self._ack(h.transfer_id, s), more_token_ids=more
+        )
         if status is not None:
             self._ack(h.transfer_id, status)
 

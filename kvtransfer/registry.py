@@ -30,11 +30,21 @@ class TransportSpec:
 
 
 TRANSPORTS: tuple[TransportSpec, ...] = (  # best first: negotiation picks the first both sides offer
-    TransportSpec("cuda_ipc", "pdserve.kvtransfer.cuda_ipc_transport", same_host_only=True, one_sided=True,
-                  pool="a dedicated cudaMalloc exported by IPC handle"),
+    TransportSpec(
+        "cuda_ipc",
+        "pdserve.kvtransfer.cuda_ipc_transport",
+        same_host_only=True,
+        one_sided=True,
+        pool="a dedicated cudaMalloc exported by IPC handle",
+    ),
     TransportSpec("ucx", "pdserve.kvtransfer.ucx_transport", same_host_only=False, one_sided=False, pool=None),
-    TransportSpec("shm", "pdserve.kvtransfer.shm_transport", same_host_only=True, one_sided=True,
-                  pool="a POSIX shared-memory segment"),
+    TransportSpec(
+        "shm",
+        "pdserve.kvtransfer.shm_transport",
+        same_host_only=True,
+        one_sided=True,
+        pool="a POSIX shared-memory segment",
+    ),
     TransportSpec("tcp", "pdserve.kvtransfer.tcp_transport", same_host_only=False, one_sided=False, pool=None),
 )
 TRANSPORT_NAMES: tuple[str, ...] = tuple(t.name for t in TRANSPORTS)
@@ -68,7 +78,9 @@ def offered_transports(requested: str, device) -> tuple[str, ...]:
     if requested == "auto" and "ucx" in reasons:
         import logging
 
-        logging.getLogger(__name__).info("KV transfer: UCX unavailable (%s); using the other transports", reasons["ucx"])
+        logging.getLogger(__name__).info(
+            "KV transfer: UCX unavailable (%s); using the other transports", reasons["ucx"]
+        )
     return tuple(offered)
 
 

@@ -70,7 +70,9 @@ class ReshardedView:
 
     on_host = False  # units are assembled, never read in place
 
-    def __init__(self, source: KVCacheView, stored_as: str, num_kv_heads: int, head_dim: int, src_tp: int, dst_tp: int) -> None:
+    def __init__(
+        self, source: KVCacheView, stored_as: str, num_kv_heads: int, head_dim: int, src_tp: int, dst_tp: int
+    ) -> None:
         problem = mapping_problem(num_kv_heads, src_tp, dst_tp, stored_as)
         if problem is not None:
             raise ValueError(problem)
@@ -87,7 +89,9 @@ class ReshardedView:
             by_source: dict[int, list[tuple[int, int, int]]] = {}
             for src, src_head, dst_head, count in plan(num_kv_heads, src_tp, dst_tp, d):
                 for (src_base, size), (dst_base, _) in zip(src_fields, dst_fields):
-                    by_source.setdefault(src, []).append((src_base + src_head * size, dst_base + dst_head * size, count * size))
+                    by_source.setdefault(src, []).append(
+                        (src_base + src_head * size, dst_base + dst_head * size, count * size)
+                    )
             self._copies.append(sorted(by_source.items()))
 
     def slots(self, block_ids: list[int], start: int, end: int) -> Slots:

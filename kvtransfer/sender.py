@@ -43,8 +43,15 @@ class _Done:
 class OutgoingTransfer:
     """One request's transfer on a connection (the engine's ``OutgoingKV``)."""
 
-    def __init__(self, conn: "KVConnection", transfer_id: int, dst_block_ids: list[int], dst_block_size: int,
-                 num_tokens: int, skip_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        conn: "KVConnection",
+        transfer_id: int,
+        dst_block_ids: list[int],
+        dst_block_size: int,
+        num_tokens: int,
+        skip_tokens: int = 0,
+    ) -> None:
         self.conn = conn
         self.transfer_id = transfer_id
         self.dst_block_ids = list(dst_block_ids)
@@ -70,8 +77,11 @@ class OutgoingTransfer:
         if cached is None or cached[0] is not block_ids or cached[1:3] != (start, end):
             try:
                 src = self.conn.cache.slots(block_ids, start, end)
-                dst = slots_of(self.dst_block_ids, self.dst_block_size, start, end, self.conn.peer_device) \
-                    if self.conn.one_sided else None
+                dst = (
+                    slots_of(self.dst_block_ids, self.dst_block_size, start, end, self.conn.peer_device)
+                    if self.conn.one_sided
+                    else None
+                )
             except ValueError as e:
                 self.failed = str(e)
                 return
@@ -109,8 +119,17 @@ class OutgoingTransfer:
 
 
 class KVConnection:
-    def __init__(self, address: str, local: PeerInfo, cache: KVCacheView, *, secret: bytes | None = None,
-                 ucx=None, faults: FaultPlan | None = None, connect_timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        address: str,
+        local: PeerInfo,
+        cache: KVCacheView,
+        *,
+        secret: bytes | None = None,
+        ucx=None,
+        faults: FaultPlan | None = None,
+        connect_timeout: float = 5.0,
+    ) -> None:
         self.address = address
         self.cache = cache
         host, port = split_address(address)
@@ -123,8 +142,9 @@ class KVConnection:
                 raise HandshakeError(f"decode worker {address} chose {name!r}, which this worker does not offer")
             spec = registry.get(name)
             if self.remote.tp_size != local.tp_size:  # the decode ranks hold other heads than ours
-                cache = ReshardedView(cache, local.dtype, local.num_kv_heads, local.head_dim, local.tp_size,
-                                      self.remote.tp_size)
+                cache = ReshardedView(
+                    cache, local.dtype, local.num_kv_heads, local.head_dim, local.tp_size, self.remote.tp_size
+                )
                 self.cache = cache
             configure(self.sock, IO_TIMEOUT_S)
             self.ctx = SendContext(self.sock, cache, self.remote.extra, faults or FaultPlan(), ucx)
@@ -147,8 +167,9 @@ class KVConnection:
         threading.Thread(target=self._send_loop, name="kv-send", daemon=True).start()
         threading.Thread(target=self._ack_loop, name="kv-acks", daemon=True).start()
 
-    def open(self, transfer_id: int, dst_block_ids: list[int], dst_block_size: int, num_tokens: int,
-             skip_tokens: int = 0) -> OutgoingTransfer:
+    def open(
+        self, transfer_id: int, dst_block_ids: list[int], dst_block_size: int, num_tokens: int, skip_tokens: int = 0
+    ) -> OutgoingTransfer:
         transfer = OutgoingTransfer(self, transfer_id, dst_block_ids, dst_block_size, num_tokens, skip_tokens)
         with self._lock:
             self._transfers[transfer_id] = transfer
@@ -219,8 +240,9 @@ class KVConnection:
                 self._fail(transfer, str(e))
                 return
             more = struct.pack(f"<{len(what.more_token_ids)}q", *what.more_token_ids)
-            self.ctx.send_frame(FrameHeader(FrameKind.DONE, transfer.transfer_id, aux=what.first_token_id,
-                                            payload_len=len(more)), more)
+            self.ctx.send_frame(
+                FrameHeader(FrameKind.DONE, transfer.transfer_id, aux=what.first_token_id, payload_len=len(more)), more
+            )
 
     def _renew(self, transfer: OutgoingTransfer) -> None:
         self.ctx.send_frame(FrameHeader(FrameKind.RENEW, transfer.transfer_id))
@@ -267,15 +289,23 @@ class KVConnection:
 def _outcome(status: AckStatus, transport: str, nbytes: int) -> TransferOutcome:
     if status is AckStatus.OK:
         return TransferOutcome(True, transport=transport, nbytes=nbytes)
-    return TransferOutcome(False, f"decode worker refused the KV transfer: {status.name}",
-                           corrupted=status is AckStatus.CHECKSUM_MISMATCH)
+    return TransferOutcome(
+        False, f"decode worker refused the KV transfer: {status.name}", corrupted=status is AckStatus.CHECKSUM_MISMATCH
+    )
 
 
 class KVSender:
     """The prefill worker's connections to decode workers, one per address, reopened when broken."""
 
-    def __init__(self, local: PeerInfo, cache: KVCacheView, *, secret: bytes | None = None, ucx=None,
-                 faults: FaultPlan | None = None) -> None:
+    def __init__(
+        self,
+        local: PeerInfo,
+        cache: KVCacheView,
+        *,
+        secret: bytes | None = None,
+        ucx=None,
+        faults: FaultPlan | None = None,
+    ) -> None:
         self.local = local
         self.cache = cache
         self.secret = secret

@@ -105,7 +105,7 @@ def remove_stale_segments() -> int:
         return 0
     for path in SHM_DIR.glob(f"{PREFIX}*"):
         try:
-            pid = int(path.name[len(PREFIX):].split("-")[0])
+            pid = int(path.name[len(PREFIX) :].split("-")[0])
         except ValueError:
             continue
         if not Path(f"/proc/{pid}").exists():
@@ -135,8 +135,10 @@ class Sender:
             data.release()
         if self.ctx.faults.take("corrupt"):
             rows[unit.dst.first, 0] ^= 0x5A  # a data byte of what landed, never our own cache
-        self.ctx.send_frame(FrameHeader(FrameKind.WRITTEN, unit.transfer_id, unit.layer, unit.start, unit.end, checksum=digest),
-                            defer=True)
+        self.ctx.send_frame(
+            FrameHeader(FrameKind.WRITTEN, unit.transfer_id, unit.layer, unit.start, unit.end, checksum=digest),
+            defer=True,
+        )
 
     def flush(self, transfer_id: int) -> None:
         pass  # the copies are done when send returns

@@ -34,8 +34,15 @@ class Sender:
             digest = checksum(payload)
             if self.ctx.faults.take("corrupt"):
                 payload = flipped(payload)
-            header = FrameHeader(FrameKind.DATA, unit.transfer_id, unit.layer, unit.start, unit.end,
-                                 payload_len=payload.nbytes, checksum=digest)
+            header = FrameHeader(
+                FrameKind.DATA,
+                unit.transfer_id,
+                unit.layer,
+                unit.start,
+                unit.end,
+                payload_len=payload.nbytes,
+                checksum=digest,
+            )
             self.ctx.send_frame(header, payload)
         finally:
             data.release()

@@ -52,8 +52,17 @@ class Sender:
             if self.ctx.faults.take("corrupt"):
                 payload = flipped(payload)
             sequence, self.sequence = self.sequence, self.sequence + 1
-            self.ctx.send_frame(FrameHeader(FrameKind.UCX_DATA, unit.transfer_id, unit.layer, unit.start, unit.end,
-                                            aux=sequence & _SEQUENCE_MASK, checksum=digest))
+            self.ctx.send_frame(
+                FrameHeader(
+                    FrameKind.UCX_DATA,
+                    unit.transfer_id,
+                    unit.layer,
+                    unit.start,
+                    unit.end,
+                    aux=sequence & _SEQUENCE_MASK,
+                    checksum=digest,
+                )
+            )
         except BaseException:
             data.release()
             raise

@@ -89,6 +89,7 @@ class UcxWorker:
 
     def send(self, peer_address: bytes, buffer, tag: int, done: Done) -> None:
         """Sends ``buffer`` (kept alive until ``done``) as one tagged message."""
+
         def send() -> None:
             array = Array(buffer)
             self._track(peer_address, self._endpoint(peer_address).tag_send(array, Tag(tag)), (array, buffer), done)
@@ -97,6 +98,7 @@ class UcxWorker:
 
     def recv(self, buffer, tag: int, done: Done) -> None:
         """Posts a receive of one tagged message into ``buffer``, in place."""
+
         def recv() -> None:
             array = Array(buffer)
             self._track(("recv", tag >> TAG_BITS), self._worker.tag_recv(array, Tag(tag)), (array, buffer), done)
@@ -105,10 +107,13 @@ class UcxWorker:
 
     def cancel_recv(self, tag: int) -> None:
         """Completes a posted receive with an empty message of its own: nothing lands after."""
+
         def cancel() -> None:
             empty = bytearray(1)
             array = Array(memoryview(empty)[:0])
-            self._track(self.address, self._endpoint(self.address).tag_send(array, Tag(tag)), (array, empty), lambda e: None)
+            self._track(
+                self.address, self._endpoint(self.address).tag_send(array, Tag(tag)), (array, empty), lambda e: None
+            )
 
         self._submit(cancel, lambda e: log.warning("could not cancel a UCX receive: %s", e))
 

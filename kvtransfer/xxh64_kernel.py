@@ -28,8 +28,11 @@ def xxh64_chunks(words_ptr, out_ptr, consts_ptr, num_words, num_chunks, WORDS: t
     word0 = chunks[:, None].to(tl.int64) * WORDS + lanes[None, :]
     zero = tl.zeros([BLOCK_C, 4], dtype=tl.uint64)
     # Lane seeds (seed 0): P1 + P2, P2, 0, -P1.
-    acc = tl.where(lanes[None, :] == 0, zero + p1 + p2, tl.where(lanes[None, :] == 1, zero + p2,
-                                                                  tl.where(lanes[None, :] == 2, zero, zero - p1)))
+    acc = tl.where(
+        lanes[None, :] == 0,
+        zero + p1 + p2,
+        tl.where(lanes[None, :] == 1, zero + p2, tl.where(lanes[None, :] == 2, zero, zero - p1)),
+    )
     for stripe in range(WORDS // 4):
         index = word0 + stripe * 4
         x = tl.load(words_ptr + index, mask=index < num_words, other=0).to(tl.uint64, bitcast=True)

@@ -19,10 +19,24 @@ from pdserve.security import SecuritySettings
 from pdserve.settings import ClusterSettings, RouterSettings, WorkerSettings
 
 log = logging.getLogger("pdserve")
-PLANNER_COMMANDS = {"profile": "measure", "simulate": "simulate_cli", "plan": "plan_cli"}  # command -> pdserve.planner module
+PLANNER_COMMANDS = {
+    "profile": "measure",
+    "simulate": "simulate_cli",
+    "plan": "plan_cli",
+}  # command -> pdserve.planner module
 
 # Set by the launcher (addresses, roles) or shared with the router's flag of the same name (profile, SLO).
-UP_WORKER_FIELDS = ("host", "port", "advertise_host", "kv_port", "colocated", "cpus", "metrics_port", "profile", "slo_tpot_ms")
+UP_WORKER_FIELDS = (
+    "host",
+    "port",
+    "advertise_host",
+    "kv_port",
+    "colocated",
+    "cpus",
+    "metrics_port",
+    "profile",
+    "slo_tpot_ms",
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -51,7 +65,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--tls-ca", default=None, help="CA bundle: connect with TLS")
     gen.add_argument("--tls-cert", default=None, help="client certificate (mTLS)")
     gen.add_argument("--tls-key", default=None, help="client key (mTLS)")
-    gen.add_argument("--api-token", default=os.environ.get("PDSERVE_API_TOKEN"), help="bearer token (env PDSERVE_API_TOKEN)")
+    gen.add_argument(
+        "--api-token", default=os.environ.get("PDSERVE_API_TOKEN"), help="bearer token (env PDSERVE_API_TOKEN)"
+    )
 
     router = sub.add_parser("router", help="run the router alone")
     add_arguments(router, RouterSettings)
@@ -65,7 +81,9 @@ def _parser() -> argparse.ArgumentParser:
 
     health = sub.add_parser("health", help="exit 0 if a pdserve server reports SERVING (for healthchecks)")
     health.add_argument("--addr", default=DEFAULT_ADDRESS, help="server address (default: %(default)s)")
-    health.add_argument("--service", default="", help="a service name, e.g. pdserve.v1.DecodeWorker (default: the server)")
+    health.add_argument(
+        "--service", default="", help="a service name, e.g. pdserve.v1.DecodeWorker (default: the server)"
+    )
     health.add_argument("--timeout", type=float, default=3.0)
 
     sub.add_parser("bench", add_help=False, help="TTFT/ITL serving benchmark (pdserve bench --help)")
@@ -167,7 +185,10 @@ def _up(args: argparse.Namespace, file: dict) -> int:
         print(f"pdserve cluster: {json.dumps(cluster.describe())}", flush=True)
         http = cluster.router_info.get("http")
         scheme = "https" if cluster.security.tls else "http"
-        print(f"pdserve ready: router on {address}{f', OpenAI API on {scheme}://{http}/v1' if http else ''} ({mode})", flush=True)
+        print(
+            f"pdserve ready: router on {address}{f', OpenAI API on {scheme}://{http}/v1' if http else ''} ({mode})",
+            flush=True,
+        )
         code = cluster.wait()
     except KeyboardInterrupt:
         code = 0

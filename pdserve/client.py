@@ -42,16 +42,24 @@ def build_request(
 
 
 class Client:
-    def __init__(self, address: str = DEFAULT_ADDRESS, credentials: grpc.ChannelCredentials | None = None, metadata: tuple = ()) -> None:
+    def __init__(
+        self, address: str = DEFAULT_ADDRESS, credentials: grpc.ChannelCredentials | None = None, metadata: tuple = ()
+    ) -> None:
         options = channel_options()
-        self.channel = grpc.secure_channel(address, credentials, options) if credentials else grpc.insecure_channel(address, options)
+        self.channel = (
+            grpc.secure_channel(address, credentials, options)
+            if credentials
+            else grpc.insecure_channel(address, options)
+        )
         self.stub = pdserve_pb2_grpc.RouterStub(self.channel)
         self.metadata = metadata
 
     def stream(self, request: pb.GenerateRequest, timeout: float | None = None) -> Iterator[pb.GenerateResponse]:
         return self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
 
-    def generate(self, prompt: str | None = None, timeout: float | None = None, **kwargs) -> tuple[list[int], str, pb.GenerateResponse]:
+    def generate(
+        self, prompt: str | None = None, timeout: float | None = None, **kwargs
+    ) -> tuple[list[int], str, pb.GenerateResponse]:
         """Runs a request to completion: (token ids, text, last message)."""
         ids, text, last = [], [], None
         for msg in self.stream(build_request(prompt, **kwargs), timeout=timeout):

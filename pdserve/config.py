@@ -48,11 +48,17 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, .
         names = [_flag(field.name)] + ([field.metadata["short"]] if field.metadata.get("short") else [])
         help_text = f"{field.metadata.get('help', '')} (default: {field.default}; env {ENV_PREFIX}{field.name.upper()})"
         if kind is bool:
-            parser.add_argument(*names, dest=field.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            parser.add_argument(
+                *names, dest=field.name, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
         else:
             parser.add_argument(
-                *names, dest=field.name, default=None, help=help_text,
-                type=kind if kind in (int, float) else str, choices=field.metadata.get("choices"),
+                *names,
+                dest=field.name,
+                default=None,
+                help=help_text,
+                type=kind if kind in (int, float) else str,
+                choices=field.metadata.get("choices"),
             )
 
 

@@ -13,8 +13,12 @@ from pdserve.client import Client, build_request
 
 def run_generate(args: argparse.Namespace) -> int:
     sampling = dict(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, stop=args.stop,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
     )
     if args.chat:
         request = build_request(messages=[{"role": "user", "content": args.prompt}], **sampling)
@@ -56,7 +60,10 @@ def _as_json(msg) -> dict:
     if msg.finish_reason:
         u = msg.usage
         out["usage"] = {
-            "prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "cached_prompt_tokens": u.cached_prompt_tokens, "ttft_ms": round(u.ttft_ms, 3), "e2e_ms": round(u.e2e_ms, 3),
+            "prompt_tokens": u.prompt_tokens,
+            "completion_tokens": u.completion_tokens,
+            "cached_prompt_tokens": u.cached_prompt_tokens,
+            "ttft_ms": round(u.ttft_ms, 3),
+            "e2e_ms": round(u.e2e_ms, 3),
         }
     return out

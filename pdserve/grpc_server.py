@@ -22,7 +22,9 @@ RETRY_AFTER_KEY = "retry-after-ms"  # trailing metadata on RESOURCE_EXHAUSTED: w
 
 async def abort_overloaded(context: grpc.aio.ServicerContext, message: str, retry_after_ms: int = 1000) -> None:
     """RESOURCE_EXHAUSTED with a retry hint (like HTTP's Retry-After)."""
-    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message, trailing_metadata=((RETRY_AFTER_KEY, str(retry_after_ms)),))
+    await context.abort(
+        grpc.StatusCode.RESOURCE_EXHAUSTED, message, trailing_metadata=((RETRY_AFTER_KEY, str(retry_after_ms)),)
+    )
 
 
 @dataclass

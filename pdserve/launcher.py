@@ -50,8 +50,13 @@ class Child:
 
 class Cluster:
     def __init__(
-        self, engine: EngineConfig, worker: WorkerSettings, router: RouterSettings, cluster: ClusterSettings,
-        security: SecuritySettings | None = None, env: dict[str, str] | None = None,
+        self,
+        engine: EngineConfig,
+        worker: WorkerSettings,
+        router: RouterSettings,
+        cluster: ClusterSettings,
+        security: SecuritySettings | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.engine = engine
         self.env = dict(env or {})  # extra environment for every child (e.g. PDSERVE_LOG_LEVEL)
@@ -74,8 +79,11 @@ class Cluster:
         prefill = [c.info["grpc"] for c in workers if c.info["role"] == "prefill"]
         decode = [c.info["grpc"] for c in workers if c.info["role"] != "prefill"]
         router_settings = dataclasses.replace(
-            self.router, prefill_workers=",".join(prefill), decode_workers=",".join(decode),
-            model=self.engine.model, cache_dir=self.engine.cache_dir,
+            self.router,
+            prefill_workers=",".join(prefill),
+            decode_workers=",".join(decode),
+            model=self.engine.model,
+            cache_dir=self.engine.cache_dir,
             metrics_port=0 if self.cluster.metrics and self.router.metrics_port is None else self.router.metrics_port,
         )
         router = self._spawn("router", ["router", *to_args(router_settings), *self._tls_args()], router=True)
@@ -101,8 +109,13 @@ class Cluster:
                 if child.router or child.restarts >= self.cluster.max_worker_restarts:
                     log.error("%s exited with code %s; stopping the cluster", child.name, code)
                     return code or 1
-                log.warning("%s exited with code %s; restarting it (restart %d of %d)", child.name, code,
-                            child.restarts + 1, self.cluster.max_worker_restarts)
+                log.warning(
+                    "%s exited with code %s; restarting it (restart %d of %d)",
+                    child.name,
+                    code,
+                    child.restarts + 1,
+                    self.cluster.max_worker_restarts,
+                )
                 self.children[i] = self._restart(child)
             time.sleep(0.5)
 
@@ -142,17 +155,26 @@ class Cluster:
         if num_gpus is None:
             wants_count = self.engine.device in ("auto", "cuda") and not all(role_devices[r] for r, _ in roles)
             num_gpus = count_visible_gpus() if wants_count else 0
-        placements = plan([role for role, _ in roles], device=self.engine.device, kv_cache_memory=self.engine.kv_cache_memory,
-                          num_gpus=num_gpus, role_devices=role_devices)
+        placements = plan(
+            [role for role, _ in roles],
+            device=self.engine.device,
+            kv_cache_memory=self.engine.kv_cache_memory,
+            num_gpus=num_gpus,
+            role_devices=role_devices,
+        )
         cpu_plan = self._cpu_plan(len(roles))
-        return [(f"{role}-{i}", [role, *self._worker_args(role, cpu_plan[n], placements[n]), *self._tls_args()])
-                for n, (role, i) in enumerate(roles)]
+        return [
+            (f"{role}-{i}", [role, *self._worker_args(role, cpu_plan[n], placements[n]), *self._tls_args()])
+            for n, (role, i) in enumerate(roles)
+        ]
 
     # -- internals ----------------------------------------------------------------------------
     def _worker_roles(self) -> list[tuple[str, int]]:
         if self.cluster.colocated:
             return [("decode", i) for i in range(self.cluster.decode)]
-        return [("prefill", i) for i in range(self.cluster.prefill)] + [("decode", i) for i in range(self.cluster.decode)]
+        return [("prefill", i) for i in range(self.cluster.prefill)] + [
+            ("decode", i) for i in range(self.cluster.decode)
+        ]
 
     def _cpu_plan(self, num_workers: int) -> list[str]:
         """Cores per worker: split the machine evenly when pinning, else no pinning."""
@@ -166,12 +188,23 @@ class Cluster:
         threads = self.engine.num_threads or max(1, (os.cpu_count() or 1) // len(self._worker_roles()))
         if cpus:
             threads = self.engine.num_threads or len(cpus.split(","))
-        tp, pp = self.cluster.role_parallelism(role, self.engine.tensor_parallel_size, self.engine.pipeline_parallel_size)
-        engine = dataclasses.replace(self.engine, num_threads=threads, device=placement.device,
-                                     kv_cache_memory=placement.kv_cache_memory, tensor_parallel_size=tp,
-                                     pipeline_parallel_size=pp)
+        tp, pp = self.cluster.role_parallelism(
+            role, self.engine.tensor_parallel_size, self.engine.pipeline_parallel_size
+        )
+        engine = dataclasses.replace(
+            self.engine,
+            num_threads=threads,
+            device=placement.device,
+            kv_cache_memory=placement.kv_cache_memory,
+            tensor_parallel_size=tp,
+            pipeline_parallel_size=pp,
+        )
         worker = dataclasses.replace(
-            self.worker, host=self.router.host, port=0, kv_port=0, cpus=cpus,
+            self.worker,
+            host=self.router.host,
+            port=0,
+            kv_port=0,
+            cpus=cpus,
             colocated=self.cluster.colocated and role == "decode",
             metrics_port=0 if self.cluster.metrics else None,
             # The router's profile and TPOT SLO also size the workers' prefill chunks.
@@ -186,8 +219,13 @@ class Cluster:
 
     def _spawn(self, name: str, args: list[str], router: bool = False, register: bool = True) -> Child:
         cmd = [sys.executable, "-m", "pdserve.cli", *args]
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", **self.env,
-               "PDSERVE_CLUSTER_TOKEN": self.security.cluster_token}
+        env = {
+            **os.environ,
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONUNBUFFERED": "1",
+            **self.env,
+            "PDSERVE_CLUSTER_TOKEN": self.security.cluster_token,
+        }
         env.pop("PDSERVE_API_TOKEN", None)
         if router and self.security.api_token:
             env["PDSERVE_API_TOKEN"] = self.security.api_token
@@ -204,9 +242,13 @@ class Cluster:
                 child.info = child.ready.get(timeout=0.5)
             except queue.Empty:
                 if child.process.poll() is not None:
-                    raise RuntimeError(f"{child.name} exited with code {child.process.returncode} before it was ready") from None
+                    raise RuntimeError(
+                        f"{child.name} exited with code {child.process.returncode} before it was ready"
+                    ) from None
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"{child.name} was not ready within {self.cluster.startup_timeout_s:.0f} s") from None
+                    raise TimeoutError(
+                        f"{child.name} was not ready within {self.cluster.startup_timeout_s:.0f} s"
+                    ) from None
 
 
 def _pump(child: Child) -> None:

@@ -22,27 +22,38 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 
 REQUESTS = Counter("pdserve_requests", "Finished requests", ["finish_reason"])
 REJECTIONS = Counter("pdserve_request_rejections", "Requests refused or failed", ["reason"])
 TTFT = Histogram("pdserve_time_to_first_token_seconds", "Time to first token, at the router", buckets=_LATENCY_BUCKETS)
-ITL = Histogram("pdserve_inter_token_latency_seconds", "Time between streamed chunks, at the router", buckets=_ITL_BUCKETS)
-E2E = Histogram("pdserve_e2e_request_latency_seconds", "Request latency, first byte in to last byte out", buckets=_LATENCY_BUCKETS)
+ITL = Histogram(
+    "pdserve_inter_token_latency_seconds", "Time between streamed chunks, at the router", buckets=_ITL_BUCKETS
+)
+E2E = Histogram(
+    "pdserve_e2e_request_latency_seconds", "Request latency, first byte in to last byte out", buckets=_LATENCY_BUCKETS
+)
 INFLIGHT = Gauge("pdserve_router_inflight_requests", "Requests the router is serving")
 MIGRATIONS = Counter("pdserve_migrations", "Requests moved to another worker after a failure", ["kind"])
 # The online planner (planner.online): what this router's share of the load needs. Sum over routers.
-PLANNER_DESIRED_REPLICAS = Gauge("pdserve_planner_desired_replicas",
-                                 "Replicas this router's load needs per pool (unrounded; sum over routers)", ["role"])
+PLANNER_DESIRED_REPLICAS = Gauge(
+    "pdserve_planner_desired_replicas",
+    "Replicas this router's load needs per pool (unrounded; sum over routers)",
+    ["role"],
+)
 PLANNER_REQUEST_RATE = Gauge("pdserve_planner_request_rate", "Request rate the online planner forecasts (req/s)")
 PLANNER_CORRECTION = Gauge("pdserve_planner_latency_correction", "Measured over profile-predicted latency", ["metric"])
 
 # -- prefill side of KV transfer ---------------------------------------------------------------------
 KV_TRANSFER_SECONDS = Histogram(
-    "pdserve_kv_transfer_duration_seconds", "From the end of prefill compute to the decode side's ack",
-    ["transport"], buckets=_LATENCY_BUCKETS,
+    "pdserve_kv_transfer_duration_seconds",
+    "From the end of prefill compute to the decode side's ack",
+    ["transport"],
+    buckets=_LATENCY_BUCKETS,
 )
 
 
 class WorkerCollector(Collector):
     """Engine and transfer state of one worker, read when Prometheus scrapes."""
 
-    def __init__(self, role: str, engine_stats: Callable[[], object], kv_counters: Callable[[], Mapping[str, float]]) -> None:
+    def __init__(
+        self, role: str, engine_stats: Callable[[], object], kv_counters: Callable[[], Mapping[str, float]]
+    ) -> None:
         self.role = role
         self.engine_stats = engine_stats
         self.kv_counters = kv_counters
@@ -57,8 +68,11 @@ class WorkerCollector(Collector):
             ("pdserve_kv_blocks_cached", "Blocks holding reusable prefixes", s.blocks_cached),
             ("pdserve_running_batch_size", "Sequences in the running batch", s.running),
             ("pdserve_queue_depth", "Requests waiting for admission", s.waiting),
-            ("pdserve_prefix_cache_hit_ratio", "Prompt blocks served from the prefix cache",
-             s.prefix_hits / s.prefix_queries if s.prefix_queries else 0.0),
+            (
+                "pdserve_prefix_cache_hit_ratio",
+                "Prompt blocks served from the prefix cache",
+                s.prefix_hits / s.prefix_queries if s.prefix_queries else 0.0,
+            ),
         ):
             family = GaugeMetricFamily(name, doc, labels=labels)
             family.add_metric([self.role], float(value))
@@ -80,7 +94,11 @@ class WorkerCollector(Collector):
 def _spec_families(role: str, spec) -> Iterable:
     """Speculative decoding (vLLM's spec_decode counters, and the two ratios since start)."""
     for name, doc, value in (
-        ("pdserve_spec_decode_drafts", "Verifications: decode steps of a sequence that carried proposed tokens", spec.drafts),
+        (
+            "pdserve_spec_decode_drafts",
+            "Verifications: decode steps of a sequence that carried proposed tokens",
+            spec.drafts,
+        ),
         ("pdserve_spec_decode_draft_tokens", "Proposed tokens", spec.draft_tokens),
         ("pdserve_spec_decode_accepted_tokens", "Proposed tokens the model kept", spec.accepted_tokens),
     ):
@@ -89,8 +107,11 @@ def _spec_families(role: str, spec) -> Iterable:
         yield family
     for name, doc, value in (
         ("pdserve_spec_decode_acceptance_rate", "Accepted over proposed tokens, since start", spec.acceptance_rate),
-        ("pdserve_spec_decode_mean_accepted_length", "Tokens emitted per verification (kept proposals + 1), since start",
-         spec.mean_accepted_length),
+        (
+            "pdserve_spec_decode_mean_accepted_length",
+            "Tokens emitted per verification (kept proposals + 1), since start",
+            spec.mean_accepted_length,
+        ),
     ):
         family = GaugeMetricFamily(name, doc, labels=["role"])
         family.add_metric([role], float(value))

@@ -58,8 +58,14 @@ def _share(budget: str, sharing: int) -> str:
     return budget  # a size: already per worker
 
 
-def plan(roles: list[str], *, device: str, kv_cache_memory: str, num_gpus: int,
-         role_devices: dict[str, list[str]] | None = None) -> list[Placement]:
+def plan(
+    roles: list[str],
+    *,
+    device: str,
+    kv_cache_memory: str,
+    num_gpus: int,
+    role_devices: dict[str, list[str]] | None = None,
+) -> list[Placement]:
     """A placement per worker, in the order of ``roles`` (one role name per worker).
 
     ``device`` is the engine's setting (``auto``, ``cpu``, ``cuda``, ``cuda:N``); ``num_gpus`` the
@@ -78,8 +84,10 @@ def plan(roles: list[str], *, device: str, kv_cache_memory: str, num_gpus: int,
             devices.append(_canonical(device))
         seen[role] += 1
     per_device = Counter(d for d in devices if d.startswith("cuda"))
-    return [Placement(d, _share(kv_cache_memory, per_device[d]) if d.startswith("cuda") else kv_cache_memory)
-            for d in devices]
+    return [
+        Placement(d, _share(kv_cache_memory, per_device[d]) if d.startswith("cuda") else kv_cache_memory)
+        for d in devices
+    ]
 
 
 def count_visible_gpus() -> int:
@@ -90,8 +98,13 @@ def count_visible_gpus() -> int:
         return 0
     probe = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
     try:
-        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
-                             env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        out = subprocess.run(
+            [sys.executable, "-c", probe],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        )
         return int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else 0
     except (subprocess.TimeoutExpired, ValueError, IndexError):
         return 0

@@ -13,7 +13,8 @@ def run_health(args: argparse.Namespace) -> int:
     with grpc.insecure_channel(args.addr) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
+            )
         except grpc.RpcError as e:
             print(f"{args.addr}: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1

@@ -28,7 +28,7 @@ def announce_ready(role: str, **addresses: object) -> None:
 def parse_ready(line: str) -> dict | None:
     if not line.startswith(READY_PREFIX):
         return None
-    return json.loads(line[len(READY_PREFIX):])
+    return json.loads(line[len(READY_PREFIX) :])
 
 
 async def wait_for_shutdown_signal() -> str:

@@ -119,8 +119,9 @@ def check_ttft_budget_ms(budget_ms: float) -> None:
         raise InvalidRequest("ttft_budget_ms", f"must be a positive number of milliseconds, got {budget_ms}")
 
 
-def check_prompt_tokens(token_ids: Sequence[int], *, vocab_size: int, max_model_len: int,
-                        field: str = "prompt_token_ids") -> None:
+def check_prompt_tokens(
+    token_ids: Sequence[int], *, vocab_size: int, max_model_len: int, field: str = "prompt_token_ids"
+) -> None:
     """A prompt the model can run: at least one token, every id in the vocabulary, and room
     left in the context for at least one new token."""
     if not token_ids:
@@ -132,8 +133,9 @@ def check_prompt_tokens(token_ids: Sequence[int], *, vocab_size: int, max_model_
         raise InvalidRequest(field, f"{len(token_ids)} tokens leave no room in the model's context of {max_model_len}")
 
 
-def check_sampling(s: Sampling, *, vocab_size: int | None = None, prompt_len: int | None = None,
-                   max_model_len: int | None = None) -> None:
+def check_sampling(
+    s: Sampling, *, vocab_size: int | None = None, prompt_len: int | None = None, max_model_len: int | None = None
+) -> None:
     """The sampling rules, in field order. ``vocab_size`` adds the vocabulary bounds of
     ``top_k`` and ``stop_token_ids``; ``prompt_len`` with ``max_model_len`` checks that
     ``max_tokens`` new tokens fit in the context after the prompt."""
@@ -159,10 +161,12 @@ def check_sampling(s: Sampling, *, vocab_size: int | None = None, prompt_len: in
         if not isinstance(stop, str) or not 0 < len(stop) <= MAX_STOP_STRING_CHARS:
             raise InvalidRequest(f"sampling.stop[{i}]", f"must be 1 to {MAX_STOP_STRING_CHARS} characters")
     if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise InvalidRequest("sampling.stop_token_ids",
-                             f"{len(s.stop_token_ids)} ids exceed the limit of {MAX_STOP_TOKEN_IDS}")
-    bad = next((t for t in s.stop_token_ids
-                if not (_is_int(t) and 0 <= t and (vocab_size is None or t < vocab_size))), None)
+        raise InvalidRequest(
+            "sampling.stop_token_ids", f"{len(s.stop_token_ids)} ids exceed the limit of {MAX_STOP_TOKEN_IDS}"
+        )
+    bad = next(
+        (t for t in s.stop_token_ids if not (_is_int(t) and 0 <= t and (vocab_size is None or t < vocab_size))), None
+    )
     if bad is not None:
         where = f"the vocabulary [0, {vocab_size})" if vocab_size is not None else "the token ids (>= 0)"
         raise InvalidRequest("sampling.stop_token_ids", f"token id {bad!r} is outside {where}")
@@ -175,13 +179,18 @@ def check_sampling(s: Sampling, *, vocab_size: int | None = None, prompt_len: in
     if s.constraint is not None:
         check_constraint(s.constraint)
         if s.ignore_eos:
-            raise InvalidRequest("sampling.ignore_eos", "cannot be combined with structured output (the grammar decides where the output ends)")
+            raise InvalidRequest(
+                "sampling.ignore_eos",
+                "cannot be combined with structured output (the grammar decides where the output ends)",
+            )
 
 
 def check_best_of(best_of: int, n: int) -> None:
     """``best_of``: choices generated, of which the ``n`` most likely are returned."""
     if not (_is_int(best_of) and n <= best_of <= MAX_N):
-        raise InvalidRequest("sampling.best_of", f"must be an integer in [n, {MAX_N}] = [{n}, {MAX_N}], got {best_of!r}")
+        raise InvalidRequest(
+            "sampling.best_of", f"must be an integer in [n, {MAX_N}] = [{n}, {MAX_N}], got {best_of!r}"
+        )
 
 
 def check_constraint(c: Constraint) -> None:
@@ -190,7 +199,9 @@ def check_constraint(c: Constraint) -> None:
     at least be JSON describing an object or a boolean schema."""
     field = f"sampling.structured_output.{c.kind}"
     if c.kind not in CONSTRAINT_KINDS:
-        raise InvalidRequest("sampling.structured_output", f"unknown kind {c.kind!r}; expected one of {', '.join(CONSTRAINT_KINDS)}")
+        raise InvalidRequest(
+            "sampling.structured_output", f"unknown kind {c.kind!r}; expected one of {', '.join(CONSTRAINT_KINDS)}"
+        )
     if c.kind == "choice":
         if not 0 < len(c.choices) <= MAX_CHOICES:
             raise InvalidRequest(field, f"must list 1 to {MAX_CHOICES} strings, got {len(c.choices)}")
@@ -218,4 +229,6 @@ def check_constraint(c: Constraint) -> None:
             validators.validator_for(schema).check_schema(schema)
         except SchemaError as e:
             where = "/".join(str(p) for p in e.absolute_path)
-            raise InvalidRequest(field, f"is not a valid JSON Schema{f' at {where}' if where else ''}: {e.message}") from None
+            raise InvalidRequest(
+                field, f"is not a valid JSON Schema{f' at {where}' if where else ''}: {e.message}"
+            ) from None

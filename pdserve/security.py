@@ -26,7 +26,9 @@ AUTH_KEY = "authorization"
 class SecuritySettings:
     tls_cert: str | None = setting(None, "PEM certificate of this process (enables TLS on its gRPC ports)")
     tls_key: str | None = setting(None, "PEM private key for --tls-cert")
-    tls_ca: str | None = setting(None, "PEM CA bundle: verifies peers' certificates (and clients' with --tls-client-auth)")
+    tls_ca: str | None = setting(
+        None, "PEM CA bundle: verifies peers' certificates (and clients' with --tls-client-auth)"
+    )
     tls_client_auth: bool = setting(False, "mTLS: require client certificates signed by --tls-ca")
     cluster_token: str | None = setting(None, "shared secret every internal port requires (worker RPCs, KV transfer)")
     api_token: str | None = setting(None, "bearer token the public API requires (router)")
@@ -74,7 +76,7 @@ def bearer_ok(expected: str | None, header: str | None) -> bool:
         return True
     if not header or not header.startswith("Bearer "):
         return False
-    return hmac.compare_digest(header[len("Bearer "):].encode(), expected.encode())
+    return hmac.compare_digest(header[len("Bearer ") :].encode(), expected.encode())
 
 
 class TokenAuth(grpc.aio.ServerInterceptor):

@@ -30,9 +30,14 @@ class WorkerSettings:
     colocated: bool = setting(False, "decode worker that also prefills (no separate prefill pool)")
     cpus: str = setting("", "pin this process to these CPU cores, e.g. '0' or '2,3' (default: no pinning)")
     metrics_port: int | None = setting(None, "serve Prometheus /metrics on this port (0: any free port; unset: off)")
-    max_queued_requests: int = setting(256, "requests waiting for this worker beyond which it answers RESOURCE_EXHAUSTED")
-    profile: str | None = setting(None, "a profile (pdserve profile --output FILE); with --slo-tpot-ms, a worker that "
-                                  "mixes prefill into decode steps sizes prefill chunks from it")
+    max_queued_requests: int = setting(
+        256, "requests waiting for this worker beyond which it answers RESOURCE_EXHAUSTED"
+    )
+    profile: str | None = setting(
+        None,
+        "a profile (pdserve profile --output FILE); with --slo-tpot-ms, a worker that "
+        "mixes prefill into decode steps sizes prefill chunks from it",
+    )
     slo_tpot_ms: float | None = setting(None, "TPOT SLO in ms: one step that mixes prefill and decode stays within it")
 
     def __post_init__(self) -> None:
@@ -76,18 +81,28 @@ class RouterSettings:
     max_migrations: int = setting(3, "times a request may move to other workers after failures")
     worker_wait_s: float = setting(5.0, "how long a request waits for a worker to come back when every one is down")
     worker_failure_threshold: int = setting(
-        2, "failures in a row (health probes or requests) that take a worker out of rotation until a probe succeeds")
+        2, "failures in a row (health probes or requests) that take a worker out of rotation until a probe succeeds"
+    )
     http_port: int | None = setting(None, "serve the OpenAI-compatible HTTP API (and /metrics) on this port")
     metrics_port: int | None = setting(None, "serve Prometheus /metrics on this port when there is no HTTP port")
     max_inflight_requests: int = setting(1024, "requests in flight beyond which new ones get RESOURCE_EXHAUSTED")
-    conditional: bool = setting(False, "conditional disaggregation: a decode worker with headroom prefills short prompts "
-                                "(and any, while the prefill pool is backed up) itself")
+    conditional: bool = setting(
+        False,
+        "conditional disaggregation: a decode worker with headroom prefills short prompts "
+        "(and any, while the prefill pool is backed up) itself",
+    )
     conditional_threshold_tokens: int | None = setting(
-        None, "uncached prompt tokens a decode worker always prefills itself under --conditional (default: from --profile, else 128)")
-    profile: str | None = setting(None, "a profile (pdserve profile --output FILE): conditional threshold and the online planner")
+        None,
+        "uncached prompt tokens a decode worker always prefills itself under --conditional (default: from --profile, else 128)",
+    )
+    profile: str | None = setting(
+        None, "a profile (pdserve profile --output FILE): conditional threshold and the online planner"
+    )
     slo_ttft_ms: float | None = setting(None, "TTFT SLO in ms, for the online planner")
     slo_tpot_ms: float | None = setting(None, "TPOT SLO in ms, for the online planner and conditional routing")
-    autoscale_interval_s: float = setting(30.0, "how often the online planner (needs --profile) updates its replica gauges")
+    autoscale_interval_s: float = setting(
+        30.0, "how often the online planner (needs --profile) updates its replica gauges"
+    )
     autoscale_window_s: float = setting(120.0, "the online planner forecasts load from the arrivals of this window")
 
     def __post_init__(self) -> None:
@@ -122,14 +137,24 @@ class ClusterSettings:
     startup_timeout_s: float = setting(300.0, "seconds to wait for every process to become ready")
     metrics: bool = setting(False, "Prometheus /metrics on every process (free ports, listed when ready)")
     max_worker_restarts: int = setting(10, "times pdserve up restarts a worker that died, before giving up")
-    prefill_devices: str = setting("", "devices of the prefill workers, e.g. 'cuda:0,cuda:1' (default: a GPU each, round robin)")
-    decode_devices: str = setting("", "devices of the decode (or colocated) workers, e.g. 'cuda:2,cuda:3' (default: as above)")
-    prefill_tp: int | None = setting(None, "tensor_parallel_size of each prefill worker (default: --tensor-parallel-size)")
-    decode_tp: int | None = setting(None, "tensor_parallel_size of each decode (or colocated) worker (default: "
-                                    "--tensor-parallel-size)")
-    prefill_pp: int | None = setting(None, "pipeline_parallel_size of each prefill worker (default: --pipeline-parallel-size)")
-    decode_pp: int | None = setting(None, "pipeline_parallel_size of each decode (or colocated) worker (default: "
-                                    "--pipeline-parallel-size)")
+    prefill_devices: str = setting(
+        "", "devices of the prefill workers, e.g. 'cuda:0,cuda:1' (default: a GPU each, round robin)"
+    )
+    decode_devices: str = setting(
+        "", "devices of the decode (or colocated) workers, e.g. 'cuda:2,cuda:3' (default: as above)"
+    )
+    prefill_tp: int | None = setting(
+        None, "tensor_parallel_size of each prefill worker (default: --tensor-parallel-size)"
+    )
+    decode_tp: int | None = setting(
+        None, "tensor_parallel_size of each decode (or colocated) worker (default: --tensor-parallel-size)"
+    )
+    prefill_pp: int | None = setting(
+        None, "pipeline_parallel_size of each prefill worker (default: --pipeline-parallel-size)"
+    )
+    decode_pp: int | None = setting(
+        None, "pipeline_parallel_size of each decode (or colocated) worker (default: --pipeline-parallel-size)"
+    )
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 1:
@@ -146,8 +171,10 @@ class ClusterSettings:
         return tp or tensor_parallel_size, pp or pipeline_parallel_size
 
     def role_devices(self) -> dict[str, list[str]]:
-        return {"prefill": parse_devices(self.prefill_devices, "prefill_devices"),
-                "decode": parse_devices(self.decode_devices, "decode_devices")}
+        return {
+            "prefill": parse_devices(self.prefill_devices, "prefill_devices"),
+            "decode": parse_devices(self.decode_devices, "decode_devices"),
+        }
 
 
 def _check_slo(name: str, value: float | None) -> None:

@@ -19,11 +19,19 @@ if TYPE_CHECKING:
 
 def sampling_to_proto(sp: SamplingParams) -> pb.ResolvedSampling:
     return pb.ResolvedSampling(
-        max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
-        has_seed=sp.seed is not None, seed=sp.seed or 0, ignore_eos=sp.ignore_eos,
-        stop_token_ids=list(sp.stop_token_ids), n=sp.n,
-        has_logprobs=sp.logprobs is not None, logprobs=sp.logprobs or 0,
-        has_prompt_logprobs=sp.prompt_logprobs is not None, prompt_logprobs=sp.prompt_logprobs or 0,
+        max_tokens=sp.max_tokens,
+        temperature=sp.temperature,
+        top_p=sp.top_p,
+        top_k=sp.top_k,
+        has_seed=sp.seed is not None,
+        seed=sp.seed or 0,
+        ignore_eos=sp.ignore_eos,
+        stop_token_ids=list(sp.stop_token_ids),
+        n=sp.n,
+        has_logprobs=sp.logprobs is not None,
+        logprobs=sp.logprobs or 0,
+        has_prompt_logprobs=sp.prompt_logprobs is not None,
+        prompt_logprobs=sp.prompt_logprobs or 0,
         structured_output=constraint_to_proto(sp.constraint),
     )
 
@@ -31,9 +39,14 @@ def sampling_to_proto(sp: SamplingParams) -> pb.ResolvedSampling:
 def sampling_from_proto(msg: pb.ResolvedSampling) -> SamplingParams:
     """Raises ValueError on values a router should never have sent."""
     return SamplingParams(
-        max_tokens=int(msg.max_tokens), temperature=float(msg.temperature), top_p=float(msg.top_p),
-        top_k=int(msg.top_k), seed=int(msg.seed) if msg.has_seed else None, ignore_eos=msg.ignore_eos,
-        stop_token_ids=tuple(int(t) for t in msg.stop_token_ids), n=int(msg.n) or 1,
+        max_tokens=int(msg.max_tokens),
+        temperature=float(msg.temperature),
+        top_p=float(msg.top_p),
+        top_k=int(msg.top_k),
+        seed=int(msg.seed) if msg.has_seed else None,
+        ignore_eos=msg.ignore_eos,
+        stop_token_ids=tuple(int(t) for t in msg.stop_token_ids),
+        n=int(msg.n) or 1,
         logprobs=int(msg.logprobs) if msg.has_logprobs else None,
         prompt_logprobs=int(msg.prompt_logprobs) if msg.has_prompt_logprobs else None,
         constraint=constraint_from_proto(msg.structured_output),
@@ -62,7 +75,9 @@ def constraint_from_proto(msg: pb.StructuredOutput) -> Constraint | None:
 
 
 def logprob_to_proto(lp: TokenLogprob) -> pb.TokenLogprob:
-    return pb.TokenLogprob(logprob=lp.logprob, rank=lp.rank, top_token_ids=lp.top_token_ids, top_logprobs=lp.top_logprobs)
+    return pb.TokenLogprob(
+        logprob=lp.logprob, rank=lp.rank, top_token_ids=lp.top_token_ids, top_logprobs=lp.top_logprobs
+    )
 
 
 def transfer_key(transfer_id: int) -> str:
@@ -80,21 +95,44 @@ def parse_transfer_key(key: str) -> int:
 
 
 def worker_stats(
-    stats: EngineStats, role: str, address: str, reserved: int = 0, kv_counters: Mapping[str, float] | None = None,
-    block_size: int = 0, max_num_seqs: int = 0,
+    stats: EngineStats,
+    role: str,
+    address: str,
+    reserved: int = 0,
+    kv_counters: Mapping[str, float] | None = None,
+    block_size: int = 0,
+    max_num_seqs: int = 0,
 ) -> pb.WorkerStats:
     counters = {
-        "preemptions": stats.preemptions, "prefix_queries": stats.prefix_queries, "prefix_hits": stats.prefix_hits,
-        "evictions": stats.evictions, "blocks_cached": stats.blocks_cached, "prefilled_held": stats.prefilled_held,
-        "rejected_ttft": stats.rejected, "forks": stats.forks,
+        "preemptions": stats.preemptions,
+        "prefix_queries": stats.prefix_queries,
+        "prefix_hits": stats.prefix_hits,
+        "evictions": stats.evictions,
+        "blocks_cached": stats.blocks_cached,
+        "prefilled_held": stats.prefilled_held,
+        "rejected_ttft": stats.rejected,
+        "forks": stats.forks,
     }
     if stats.spec is not None:  # speculative decoding
-        counters.update(spec_drafts=stats.spec.drafts, spec_draft_tokens=stats.spec.draft_tokens,
-                        spec_accepted_tokens=stats.spec.accepted_tokens)
+        counters.update(
+            spec_drafts=stats.spec.drafts,
+            spec_draft_tokens=stats.spec.draft_tokens,
+            spec_accepted_tokens=stats.spec.accepted_tokens,
+        )
     counters.update({f"kv_{k}": float(v) for k, v in (kv_counters or {}).items()})
     return pb.WorkerStats(
-        address=address, role=role, healthy=True, blocks_total=stats.blocks_total, blocks_free=stats.blocks_free,
-        running=stats.running, waiting=stats.waiting, reserved_transfers=reserved, counters=counters,
-        block_size=block_size, max_num_seqs=max_num_seqs, queued_prefill_tokens=stats.queued_prefill_tokens,
-        cached_block_hashes=stats.cached_block_hashes, prefill_tokens_per_s=stats.prefill_tokens_per_s,
+        address=address,
+        role=role,
+        healthy=True,
+        blocks_total=stats.blocks_total,
+        blocks_free=stats.blocks_free,
+        running=stats.running,
+        waiting=stats.waiting,
+        reserved_transfers=reserved,
+        counters=counters,
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        queued_prefill_tokens=stats.queued_prefill_tokens,
+        cached_block_hashes=stats.cached_block_hashes,
+        prefill_tokens_per_s=stats.prefill_tokens_per_s,
     )

@@ -51,8 +51,14 @@ class WorkloadStats:
         return cls(sum(s.prompt_len for s in specs) / n, sum(s.max_tokens for s in specs) / n, uncached / n)
 
 
-def prefill_rate(profile: Profile, degree: int, w: WorkloadStats, ttft_ms: float | None, batch_tokens: int = 1024,
-                 disaggregated: bool = True) -> float:
+def prefill_rate(
+    profile: Profile,
+    degree: int,
+    w: WorkloadStats,
+    ttft_ms: float | None,
+    batch_tokens: int = 1024,
+    disaggregated: bool = True,
+) -> float:
     """Requests/s one prefill instance sustains with its TTFT p90 within ``ttft_ms``."""
     cost, o = profile.step_cost(degree), profile.overheads
     per_token = (cost.prefill_alone_ms(batch_tokens) + o.step_ms) / batch_tokens  # ms, in full steps
@@ -83,7 +89,9 @@ def decode_batch(profile: Profile, degree: int, w: WorkloadStats, tpot_ms: float
     return best
 
 
-def decode_rate(profile: Profile, degree: int, w: WorkloadStats, tpot_ms: float | None, max_num_seqs: int = 64) -> float:
+def decode_rate(
+    profile: Profile, degree: int, w: WorkloadStats, tpot_ms: float | None, max_num_seqs: int = 64
+) -> float:
     """Requests/s one decode instance sustains with every step within ``tpot_ms``."""
     batch = decode_batch(profile, degree, w, tpot_ms, max_num_seqs)
     if batch == 0:
@@ -94,15 +102,29 @@ def decode_rate(profile: Profile, degree: int, w: WorkloadStats, tpot_ms: float 
     return DECODE_UTILISATION * batch / (w.mean_output * step / 1e3)
 
 
-def colocated_rate(profile: Profile, degree: int, w: WorkloadStats, ttft_ms: float | None, tpot_ms: float | None,
-                   max_num_seqs: int = 64) -> float:
+def colocated_rate(
+    profile: Profile,
+    degree: int,
+    w: WorkloadStats,
+    ttft_ms: float | None,
+    tpot_ms: float | None,
+    max_num_seqs: int = 64,
+) -> float:
     p = prefill_rate(profile, degree, w, ttft_ms, disaggregated=False)
     d = decode_rate(profile, degree, w, tpot_ms, max_num_seqs)
     return 0.0 if p <= 0 or d <= 0 else 1 / (1 / p + 1 / d)
 
 
-def replicas_needed(profile: Profile, w: WorkloadStats, rate: float, ttft_ms: float | None, tpot_ms: float | None,
-                    prefill_degree: int, decode_degree: int, max_num_seqs: int = 64) -> tuple[float, float]:
+def replicas_needed(
+    profile: Profile,
+    w: WorkloadStats,
+    rate: float,
+    ttft_ms: float | None,
+    tpot_ms: float | None,
+    prefill_degree: int,
+    decode_degree: int,
+    max_num_seqs: int = 64,
+) -> tuple[float, float]:
     """(prefill, decode) instances a disaggregated fleet needs for ``rate`` req/s, unrounded
     (routers each export their share; whoever scales rounds up once). inf: an SLO no instance meets."""
     p = prefill_rate(profile, prefill_degree, w, ttft_ms)

@@ -22,8 +22,13 @@ MIN_CHUNK_TOKENS = 16  # a prompt always progresses, however full the decode bat
 class ChunkSizer:
     """``Scheduler.prefill_token_limit``: decodes of this step -> most prompt tokens it may add."""
 
-    def __init__(self, cost: StepCost, step_budget_ms: float, overheads: Overheads | None = None,
-                 min_tokens: int = MIN_CHUNK_TOKENS) -> None:
+    def __init__(
+        self,
+        cost: StepCost,
+        step_budget_ms: float,
+        overheads: Overheads | None = None,
+        min_tokens: int = MIN_CHUNK_TOKENS,
+    ) -> None:
         if not step_budget_ms > 0:
             raise ValueError(f"the step budget must be > 0 ms, got {step_budget_ms}")
         self.cost = cost
@@ -58,6 +63,11 @@ def install(engine, profile_path: str, tpot_ms: float | None) -> ChunkSizer | No
         degree = getattr(engine.config, "tensor_parallel_size", 1)
     sizer = sizer_for(profile, degree, tpot_ms)
     engine.scheduler.prefill_token_limit = sizer
-    log.info("prefill chunks sized from %s for a %.0f ms TPOT: %d tokens next to 8 decodes of 512 tokens, %d alone in a step",
-             profile_path, tpot_ms, sizer.tokens(8, 8 * 512), sizer.tokens(1, 512))
+    log.info(
+        "prefill chunks sized from %s for a %.0f ms TPOT: %d tokens next to 8 decodes of 512 tokens, %d alone in a step",
+        profile_path,
+        tpot_ms,
+        sizer.tokens(8, 8 * 512),
+        sizer.tokens(1, 512),
+    )
     return sizer

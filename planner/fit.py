@@ -24,8 +24,15 @@ class StepSample:
 
     def to_dict(self) -> dict:
         s = self.shape
-        return {"degree": self.degree, "decodes": s.decodes, "decode_context": s.decode_context,
-                "prefill_tokens": s.prefill_tokens, "prefill_pairs": s.prefill_pairs, "ms": self.ms, "label": self.label}
+        return {
+            "degree": self.degree,
+            "decodes": s.decodes,
+            "decode_context": s.decode_context,
+            "prefill_tokens": s.prefill_tokens,
+            "prefill_pairs": s.prefill_pairs,
+            "ms": self.ms,
+            "label": self.label,
+        }
 
 
 def fit_step_cost(samples: list[StepSample]) -> tuple[StepCost, float]:

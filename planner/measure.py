@@ -41,10 +41,30 @@ from pdserve.planner.profile import Overheads, Profile, StepCost, StepShape, Tra
 
 PROG = "pdserve profile"
 PARTS = ("engine", "kv", "stack")
-PREFILL_SHAPES = ((1, 16), (1, 64), (1, 256), (1, 1024), (1, 2048), (4, 64), (8, 128), (4, 256))  # (prompts, tokens each)
+PREFILL_SHAPES = (
+    (1, 16),
+    (1, 64),
+    (1, 256),
+    (1, 1024),
+    (1, 2048),
+    (4, 64),
+    (8, 128),
+    (4, 256),
+)  # (prompts, tokens each)
 DEEP_PROMPT, DEEP_CHUNK = 2048, 512  # a long prompt in chunks: attention over a growing context
-DECODE_SHAPES = ((1, 64), (1, 512), (1, 2048), (4, 512), (8, 256), (8, 1024), (16, 512), (32, 256), (32, 1024),
-                 (64, 256), (64, 512))  # (batch, context)
+DECODE_SHAPES = (
+    (1, 64),
+    (1, 512),
+    (1, 2048),
+    (4, 512),
+    (8, 256),
+    (8, 1024),
+    (16, 512),
+    (32, 256),
+    (32, 1024),
+    (64, 256),
+    (64, 512),
+)  # (batch, context)
 MIXED_SHAPES = ((4, 256, 64), (4, 256, 512), (16, 256, 64), (16, 256, 512), (32, 512, 256))  # (batch, context, prompt)
 KV_TOKENS = (128, 1024, 4096)
 STACK_PROMPTS = (64, 512)
@@ -113,7 +133,9 @@ class EngineProbe:
         trials = [(f"prefill {c}x{n}", lambda c=c, n=n: self._prefill(c, n)) for c, n in PREFILL_SHAPES]
         trials.append(("deep", self._deep))
         trials += [(f"decode {b}x{c}", lambda b=b, c=c: self._decode(b, c)) for b, c in DECODE_SHAPES]
-        trials += [(f"decode {b}x{c} + prompt {n}", lambda b=b, c=c, n=n: self._mixed(b, c, n)) for b, c, n in MIXED_SHAPES]
+        trials += [
+            (f"decode {b}x{c} + prompt {n}", lambda b=b, c=c, n=n: self._mixed(b, c, n)) for b, c, n in MIXED_SHAPES
+        ]
         for degree in self.degrees:  # warm-up: kernels, allocator, thread pools
             torch.set_num_threads(degree)
             self._prefill(1, 128)
@@ -146,8 +168,12 @@ class EngineProbe:
         the one after admits it into the running batch."""
         from pdserve.engine.kv_connector import KVReceive
 
-        self.engine.add_request(f"d{next(self.counter)}", _prompt(self.rng, context), self._sampling(max_tokens),
-                                kv_receive=KVReceive(self.lands))
+        self.engine.add_request(
+            f"d{next(self.counter)}",
+            _prompt(self.rng, context),
+            self._sampling(max_tokens),
+            kv_receive=KVReceive(self.lands),
+        )
 
     def _drain(self) -> None:
         for rid in list(self.engine.requests):
@@ -170,7 +196,11 @@ class EngineProbe:
         self.engine.scheduler.config = dataclasses.replace(config, max_num_batched_tokens=DEEP_CHUNK)
         try:
             self._add_prompt(DEEP_PROMPT)
-            out = [t for i in range(DEEP_PROMPT // DEEP_CHUNK) for t in self._timed(f"prefill chunk {i + 1} of {DEEP_PROMPT}")]
+            out = [
+                t
+                for i in range(DEEP_PROMPT // DEEP_CHUNK)
+                for t in self._timed(f"prefill chunk {i + 1} of {DEEP_PROMPT}")
+            ]
         finally:
             self.engine.scheduler.config = config
             self._drain()
@@ -210,7 +240,9 @@ def measure_kv(engine, repeats: int, transports: list[str]) -> dict[str, Transfe
     points: dict[str, list[tuple[float, float]]] = {t: [] for t in transports}
     try:
         for tokens in KV_TOKENS:
-            row = kvb.measure_payload(f"{tokens} tokens", geometry, tokens, repeats, transports, "contiguous", tokens, ucx_pair)
+            row = kvb.measure_payload(
+                f"{tokens} tokens", geometry, tokens, repeats, transports, "contiguous", tokens, ucx_pair
+            )
             for t in transports:
                 points[t].append((row["bytes"] / 2**20, row["seconds_median"][t] * 1e3))
     finally:
@@ -233,9 +265,13 @@ def _stack_samples(engine_config: EngineConfig, colocated: bool, progress: bool)
     from pdserve.settings import ClusterSettings, RouterSettings, WorkerSettings
 
     rng = random.Random(7)
-    cluster = Cluster(engine_config, WorkerSettings(), RouterSettings(port=_free_port()),
-                      ClusterSettings(prefill=0 if colocated else 1, decode=1, colocated=colocated),
-                      env={"PDSERVE_LOG_LEVEL": os.environ.get("PDSERVE_LOG_LEVEL", "WARNING")})
+    cluster = Cluster(
+        engine_config,
+        WorkerSettings(),
+        RouterSettings(port=_free_port()),
+        ClusterSettings(prefill=0 if colocated else 1, decode=1, colocated=colocated),
+        env={"PDSERVE_LOG_LEVEL": os.environ.get("PDSERVE_LOG_LEVEL", "WARNING")},
+    )
     try:
         address = cluster.start()
 
@@ -253,13 +289,16 @@ def _stack_samples(engine_config: EngineConfig, colocated: bool, progress: bool)
     bad = [t.error for t in one + eight if not t.success]
     if bad:
         raise RuntimeError(f"the {'colocated' if colocated else '1P1D'} stack failed requests: {bad[0]}")
-    return {"ttft": [(t.prompt_len, t.ttft * 1e3) for t in one],
-            "itl1": [(t.prompt_len, g * 1e3) for t in one for g in t.itls],
-            "itl8": [g * 1e3 for t in eight for g in t.itls]}
+    return {
+        "ttft": [(t.prompt_len, t.ttft * 1e3) for t in one],
+        "itl1": [(t.prompt_len, g * 1e3) for t in one for g in t.itls],
+        "itl8": [g * 1e3 for t in eight for g in t.itls],
+    }
 
 
-def stack_overheads(engine_config: EngineConfig, steps: dict[int, StepCost], cores: int, transfer_ms,
-                    progress: bool) -> tuple[Overheads, dict]:
+def stack_overheads(
+    engine_config: EngineConfig, steps: dict[int, StepCost], cores: int, transfer_ms, progress: bool
+) -> tuple[Overheads, dict]:
     """Overheads from real stacks: what the engine model and the KV transfer leave unexplained."""
     raw, per_stack = {}, []
     for colocated in (True, False):
@@ -278,8 +317,12 @@ def stack_overheads(engine_config: EngineConfig, steps: dict[int, StepCost], cor
             rest = ms - cost.prefill_alone_ms(n) - step_ms - seq_ms
             (first if colocated else handoff).append(rest - (0 if colocated else transfer_ms(n)))
     first_ms = max(0.0, statistics.median(first))
-    return Overheads(first_token_ms=first_ms, handoff_ms=max(0.0, statistics.median(handoff) - first_ms),
-                     step_ms=step_ms, seq_ms=seq_ms), raw
+    return Overheads(
+        first_token_ms=first_ms,
+        handoff_ms=max(0.0, statistics.median(handoff) - first_ms),
+        step_ms=step_ms,
+        seq_ms=seq_ms,
+    ), raw
 
 
 def machine() -> str:
@@ -293,11 +336,15 @@ def machine() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description="Measure the model on this machine; write a profile (JSON) for "
-                                "pdserve simulate and pdserve plan")
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Measure the model on this machine; write a profile (JSON) for pdserve simulate and pdserve plan",
+    )
     p.add_argument("--output", "-o", required=True, help="where to write the profile")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated of {', '.join(PARTS)} (default: all)")
-    p.add_argument("--degrees", default=None, help="torch thread counts to measure (default: 1 and this machine's cores)")
+    p.add_argument(
+        "--degrees", default=None, help="torch thread counts to measure (default: 1 and this machine's cores)"
+    )
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per measured shape (default: 3)")
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bars")
     add_arguments(p.add_argument_group("engine"), EngineConfig)
@@ -326,13 +373,17 @@ def main(argv: list[str] | None = None) -> int:
     return write_profile(args, parts, degrees, cores, engine_config)
 
 
-def write_profile(args: argparse.Namespace, parts: list[str], degrees: list[int], cores: int, config: EngineConfig) -> int:
+def write_profile(
+    args: argparse.Namespace, parts: list[str], degrees: list[int], cores: int, config: EngineConfig
+) -> int:
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.kvtransfer.registry import offered_transports
 
     load = os.getloadavg()[0]
     # Room for every measured shape in one step (the stacks keep the configured limits).
-    engine = LLMEngine(dataclasses.replace(config, max_num_batched_tokens=8 * DEEP_PROMPT, max_num_seqs=128, device="cpu"))
+    engine = LLMEngine(
+        dataclasses.replace(config, max_num_batched_tokens=8 * DEEP_PROMPT, max_num_seqs=128, device="cpu")
+    )
     trials = len(PREFILL_SHAPES) + 1 + len(DECODE_SHAPES) + len(MIXED_SHAPES)
     with tqdm(total=trials, desc="engine steps", unit="shape", disable=args.disable_tqdm) as bar:
         samples = EngineProbe(engine, degrees, args.repeats, bar).run()
@@ -354,23 +405,38 @@ def write_profile(args: argparse.Namespace, parts: list[str], degrees: list[int]
     overheads, stack_raw = Overheads(), {}
     if "stack" in parts:
         print(f"{PROG}: overheads through real stacks (colocated, then 1P1D) ...", file=sys.stderr, flush=True)
-        overheads, stack_raw = stack_overheads(config, steps, cores, lambda n: transfers[transports[0]].ms(n * kv_bytes),
-                                               not args.disable_tqdm)
+        overheads, stack_raw = stack_overheads(
+            config, steps, cores, lambda n: transfers[transports[0]].ms(n * kv_bytes), not args.disable_tqdm
+        )
     profile = Profile(
-        model=Path(model).name, device=machine(), parallel="threads", steps=steps, kv_bytes_per_token=kv_bytes,
-        transfers=transfers, transport=transports[0], overheads=overheads, dtype=dtype, cores=cores,
-        kv_cache_tokens={d: capacity for d in degrees}, max_model_len=max_len, fit_error=errors,
+        model=Path(model).name,
+        device=machine(),
+        parallel="threads",
+        steps=steps,
+        kv_bytes_per_token=kv_bytes,
+        transfers=transfers,
+        transport=transports[0],
+        overheads=overheads,
+        dtype=dtype,
+        cores=cores,
+        kv_cache_tokens={d: capacity for d in degrees},
+        max_model_len=max_len,
+        fit_error=errors,
         source=f"{PROG} --parts {','.join(parts)} --repeats {args.repeats}; load average {load:.2f} at start",
         created=datetime.now().isoformat(timespec="seconds"),
-        samples=tuple([{**s.to_dict(), "outlier": (s.label, s.degree) in outliers} for s in samples]
-                      + ([{"stack": stack_raw}] if stack_raw else [])),
+        samples=tuple(
+            [{**s.to_dict(), "outlier": (s.label, s.degree) in outliers} for s in samples]
+            + ([{"stack": stack_raw}] if stack_raw else [])
+        ),
     )
     path = profile.save(args.output)
     for degree in degrees:
         c = steps[degree]
-        print(f"degree {degree}: prefill 512 tokens {c.prefill_alone_ms(512):.0f} ms, "
-              f"decode batch 1 {c.decode_step_ms(1, 512):.1f} ms, "
-              f"batch 32 {c.decode_step_ms(32, 512):.1f} ms (fit error {errors[degree]:.1%})")
+        print(
+            f"degree {degree}: prefill 512 tokens {c.prefill_alone_ms(512):.0f} ms, "
+            f"decode batch 1 {c.decode_step_ms(1, 512):.1f} ms, "
+            f"batch 32 {c.decode_step_ms(32, 512):.1f} ms (fit error {errors[degree]:.1%})"
+        )
     print(f"overheads: {dataclasses.asdict(overheads)}")
     print(f"profile written to {path}")
     return 0

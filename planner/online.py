@@ -64,10 +64,20 @@ class RequestWatch:
 
 
 class OnlinePlanner:
-    def __init__(self, profile: Profile, ttft_ms: float | None, tpot_ms: float | None, *, window_s: float = 120.0,
-                 interval_s: float = 30.0, decode_batch: Callable[[], float] = lambda: 1.0,
-                 prefill_degree: int | None = None, decode_degree: int | None = None, max_num_seqs: int = 64,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        profile: Profile,
+        ttft_ms: float | None,
+        tpot_ms: float | None,
+        *,
+        window_s: float = 120.0,
+        interval_s: float = 30.0,
+        decode_batch: Callable[[], float] = lambda: 1.0,
+        prefill_degree: int | None = None,
+        decode_degree: int | None = None,
+        max_num_seqs: int = 64,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if ttft_ms is None and tpot_ms is None:
             raise ValueError("the online planner needs an SLO: set slo_ttft_ms and/or slo_tpot_ms")
         self.profile, self.ttft_ms, self.tpot_ms = profile, ttft_ms, tpot_ms
@@ -93,7 +103,11 @@ class OnlinePlanner:
         tpot_ratio = None
         if tpot_s is not None:
             batch = max(1, round(self.decode_batch()))
-            step = self.profile.step_cost(self.decode_degree).decode_step_ms(batch, prompt_len) + o.step_ms + o.seq_ms * batch
+            step = (
+                self.profile.step_cost(self.decode_degree).decode_step_ms(batch, prompt_len)
+                + o.step_ms
+                + o.seq_ms * batch
+            )
             tpot_ratio = tpot_s * 1e3 / step
         self.ratios.append((self.clock(), ttft_s * 1e3 / predicted_ttft, tpot_ratio))
 
@@ -113,8 +127,9 @@ class OnlinePlanner:
         w = capacity.WorkloadStats(prompts, outputs, prompts)
         ttft = self.ttft_ms / ttft_c if self.ttft_ms is not None else None
         tpot = self.tpot_ms / tpot_c if self.tpot_ms is not None else None
-        prefill, decode = capacity.replicas_needed(self.profile, w, rate, ttft, tpot, self.prefill_degree,
-                                                   self.decode_degree, self.max_num_seqs)
+        prefill, decode = capacity.replicas_needed(
+            self.profile, w, rate, ttft, tpot, self.prefill_degree, self.decode_degree, self.max_num_seqs
+        )
         return Decision(rate, prefill, decode, ttft_c, tpot_c)
 
     def export(self, d: Decision) -> None:
@@ -144,8 +159,14 @@ class OnlinePlanner:
                 log.warning("online planner: %s", e)
                 continue
             self.export(d)
-            log.info("planner: %.2f req/s -> prefill %.2f, decode %.2f replicas (correction ttft %.2f, tpot %.2f)",
-                     d.rate, d.prefill, d.decode, d.ttft_correction, d.tpot_correction)
+            log.info(
+                "planner: %.2f req/s -> prefill %.2f, decode %.2f replicas (correction ttft %.2f, tpot %.2f)",
+                d.rate,
+                d.prefill,
+                d.decode,
+                d.ttft_correction,
+                d.tpot_correction,
+            )
 
 
 def _correction(ratios: list[float]) -> float:

@@ -98,7 +98,9 @@ def unit_devices(profile: Profile, topology: Topology) -> int:
     return min(devices, profile.cores) if profile.cores else devices
 
 
-def estimate(profile: Profile, topology: Topology, w: capacity.WorkloadStats, slo: Goodput, max_num_seqs: int = 64) -> float:
+def estimate(
+    profile: Profile, topology: Topology, w: capacity.WorkloadStats, slo: Goodput, max_num_seqs: int = 64
+) -> float:
     p, d = topology.degrees(profile)
     if topology.colocated:
         return topology.decode * capacity.colocated_rate(profile, d, w, slo.ttft_ms, slo.tpot_ms, max_num_seqs)
@@ -119,17 +121,35 @@ def sustained(specs: list[RequestSpec], rate: float, span_s: float) -> list[Requ
     return out
 
 
-def run_at(profile: Profile, topology: Topology, specs: list[RequestSpec], rate: float, config: SimConfig,
-           burstiness: float = 1.0, seed: int = 0, span_s: float = DEFAULT_SPAN_S) -> SimRun:
+def run_at(
+    profile: Profile,
+    topology: Topology,
+    specs: list[RequestSpec],
+    rate: float,
+    config: SimConfig,
+    burstiness: float = 1.0,
+    seed: int = 0,
+    span_s: float = DEFAULT_SPAN_S,
+) -> SimRun:
     specs = sustained(specs, rate, span_s)
     return simulate(profile, topology, specs, arrival_offsets(len(specs), rate, burstiness, seed), config)
 
 
-def unit_goodput(profile: Profile, topology: Topology, specs: list[RequestSpec], slo: Goodput, target: float,
-                 config: SimConfig, guess: float, burstiness: float = 1.0, seed: int = 0,
-                 span_s: float = DEFAULT_SPAN_S) -> tuple[float, RunMetrics | None]:
+def unit_goodput(
+    profile: Profile,
+    topology: Topology,
+    specs: list[RequestSpec],
+    slo: Goodput,
+    target: float,
+    config: SimConfig,
+    guess: float,
+    burstiness: float = 1.0,
+    seed: int = 0,
+    span_s: float = DEFAULT_SPAN_S,
+) -> tuple[float, RunMetrics | None]:
     """The highest rate (req/s) at which ``target`` of the requests meet the SLOs, by
     simulation: double from ``guess`` until it fails, then bisect."""
+
     def ok(rate: float) -> tuple[bool, SimRun]:
         run = run_at(profile, topology, specs, rate, config, burstiness, seed, span_s)
         return attainment(run, slo) >= target, run
@@ -152,10 +172,23 @@ def unit_goodput(profile: Profile, topology: Topology, specs: list[RequestSpec],
     return lo, (compute(best.timelines, best.duration, slo) if best else None)
 
 
-def plan(profile: Profile, specs: list[RequestSpec], slo: Goodput, budget: int, *, target_rate: float | None = None,
-         attainment_target: float = 0.9, max_unit_devices: int = 8, top_k: int = 6, conditional: bool = True,
-         config: SimConfig | None = None, burstiness: float = 1.0, seed: int = 0, span_s: float = DEFAULT_SPAN_S,
-         progress: Callable[[str], None] | None = None) -> FleetPlan:
+def plan(
+    profile: Profile,
+    specs: list[RequestSpec],
+    slo: Goodput,
+    budget: int,
+    *,
+    target_rate: float | None = None,
+    attainment_target: float = 0.9,
+    max_unit_devices: int = 8,
+    top_k: int = 6,
+    conditional: bool = True,
+    config: SimConfig | None = None,
+    burstiness: float = 1.0,
+    seed: int = 0,
+    span_s: float = DEFAULT_SPAN_S,
+    progress: Callable[[str], None] | None = None,
+) -> FleetPlan:
     """The best unit by simulated goodput per device, replicated over ``budget`` devices."""
     if budget < 1:
         raise ValueError(f"the device budget must be >= 1, got {budget}")
@@ -164,8 +197,10 @@ def plan(profile: Profile, specs: list[RequestSpec], slo: Goodput, budget: int, 
     config = config or SimConfig()
     w = capacity.WorkloadStats.of(specs, config.block_size)
     limit = min(budget, max_unit_devices)
-    units = [UnitResult(t, unit_devices(profile, t), estimate(profile, t, w, slo, config.max_num_seqs))
-             for t in candidates(profile, limit, conditional)]
+    units = [
+        UnitResult(t, unit_devices(profile, t), estimate(profile, t, w, slo, config.max_num_seqs))
+        for t in candidates(profile, limit, conditional)
+    ]
     if not units:
         raise ValueError(f"no placement fits {limit} devices with the profile's degrees {list(profile.degrees)}")
     units.sort(key=lambda u: (-u.per_device, u.devices))
@@ -173,8 +208,18 @@ def plan(profile: Profile, specs: list[RequestSpec], slo: Goodput, budget: int, 
     for unit in _shortlist(units, top_k):
         if progress:
             progress(unit.label)
-        rate, metrics = unit_goodput(profile, unit.topology, specs, slo, attainment_target, config,
-                                     guess=unit.estimate or 0.05, burstiness=burstiness, seed=seed, span_s=span_s)
+        rate, metrics = unit_goodput(
+            profile,
+            unit.topology,
+            specs,
+            slo,
+            attainment_target,
+            config,
+            guess=unit.estimate or 0.05,
+            burstiness=burstiness,
+            seed=seed,
+            span_s=span_s,
+        )
         simulated.append(UnitResult(unit.topology, unit.devices, unit.estimate, rate, metrics))
     best = best_fill(simulated, budget)
     replicas = budget // best.devices

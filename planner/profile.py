@@ -41,8 +41,12 @@ class StepShape:
     @classmethod
     def of(cls, decode_contexts: list[int], chunks: list[tuple[int, int]]) -> "StepShape":
         """``chunks``: (start, num_tokens) of each prompt chunk."""
-        return cls(len(decode_contexts), sum(decode_contexts), sum(n for _, n in chunks),
-                   sum(n * (start + n / 2) for start, n in chunks))
+        return cls(
+            len(decode_contexts),
+            sum(decode_contexts),
+            sum(n for _, n in chunks),
+            sum(n * (start + n / 2) for start, n in chunks),
+        )
 
     @property
     def empty(self) -> bool:
@@ -50,8 +54,13 @@ class StepShape:
 
     def features(self) -> tuple[float, float, float, float, float]:
         """The multipliers of StepCost's terms, in field order."""
-        return (0.0 if self.empty else 1.0, float(self.decodes), float(self.prefill_tokens), float(self.decode_context),
-                float(self.prefill_pairs))
+        return (
+            0.0 if self.empty else 1.0,
+            float(self.decodes),
+            float(self.prefill_tokens),
+            float(self.decode_context),
+            float(self.prefill_pairs),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +117,12 @@ class TransferCost:
     ms_per_mib: float
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.fixed_ms) and math.isfinite(self.ms_per_mib) and self.fixed_ms >= 0 and self.ms_per_mib >= 0):
+        if not (
+            math.isfinite(self.fixed_ms)
+            and math.isfinite(self.ms_per_mib)
+            and self.fixed_ms >= 0
+            and self.ms_per_mib >= 0
+        ):
             raise ValueError(f"transfer cost must be finite and >= 0, got {self.fixed_ms}, {self.ms_per_mib}")
 
     def ms(self, nbytes: int) -> float:
@@ -208,7 +222,9 @@ class Profile:
         if not isinstance(data, dict):
             raise ValueError("profile: expected a JSON object")
         if data.get("version") != PROFILE_VERSION:
-            raise ValueError(f"profile.version: this pdserve reads version {PROFILE_VERSION}, got {data.get('version')!r}")
+            raise ValueError(
+                f"profile.version: this pdserve reads version {PROFILE_VERSION}, got {data.get('version')!r}"
+            )
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -218,16 +234,20 @@ class Profile:
             values["steps"] = {_degree(k, "steps"): StepCost(**v) for k, v in data["steps"].items()}
             values["transfers"] = {str(k): TransferCost(**v) for k, v in data["transfers"].items()}
             values["overheads"] = Overheads(**data.get("overheads", {}))
-            values["kv_cache_tokens"] = {_degree(k, "kv_cache_tokens"): int(v)
-                                         for k, v in data.get("kv_cache_tokens", {}).items()}
+            values["kv_cache_tokens"] = {
+                _degree(k, "kv_cache_tokens"): int(v) for k, v in data.get("kv_cache_tokens", {}).items()
+            }
             values["fit_error"] = {_degree(k, "fit_error"): float(v) for k, v in data.get("fit_error", {}).items()}
             values["samples"] = tuple(data.get("samples", ()))
         except KeyError as e:
             raise ValueError(f"profile.{e.args[0]}: missing") from None
         except (TypeError, AttributeError) as e:
             raise ValueError(f"profile: malformed entry ({e})") from None
-        missing = [f.name for f in fields(cls)
-                   if f.name not in values and f.default is MISSING and f.default_factory is MISSING]
+        missing = [
+            f.name
+            for f in fields(cls)
+            if f.name not in values and f.default is MISSING and f.default_factory is MISSING
+        ]
         if missing:
             raise ValueError(f"profile.{missing[0]}: missing")
         return cls(**values)

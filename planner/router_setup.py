@@ -20,7 +20,9 @@ def attach_planner(dispatcher, settings: RouterSettings, disaggregated: bool) ->
     Raises ValueError/FileNotFoundError on a bad profile."""
     profile = Profile.load(settings.profile) if settings.profile else None
     if settings.conditional and not disaggregated:
-        log.warning("--conditional needs a prefill pool; with none, every prompt is prefilled by its decode worker anyway")
+        log.warning(
+            "--conditional needs a prefill pool; with none, every prompt is prefilled by its decode worker anyway"
+        )
     elif settings.conditional:
         if profile is not None:
             config = conditional_config(profile, settings.slo_tpot_ms, settings.conditional_threshold_tokens)
@@ -28,9 +30,14 @@ def attach_planner(dispatcher, settings: RouterSettings, disaggregated: bool) ->
             threshold = settings.conditional_threshold_tokens
             config = ConditionalConfig(threshold_tokens=DEFAULT_THRESHOLD_TOKENS if threshold is None else threshold)
         dispatcher.conditional = ConditionalRouter(config)
-        log.info("conditional disaggregation: decode workers prefill up to %d uncached prompt tokens themselves "
-                 "(local %.0f tok/s, remote %.0f tok/s, handoff %.0f ms; 0 = as reported)", config.threshold_tokens,
-                 config.local_tokens_per_s, config.remote_tokens_per_s, config.handoff_ms)
+        log.info(
+            "conditional disaggregation: decode workers prefill up to %d uncached prompt tokens themselves "
+            "(local %.0f tok/s, remote %.0f tok/s, handoff %.0f ms; 0 = as reported)",
+            config.threshold_tokens,
+            config.local_tokens_per_s,
+            config.remote_tokens_per_s,
+            config.handoff_ms,
+        )
     if profile is None:
         return None
     if settings.slo_ttft_ms is None and settings.slo_tpot_ms is None:
@@ -41,9 +48,19 @@ def attach_planner(dispatcher, settings: RouterSettings, disaggregated: bool) ->
         running = [w.last_stats.running for w in dispatcher.registry.decode if w.last_stats is not None]
         return statistics.fmean(running) if running else 1.0
 
-    planner = OnlinePlanner(profile, settings.slo_ttft_ms, settings.slo_tpot_ms, window_s=settings.autoscale_window_s,
-                            interval_s=settings.autoscale_interval_s, decode_batch=decode_batch)
+    planner = OnlinePlanner(
+        profile,
+        settings.slo_ttft_ms,
+        settings.slo_tpot_ms,
+        window_s=settings.autoscale_window_s,
+        interval_s=settings.autoscale_interval_s,
+        decode_batch=decode_batch,
+    )
     dispatcher.observer = planner
-    log.info("online planner: every %.0f s from the last %.0f s of arrivals, profile %s", settings.autoscale_interval_s,
-             settings.autoscale_window_s, settings.profile)
+    log.info(
+        "online planner: every %.0f s from the last %.0f s of arrivals, profile %s",
+        settings.autoscale_interval_s,
+        settings.autoscale_window_s,
+        settings.profile,
+    )
     return planner

@@ -106,7 +106,9 @@ class SimEngine:
         self.limits = limits
         self.blocks = BlockManager(limits.num_blocks, limits.block_size, limits.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(limits.max_num_seqs, limits.max_num_batched_tokens, limits.enable_chunked_prefill), self.blocks)
+            SchedulerConfig(limits.max_num_seqs, limits.max_num_batched_tokens, limits.enable_chunked_prefill),
+            self.blocks,
+        )
         self.connector = KVConnector(self.scheduler, self.blocks, 1, VOCAB_SIZE, self._finish_reason)
         self.receiver = SimReceiver()
         self.requests: dict[str, Sequence] = {}
@@ -114,13 +116,31 @@ class SimEngine:
     # -- requests (``LLMEngine.validate``, ``add_request``, ``abort``) ------------------------
     def fits(self, num_tokens: int) -> bool:
         """Whether a sequence of this many tokens fits this worker at all."""
-        return num_tokens < self.limits.max_model_len and self.blocks.blocks_needed(num_tokens + 1) <= self.blocks.num_blocks
+        return (
+            num_tokens < self.limits.max_model_len
+            and self.blocks.blocks_needed(num_tokens + 1) <= self.blocks.num_blocks
+        )
 
-    def add_request(self, request_id: str, token_ids: list[int], max_tokens: int, now: float, *,
-                    kv_send: KVSend | None = None, kv_receive: KVReceive | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        max_tokens: int,
+        now: float,
+        *,
+        kv_send: KVSend | None = None,
+        kv_receive: KVReceive | None = None,
+    ) -> None:
         sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        seq = Sequence(request_id, list(token_ids), len(token_ids), sampling, arrival_time=now, kv_send=kv_send,
-                       kv_receive=kv_receive)
+        seq = Sequence(
+            request_id,
+            list(token_ids),
+            len(token_ids),
+            sampling,
+            arrival_time=now,
+            kv_send=kv_send,
+            kv_receive=kv_receive,
+        )
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -157,15 +177,18 @@ class SimEngine:
         schedule = self.scheduler.schedule()
         for seq in schedule.expired:
             seq.status = SequenceStatus.FINISHED
-            outputs.append(RequestOutput.failed(seq.request_id, RequestRejected("could not start in time"), seq.num_prompt_tokens))
+            outputs.append(
+                RequestOutput.failed(seq.request_id, RequestRejected("could not start in time"), seq.num_prompt_tokens)
+            )
         outputs += [self.connector.open_grant(seq) for seq in schedule.reserved]
         self._retire(outputs)
         return outputs, schedule
 
     @staticmethod
     def shape(schedule: SchedulerOutput) -> StepShape:
-        return StepShape.of([c.seq.num_tokens for c in schedule.decodes],
-                            [(c.start, c.num_tokens) for c in schedule.prefills])
+        return StepShape.of(
+            [c.seq.num_tokens for c in schedule.decodes], [(c.start, c.num_tokens) for c in schedule.prefills]
+        )
 
     def finish_step(self, schedule: SchedulerOutput) -> list[RequestOutput]:
         """Advances every scheduled sequence as ``LLMEngine._forward`` does after the model ran."""
@@ -183,8 +206,16 @@ class SimEngine:
                 self._finish(seq, reason)
             elif seq.kv_send is not None:
                 self.connector.prompt_done(seq)  # keeps its blocks until the decode side has the K/V
-            outputs.append(RequestOutput(seq.request_id, [SAMPLED_TOKEN], reason, seq.num_prompt_tokens, seq.num_cached_tokens,
-                                         finished=reason is not None))
+            outputs.append(
+                RequestOutput(
+                    seq.request_id,
+                    [SAMPLED_TOKEN],
+                    reason,
+                    seq.num_prompt_tokens,
+                    seq.num_cached_tokens,
+                    finished=reason is not None,
+                )
+            )
         for chunk in schedule.prefills:
             if not chunk.completes:
                 self.blocks.commit_full_blocks(chunk.seq)
@@ -213,13 +244,22 @@ class SimEngine:
         b = self.blocks.stats()
         pending = [*self.scheduler.waiting, *(s for s in self.scheduler.running if s.is_prefilling)]
         stats = EngineStats(
-            blocks_total=b.num_blocks, blocks_free=b.num_free, blocks_cached=b.num_cached,
-            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-            prefilled_held=len(self.connector.sending), preemptions=self.scheduler.num_preemptions,
-            prefix_queries=b.prefix_queries, prefix_hits=b.prefix_hits, evictions=b.evictions,
+            blocks_total=b.num_blocks,
+            blocks_free=b.num_free,
+            blocks_cached=b.num_cached,
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            prefilled_held=len(self.connector.sending),
+            preemptions=self.scheduler.num_preemptions,
+            prefix_queries=b.prefix_queries,
+            prefix_hits=b.prefix_hits,
+            evictions=b.evictions,
             queued_prefill_tokens=sum(s.num_tokens - s.num_computed_tokens for s in pending if s.kv_receive is None),
-            cached_block_hashes=tuple(self.blocks.cached), prefill_tokens_per_s=prefill_tokens_per_s,
-            rejected=self.scheduler.num_rejected, waiting_for_kv=len(self.scheduler.waiting_for_kv),
+            cached_block_hashes=tuple(self.blocks.cached),
+            prefill_tokens_per_s=prefill_tokens_per_s,
+            rejected=self.scheduler.num_rejected,
+            waiting_for_kv=len(self.scheduler.waiting_for_kv),
         )
-        return worker_stats(stats, role, address, self.receiver.num_active, None, self.limits.block_size,
-                            self.limits.max_num_seqs)
+        return worker_stats(
+            stats, role, address, self.receiver.num_active, None, self.limits.block_size, self.limits.max_num_seqs
+        )

@@ -33,14 +33,22 @@ PROG = "pdserve simulate"
 def build_parser() -> argparse.ArgumentParser:
     parser = serve.build_parser()
     parser.prog = PROG
-    parser.description = ("Simulated serving benchmark: pdserve bench's options and result files, from a profile "
-                          "(pdserve profile) instead of started stacks; --profile is required")
+    parser.description = (
+        "Simulated serving benchmark: pdserve bench's options and result files, from a profile "
+        "(pdserve profile) instead of started stacks; --profile is required"
+    )
     return parser
 
 
 def topology(mode: serve.Mode, plan: serve.Plan) -> Topology:
-    return Topology(prefill=mode.prefill, decode=mode.decode, colocated=mode.colocated, conditional=mode.conditional,
-                    policy=mode.policy or plan.policy or "kv_aware", chunked_prefill=mode.chunked_prefill)
+    return Topology(
+        prefill=mode.prefill,
+        decode=mode.decode,
+        colocated=mode.colocated,
+        conditional=mode.conditional,
+        policy=mode.policy or plan.policy or "kv_aware",
+        chunked_prefill=mode.chunked_prefill,
+    )
 
 
 def sim_config(plan: serve.Plan, profile: Profile) -> SimConfig:
@@ -48,11 +56,17 @@ def sim_config(plan: serve.Plan, profile: Profile) -> SimConfig:
     e = plan.engine
     nbytes, _ = parse_memory(e.kv_cache_memory) if e.kv_cache_memory != "auto" else (None, None)
     return SimConfig(
-        max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens, block_size=e.block_size,
-        enable_prefix_caching=e.enable_prefix_caching, num_threads=e.num_threads,
+        max_num_seqs=e.max_num_seqs,
+        max_num_batched_tokens=e.max_num_batched_tokens,
+        block_size=e.block_size,
+        enable_prefix_caching=e.enable_prefix_caching,
+        num_threads=e.num_threads,
         kv_cache_tokens=nbytes // profile.kv_bytes_per_token if nbytes else None,
-        slo_tpot_ms=plan.slo_tpot_ms, conditional_threshold_tokens=plan.conditional_threshold_tokens,
-        request_timeout_s=plan.request_timeout_s, time_limit_s=plan.time_limit_s, max_concurrency=plan.max_concurrency,
+        slo_tpot_ms=plan.slo_tpot_ms,
+        conditional_threshold_tokens=plan.conditional_threshold_tokens,
+        request_timeout_s=plan.request_timeout_s,
+        time_limit_s=plan.time_limit_s,
+        max_concurrency=plan.max_concurrency,
     )
 
 
@@ -61,16 +75,31 @@ def run(plan: serve.Plan, profile: Profile, specs: list[workloads.RequestSpec]) 
     collected = []
     runs = [(mode, k, rate) for mode in plan.modes for k, rate in enumerate(plan.rates)]
     for mode, k, rate in tqdm(runs, desc="simulating", unit="run", disable=not plan.progress, leave=False):
-        sim = simulate(profile, topology(mode, plan), workloads.variant(specs, k),
-                       arrival_offsets(len(specs), rate, plan.burstiness, plan.seed), config)
+        sim = simulate(
+            profile,
+            topology(mode, plan),
+            workloads.variant(specs, k),
+            arrival_offsets(len(specs), rate, plan.burstiness, plan.seed),
+            config,
+        )
         info = dataclasses.replace(serve._info(plan, mode, rate, k), backend="pdserve-sim")
         metrics = compute(sim.timelines, sim.duration, plan.goodput)
         result = results.to_result(info, metrics, sim.timelines)
-        result.update({"simulated": True, "profile": plan.profile, "profile_source": profile.source,
-                       "sim_counters": dict(sim.counters)})
+        result.update(
+            {
+                "simulated": True,
+                "profile": plan.profile,
+                "profile_source": profile.source,
+                "sim_counters": dict(sim.counters),
+            }
+        )
         path = results.write(plan.result_dir, info, result)
-        print(f"[{mode.label} @ {result['request_rate']}] simulated: {metrics.completed} ok, {metrics.failed} failed, "
-              f"{sim.duration:.2f} s -> {path}", file=sys.stderr, flush=True)
+        print(
+            f"[{mode.label} @ {result['request_rate']}] simulated: {metrics.completed} ok, {metrics.failed} failed, "
+            f"{sim.duration:.2f} s -> {path}",
+            file=sys.stderr,
+            flush=True,
+        )
         collected.append(result)
     return collected
 

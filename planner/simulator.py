@@ -66,8 +66,10 @@ class Topology:
 
     def __post_init__(self) -> None:
         if self.decode < 1 or self.prefill < 0 or (not self.colocated and self.prefill < 1):
-            raise ValueError(f"a topology needs >= 1 decode worker and, unless colocated, >= 1 prefill worker "
-                             f"(got {self.prefill}P{self.decode}D)")
+            raise ValueError(
+                f"a topology needs >= 1 decode worker and, unless colocated, >= 1 prefill worker "
+                f"(got {self.prefill}P{self.decode}D)"
+            )
         if self.colocated and self.conditional:
             raise ValueError("conditional disaggregation needs a prefill pool; colocated has none")
 
@@ -198,19 +200,29 @@ class Simulation:
         self.counters: Counter = Counter()
         prefill_degree, decode_degree = topology.degrees(profile, config.num_threads)
         decode_role = "colocated" if topology.colocated else "decode"
-        self.decode = [SimWorker(self, decode_role, f"decode-{i}", decode_degree, self._limits(decode_degree))
-                       for i in range(topology.decode)]
-        self.prefill = [] if topology.colocated else [
-            SimWorker(self, "prefill", f"prefill-{i}", prefill_degree, self._limits(prefill_degree))
-            for i in range(topology.prefill)]
+        self.decode = [
+            SimWorker(self, decode_role, f"decode-{i}", decode_degree, self._limits(decode_degree))
+            for i in range(topology.decode)
+        ]
+        self.prefill = (
+            []
+            if topology.colocated
+            else [
+                SimWorker(self, "prefill", f"prefill-{i}", prefill_degree, self._limits(prefill_degree))
+                for i in range(topology.prefill)
+            ]
+        )
         self.workers = self.decode + self.prefill
         self._by_record = {id(w.record): w for w in self.workers}
         self._speed = 1.0  # of every running step, while the busy set stays as it is
         self.policy = make_policy(topology.policy)
         self.conditional = None
         if topology.conditional:
-            self.conditional = ConditionalRouter(conditional_config(
-                profile, config.slo_tpot_ms, config.conditional_threshold_tokens, prefill_degree, decode_degree))
+            self.conditional = ConditionalRouter(
+                conditional_config(
+                    profile, config.slo_tpot_ms, config.conditional_threshold_tokens, prefill_degree, decode_degree
+                )
+            )
         if config.slo_tpot_ms is not None:
             for w in self.decode:  # the workers that may mix prompts into decode steps
                 w.engine.scheduler.prefill_token_limit = sizer_for(profile, w.degree, config.slo_tpot_ms)
@@ -222,9 +234,14 @@ class Simulation:
         c = self.config
         tokens = c.kv_cache_tokens or self.profile.kv_tokens(degree) or DEFAULT_KV_TOKENS
         return EngineLimits(
-            num_blocks=max(1, tokens // c.block_size), block_size=c.block_size, max_num_seqs=c.max_num_seqs,
-            max_num_batched_tokens=c.max_num_batched_tokens, enable_chunked_prefill=self.topology.chunked_prefill,
-            enable_prefix_caching=c.enable_prefix_caching, max_model_len=self.profile.max_model_len)
+            num_blocks=max(1, tokens // c.block_size),
+            block_size=c.block_size,
+            max_num_seqs=c.max_num_seqs,
+            max_num_batched_tokens=c.max_num_batched_tokens,
+            enable_chunked_prefill=self.topology.chunked_prefill,
+            enable_prefix_caching=c.enable_prefix_caching,
+            max_model_len=self.profile.max_model_len,
+        )
 
     def after(self, delay_s: float, fn: Callable, *args) -> None:
         heapq.heappush(self._events, (self.now + max(0.0, delay_s), next(self._order), fn, args))
@@ -260,8 +277,10 @@ class Simulation:
         """Simulates ``specs`` sent at ``offsets`` (seconds; ``arrivals.arrival_offsets``)."""
         if len(offsets) != len(specs):
             raise ValueError(f"{len(specs)} requests but {len(offsets)} arrival times")
-        requests = [_Request(f"sim-{i}", s, Timeline(prompt_len=s.prompt_len, max_tokens=s.max_tokens))
-                    for i, s in enumerate(specs)]
+        requests = [
+            _Request(f"sim-{i}", s, Timeline(prompt_len=s.prompt_len, max_tokens=s.max_tokens))
+            for i, s in enumerate(specs)
+        ]
         for req, at in zip(requests, offsets):
             if at >= self.config.time_limit_s:
                 req.timeline.error = "not sent before the run's time limit"
@@ -305,7 +324,8 @@ class Simulation:
         if self.prefill:
             prefill = self._by_record[id(self.policy.pick_prefill(request, [w.record for w in self.prefill]))]
             if self.conditional is not None and self.conditional.prefill_locally(
-                    tokens, decode.record, [w.record for w in self.prefill]):
+                tokens, decode.record, [w.record for w in self.prefill]
+            ):
                 prefill = None
         self.counters["prefill_remote" if prefill else "prefill_local"] += 1
         req.decode = decode
@@ -322,7 +342,9 @@ class Simulation:
         # is left of the request's time); the reservation is its stream's first message.
         req.work = prefill.record.begin_prefill(PromptBlocks(tokens))
         decode.handlers[req.rid] = lambda out: self._decode_output(req, prefill, out)
-        decode.engine.add_request(req.rid, tokens, req.spec.max_tokens, self.now, kv_receive=KVReceive(decode.engine.receiver))
+        decode.engine.add_request(
+            req.rid, tokens, req.spec.max_tokens, self.now, kv_receive=KVReceive(decode.engine.receiver)
+        )
         self.after(max(0.001, min(RESERVE_WAIT_S, req.deadline - self.now)), self._reservation_overdue, req, prefill)
         self._wake(decode)
 
@@ -340,7 +362,9 @@ class Simulation:
             prefill.handlers[req.rid] = lambda o: self._prefill_output(req, prefill, o)
             # The simulated transfer always completes, so the connector's wall-clock deadline for the ack never matters.
             send = KVSend(SimTransfer(lambda transfer, token: self._ship(req, transfer, token)), ack_timeout_s=math.inf)
-            prefill.engine.add_request(req.rid, list(req.spec.prompt_token_ids), req.spec.max_tokens, self.now, kv_send=send)
+            prefill.engine.add_request(
+                req.rid, list(req.spec.prompt_token_ids), req.spec.max_tokens, self.now, kv_send=send
+            )
             self._wake(prefill)
         elif req.first_sent:
             self._token(req, out)
@@ -351,7 +375,9 @@ class Simulation:
         """The prefill worker sampled the first token: the K/V the decode worker lacks travel."""
         tokens = req.spec.prompt_len - req.reservation.num_cached_tokens
         handoff_ms = self.profile.transfer_ms(tokens) + self.profile.overheads.handoff_ms
-        self.after(handoff_ms / 1e3, self._transferred, req, transfer, first_token_id, tokens * self.profile.kv_bytes_per_token)
+        self.after(
+            handoff_ms / 1e3, self._transferred, req, transfer, first_token_id, tokens * self.profile.kv_bytes_per_token
+        )
 
     def _transferred(self, req: _Request, transfer: SimTransfer, first_token_id: int, nbytes: int) -> None:
         """The decode side verified the K/V and acknowledged them: both engines hear it."""
@@ -434,6 +460,11 @@ class Simulation:
                 t.error = "cancelled at the run's time limit"
 
 
-def simulate(profile: Profile, topology: Topology, specs: list[RequestSpec], offsets: list[float],
-             config: SimConfig | None = None) -> SimRun:
+def simulate(
+    profile: Profile,
+    topology: Topology,
+    specs: list[RequestSpec],
+    offsets: list[float],
+    config: SimConfig | None = None,
+) -> SimRun:
     return Simulation(profile, topology, config).run(specs, offsets)

@@ -36,30 +36,44 @@ def local_prefill_ms(profile: Profile, tokens: int, degree: int, tpot_ms: float 
 
 
 def remote_prefill_ms(profile: Profile, tokens: int, degree: int) -> float:
-    return (profile.step_cost(degree).prefill_alone_ms(tokens) + profile.overheads.step_ms
-            + profile.transfer_ms(tokens) + profile.overheads.handoff_ms)
+    return (
+        profile.step_cost(degree).prefill_alone_ms(tokens)
+        + profile.overheads.step_ms
+        + profile.transfer_ms(tokens)
+        + profile.overheads.handoff_ms
+    )
 
 
 def break_even_tokens(profile: Profile, prefill_degree: int, decode_degree: int, tpot_ms: float | None) -> int:
     """The longest prompt (in steps of 16 tokens) whose local prefill is no slower than the remote one."""
     best = 0
     for tokens in range(16, MAX_THRESHOLD + 1, 16):
-        if local_prefill_ms(profile, tokens, decode_degree, tpot_ms) > remote_prefill_ms(profile, tokens, prefill_degree):
+        if local_prefill_ms(profile, tokens, decode_degree, tpot_ms) > remote_prefill_ms(
+            profile, tokens, prefill_degree
+        ):
             break
         best = tokens
     return best
 
 
-def conditional_config(profile: Profile, tpot_ms: float | None = None, threshold_tokens: int | None = None,
-                       prefill_degree: int | None = None, decode_degree: int | None = None) -> ConditionalConfig:
+def conditional_config(
+    profile: Profile,
+    tpot_ms: float | None = None,
+    threshold_tokens: int | None = None,
+    prefill_degree: int | None = None,
+    decode_degree: int | None = None,
+) -> ConditionalConfig:
     """``threshold_tokens`` overrides the profile's break-even length; degrees default to the
     profile's smallest (what one worker of a local stack gets on a small machine)."""
     prefill_degree = prefill_degree or profile.degrees[0]
     decode_degree = decode_degree or profile.degrees[0]
     local_rate = REFERENCE_PROMPT / local_prefill_ms(profile, REFERENCE_PROMPT, decode_degree, tpot_ms) * 1e3
     remote_ms = profile.step_cost(prefill_degree).prefill_alone_ms(REFERENCE_PROMPT) + profile.overheads.step_ms
-    threshold = threshold_tokens if threshold_tokens is not None else break_even_tokens(
-        profile, prefill_degree, decode_degree, tpot_ms)
+    threshold = (
+        threshold_tokens
+        if threshold_tokens is not None
+        else break_even_tokens(profile, prefill_degree, decode_degree, tpot_ms)
+    )
     return ConditionalConfig(
         threshold_tokens=threshold,
         local_tokens_per_s=local_rate if math.isfinite(local_rate) else 0.0,

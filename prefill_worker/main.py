@@ -45,20 +45,30 @@ async def serve(engine_config: EngineConfig, settings: WorkerSettings, security:
         extra.update(sender_extra(device) if sender_extra else {})
     fingerprint = await asyncio.to_thread(model_fingerprint, engine.model_dir, engine_config.cache_dir)
     shards = handoff_shards(engine)  # every rank's cache (one, at tensor parallel 1)
-    peer = local_peer_info(fingerprint, engine.kv_layout, role="prefill", transports=transports, extra=extra,
-                           tp_size=shards.tp_size)
+    peer = local_peer_info(
+        fingerprint, engine.kv_layout, role="prefill", transports=transports, extra=extra, tp_size=shards.tp_size
+    )
     cache = KVCacheView(shards.layers, engine.config.block_size, shards.token_bytes)
     sender = KVSender(peer, cache, secret=security.cluster_token.encode() if security.cluster_token else None, ucx=ucx)
-    service = PrefillService(loop, sender, lease_s=settings.kv_lease_s, max_queued_requests=settings.max_queued_requests)
+    service = PrefillService(
+        loop, sender, lease_s=settings.kv_lease_s, max_queued_requests=settings.max_queued_requests
+    )
     server = await start_server(
-        [lambda s: pdserve_pb2_grpc.add_PrefillWorkerServicer_to_server(service, s)], ["PrefillWorker"],
-        settings.host, settings.port, credentials=security.server_credentials(),
+        [lambda s: pdserve_pb2_grpc.add_PrefillWorkerServicer_to_server(service, s)],
+        ["PrefillWorker"],
+        settings.host,
+        settings.port,
+        credentials=security.server_credentials(),
         interceptors=[TokenAuth(security.cluster_token, ["pdserve.v1.PrefillWorker"])],
     )
     public_host = settings.public_host()
     service.address = f"{public_host}:{server.port}"
     metrics_address = start_worker_metrics(
-        settings.metrics_port, settings.host, public_host, WorkerCollector("prefill", loop.stats, lambda: service.counters))
+        settings.metrics_port,
+        settings.host,
+        public_host,
+        WorkerCollector("prefill", loop.stats, lambda: service.counters),
+    )
     log.info("prefill worker serving on %s (KV transports offered: %s)", service.address, ", ".join(transports))
     announce_ready("prefill", grpc=service.address, metrics=metrics_address)
 

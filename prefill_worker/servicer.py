@@ -32,8 +32,14 @@ ACK_GRACE_S = 2.0  # past the decode side's lease, so its verdict (and its lease
 
 
 class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
-    def __init__(self, loop: EngineLoop, sender: KVSender, address: str = "", lease_s: float = 30.0,
-                 max_queued_requests: int = 256) -> None:
+    def __init__(
+        self,
+        loop: EngineLoop,
+        sender: KVSender,
+        address: str = "",
+        lease_s: float = 30.0,
+        max_queued_requests: int = 256,
+    ) -> None:
         self.max_queued_requests = max_queued_requests
         self.queued = 0  # requests accepted and not yet answered
         self.loop = loop
@@ -53,14 +59,20 @@ class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
             self.engine.validate(token_ids, sampling, request.num_prior_output_tokens)
             transfer_id = parse_transfer_key(target.transfer_id)
             if target.num_tokens != len(token_ids):
-                raise ValueError(f"target.num_tokens: {target.num_tokens} does not match the {len(token_ids)} prompt tokens")
+                raise ValueError(
+                    f"target.num_tokens: {target.num_tokens} does not match the {len(token_ids)} prompt tokens"
+                )
             if not 0 <= target.skip_tokens <= target.num_tokens:
                 raise ValueError(f"target.skip_tokens: {target.skip_tokens} is outside [0, {target.num_tokens}]")
             block_size = target.block_size or self.engine.config.block_size
             if not 0 < block_size <= 1024 or len(target.block_ids) * block_size < target.num_tokens:
-                raise ValueError(f"target.block_ids: {len(target.block_ids)} blocks of {block_size} tokens cannot hold "
-                                 f"{target.num_tokens} tokens")
-            await asyncio.to_thread(self.engine.compile_constraint, sampling)  # off the event loop and the engine thread
+                raise ValueError(
+                    f"target.block_ids: {len(target.block_ids)} blocks of {block_size} tokens cannot hold "
+                    f"{target.num_tokens} tokens"
+                )
+            await asyncio.to_thread(
+                self.engine.compile_constraint, sampling
+            )  # off the event loop and the engine thread
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if self.queued >= self.max_queued_requests:
@@ -79,14 +91,27 @@ class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
             log.warning("request %s (client id %r): %s", rid, request.client_request_id, e)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except (OSError, ValueError) as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot reach decode worker KV endpoint {target.kv_address}: {e}")
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"cannot reach decode worker KV endpoint {target.kv_address}: {e}"
+            )
 
-        transfer = conn.open(transfer_id, list(target.block_ids), target.block_size or self.engine.config.block_size,
-                             len(token_ids), skip_tokens=target.skip_tokens)
+        transfer = conn.open(
+            transfer_id,
+            list(target.block_ids),
+            target.block_size or self.engine.config.block_size,
+            len(token_ids),
+            skip_tokens=target.skip_tokens,
+        )
         budget_s = request.ttft_budget_ms / 1e3 if request.ttft_budget_ms > 0 else None
         start = lambda e: e.add_request(  # noqa: E731
-            rid, token_ids, sampling, priority=request.priority, num_prior_output_tokens=request.num_prior_output_tokens,
-            ttft_budget_s=budget_s, kv_send=KVSend(transfer, ack_timeout_s=self.lease_s + ACK_GRACE_S))
+            rid,
+            token_ids,
+            sampling,
+            priority=request.priority,
+            num_prior_output_tokens=request.num_prior_output_tokens,
+            ttft_budget_s=budget_s,
+            kv_send=KVSend(transfer, ack_timeout_s=self.lease_s + ACK_GRACE_S),
+        )
         started = time.perf_counter()
         first = sent = None
         try:
@@ -120,13 +145,26 @@ class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
         transfer_ms = (time.perf_counter() - started) * 1e3 - prefill_ms
         self.counters[f"transfers_{sent.transport}"] += 1
         metrics.KV_TRANSFER_SECONDS.labels(sent.transport).observe(transfer_ms / 1e3)
-        response.MergeFrom(pb.PrefillResponse(num_cached_tokens=first.num_cached_tokens, transport=sent.transport,
-                                              prefill_ms=prefill_ms, transfer_ms=transfer_ms))
+        response.MergeFrom(
+            pb.PrefillResponse(
+                num_cached_tokens=first.num_cached_tokens,
+                transport=sent.transport,
+                prefill_ms=prefill_ms,
+                transfer_ms=transfer_ms,
+            )
+        )
         return response
 
     async def GetStats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.WorkerStats:
-        return worker_stats(self.loop.stats(), "prefill", self.address, 0, self.counters,
-                            self.engine.config.block_size, self.engine.config.max_num_seqs)
+        return worker_stats(
+            self.loop.stats(),
+            "prefill",
+            self.address,
+            0,
+            self.counters,
+            self.engine.config.block_size,
+            self.engine.config.max_num_seqs,
+        )
 
 
 def _first_tokens(first) -> pb.PrefillResponse:
@@ -134,9 +172,14 @@ def _first_tokens(first) -> pb.PrefillResponse:
     token_id = first.new_token_ids[0]
     reason = first.finish_reason.value if first.finish_reason is not None else ""
     if first.first_tokens is not None:  # n > 1
-        choices = [pb.FirstToken(token_id=t.token_id, finish_reason=t.finish_reason.value if t.finish_reason else "",
-                                 logprob=logprob_to_proto(t.logprob) if t.logprob is not None else None)
-                   for t in first.first_tokens]
+        choices = [
+            pb.FirstToken(
+                token_id=t.token_id,
+                finish_reason=t.finish_reason.value if t.finish_reason else "",
+                logprob=logprob_to_proto(t.logprob) if t.logprob is not None else None,
+            )
+            for t in first.first_tokens
+        ]
     else:
         logprob = logprob_to_proto(first.logprobs[0]) if first.logprobs else None
         choices = [pb.FirstToken(token_id=token_id, finish_reason=reason, logprob=logprob)]

@@ -42,10 +42,11 @@ async def best_of(chunks: AsyncIterator[Chunk], n: int, keep_logprobs: bool) -> 
     ranked = sorted(choices.values(), key=lambda c: c.cumulative_logprob, reverse=True)[:n]
     for index, choice in enumerate(ranked):
         yield Chunk(
-            choice.token_ids, "".join(choice.text), choice.finish_reason,
-            usage=last.usage if index == len(ranked) - 1 and last is not None else None, index=index,
+            choice.token_ids,
+            "".join(choice.text),
+            choice.finish_reason,
+            usage=last.usage if index == len(ranked) - 1 and last is not None else None,
+            index=index,
             logprobs=choice.logprobs if keep_logprobs else [],
             prompt_logprobs=prompt_logprobs if index == 0 else None,
         )
-
-

@@ -22,12 +22,14 @@ if TYPE_CHECKING:
 
 def one_choice(req: ValidatedRequest, index: int) -> ValidatedRequest:
     sampling = req.engine_sampling
-    return replace(req, best_of=None, sampling=replace(sampling, n=1, seed=choice_seed(sampling.seed, index),
-                                                          prompt_logprobs=None))
+    return replace(
+        req, best_of=None, sampling=replace(sampling, n=1, seed=choice_seed(sampling.seed, index), prompt_logprobs=None)
+    )
 
 
-async def continue_choices(dispatcher: Dispatcher, req: ValidatedRequest, priors: dict[int, list[int]],
-                           ended: set[int], deadline: float) -> AsyncIterator[TokenEvent]:
+async def continue_choices(
+    dispatcher: Dispatcher, req: ValidatedRequest, priors: dict[int, list[int]], ended: set[int], deadline: float
+) -> AsyncIterator[TokenEvent]:
     queue: asyncio.Queue = asyncio.Queue()
     timeout_s = max(0.001, deadline - time.monotonic())
 

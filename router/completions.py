@@ -33,8 +33,11 @@ class Usage:
 
     def to_proto(self) -> pb.Usage:
         return pb.Usage(
-            prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
-            cached_prompt_tokens=self.cached_prompt_tokens, ttft_ms=self.ttft_ms, e2e_ms=self.e2e_ms,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            cached_prompt_tokens=self.cached_prompt_tokens,
+            ttft_ms=self.ttft_ms,
+            e2e_ms=self.e2e_ms,
         )
 
 
@@ -50,8 +53,9 @@ class Chunk:
 
 
 class Completions:
-    def __init__(self, tokenizer: RouterTokenizer, dispatcher: Dispatcher, request_timeout_s: float,
-                 max_inflight: int) -> None:
+    def __init__(
+        self, tokenizer: RouterTokenizer, dispatcher: Dispatcher, request_timeout_s: float, max_inflight: int
+    ) -> None:
         self.tokenizer = tokenizer
         self.dispatcher = dispatcher
         self.request_timeout_s = request_timeout_s
@@ -84,8 +88,11 @@ class Completions:
         if self.inflight >= self.max_inflight:
             self.counters["rejected_overloaded"] += 1
             metrics.REJECTIONS.labels("overloaded").inc()
-            raise DispatchError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"the router is serving its limit of {self.max_inflight} requests; retry later", retry_after_ms=500)
+            raise DispatchError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the router is serving its limit of {self.max_inflight} requests; retry later",
+                retry_after_ms=500,
+            )
         async with contextlib.aclosing(self._stream(req, timeout_s)) as chunks:  # closed at once: cancels the RPCs
             if req.engine_sampling.n > req.sampling.n:  # best_of: the most likely choices, once all are done
                 from pdserve.router.best_of import best_of  # it builds this module's Chunks
@@ -136,9 +143,18 @@ class Completions:
                         self.counters[f"finished_{finish}"] += 1
                         metrics.REQUESTS.labels(finish).inc()
                         metrics.E2E.observe(now - started)
-                        usage = Usage(len(req.prompt_token_ids), completion_tokens, cached, ttft_ms, (now - started) * 1e3)
-                    yield Chunk(token_ids, delta + text.flush(), finish, usage, index=i, logprobs=logprobs,
-                                prompt_logprobs=first_logprobs)
+                        usage = Usage(
+                            len(req.prompt_token_ids), completion_tokens, cached, ttft_ms, (now - started) * 1e3
+                        )
+                    yield Chunk(
+                        token_ids,
+                        delta + text.flush(),
+                        finish,
+                        usage,
+                        index=i,
+                        logprobs=logprobs,
+                        prompt_logprobs=first_logprobs,
+                    )
                     if usage is not None:
                         return
         except DispatchError as e:

@@ -50,13 +50,25 @@ class TokenEvent:
 
     @classmethod
     def from_batch(cls, batch: pb.TokenBatch) -> "TokenEvent":
-        return cls(list(batch.token_ids), batch.finish_reason or None, batch.num_cached_tokens, batch.index,
-                   list(batch.logprobs), list(batch.prompt_logprobs) or None)
+        return cls(
+            list(batch.token_ids),
+            batch.finish_reason or None,
+            batch.num_cached_tokens,
+            batch.index,
+            list(batch.logprobs),
+            list(batch.prompt_logprobs) or None,
+        )
 
 
 class DispatchError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str, worker: Worker | None = None,
-                 retry_after_ms: int | None = None, final: bool = False) -> None:
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        worker: Worker | None = None,
+        retry_after_ms: int | None = None,
+        final: bool = False,
+    ) -> None:
         super().__init__(message)
         self.final = final  # retrying cannot help (e.g. we already waited for a worker to come back)
         self.code = code
@@ -91,13 +103,23 @@ def _worker_error(worker: Worker, error: grpc.aio.AioRpcError) -> DispatchError:
     if code is grpc.StatusCode.INVALID_ARGUMENT:  # the worker's words name the field (a grammar that does not compile)
         return DispatchError(code, error.details(), worker)
     retry = dict(error.trailing_metadata() or ()).get(RETRY_AFTER_KEY)
-    return DispatchError(code, f"{worker.role.value} worker {worker.address}: {error.details()}", worker,
-                         retry_after_ms=int(retry) if retry and str(retry).isdigit() else None)
+    return DispatchError(
+        code,
+        f"{worker.role.value} worker {worker.address}: {error.details()}",
+        worker,
+        retry_after_ms=int(retry) if retry and str(retry).isdigit() else None,
+    )
 
 
 class Dispatcher:
-    def __init__(self, registry: WorkerRegistry, policy: RoutingPolicy, max_attempts: int = DEFAULT_MAX_ATTEMPTS,
-                 failure_threshold: int = 2, worker_wait_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        policy: RoutingPolicy,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        failure_threshold: int = 2,
+        worker_wait_s: float = 5.0,
+    ) -> None:
         self.worker_wait_s = worker_wait_s
         self.registry = registry
         self.policy = policy
@@ -107,7 +129,9 @@ class Dispatcher:
         self.conditional: ConditionalRouter | None = None  # prefill short prompts on the decode worker
         self.observer = None  # planner.online.OnlinePlanner: sees arrivals, first tokens and ends
 
-    async def generate(self, req: ValidatedRequest, timeout_s: float, prior: list[int] | None = None) -> AsyncIterator[TokenEvent]:
+    async def generate(
+        self, req: ValidatedRequest, timeout_s: float, prior: list[int] | None = None
+    ) -> AsyncIterator[TokenEvent]:
         """``prior``: tokens the client already has (a choice continuing on its own)."""
         deadline = time.monotonic() + timeout_s
         prior = list(prior or [])
@@ -160,7 +184,8 @@ class Dispatcher:
                 decode = self.policy.pick_decode(attempt.request, self.registry.decode, exclude=failed)
                 prefill = (
                     self.policy.pick_prefill(attempt.request, self.registry.prefill, exclude=failed)
-                    if self.registry.disaggregated else None
+                    if self.registry.disaggregated
+                    else None
                 )
                 return decode, prefill
             except NoWorkerAvailable as e:
@@ -170,14 +195,21 @@ class Dispatcher:
 
     async def _attempt(self, attempt: Attempt, deadline: float, failed: set[str]) -> AsyncIterator[TokenEvent]:
         decode, prefill = await self._pick(attempt, deadline, failed)
-        local = prefill is not None and self.conditional is not None and self.conditional.prefill_locally(
-            attempt.token_ids, decode, self.registry.prefill)
+        local = (
+            prefill is not None
+            and self.conditional is not None
+            and self.conditional.prefill_locally(attempt.token_ids, decode, self.registry.prefill)
+        )
         if local:
             prefill = None
             self.counters["conditional_local_prefills"] += 1
         if attempt.request.ttft_budget_ms is not None and not attempt.prior:
             self._check_ttft_budget(attempt, prefill or decode)
-        stream = self._disaggregated(attempt, prefill, decode, deadline) if prefill else self._colocated(attempt, decode, deadline)
+        stream = (
+            self._disaggregated(attempt, prefill, decode, deadline)
+            if prefill
+            else self._colocated(attempt, decode, deadline)
+        )
         if local:
             stream = self.conditional.track(decode, attempt.token_ids, stream)
         async with contextlib.aclosing(stream):
@@ -202,8 +234,9 @@ class Dispatcher:
             )
 
     async def _colocated(self, attempt: Attempt, decode: Worker, deadline: float) -> AsyncIterator[TokenEvent]:
-        call = decode.decode_stub.Decode(_decode_request(attempt, prefill_locally=True), timeout=_left(deadline),
-                                        metadata=self.registry.metadata)
+        call = decode.decode_stub.Decode(
+            _decode_request(attempt, prefill_locally=True), timeout=_left(deadline), metadata=self.registry.metadata
+        )
         decode.inflight += 1
         try:
             while (event := await call.read()) is not grpc.aio.EOF:
@@ -217,8 +250,9 @@ class Dispatcher:
     async def _disaggregated(
         self, attempt: Attempt, prefill: Worker, decode: Worker, deadline: float
     ) -> AsyncIterator[TokenEvent]:
-        call = decode.decode_stub.Decode(_decode_request(attempt, prefill_locally=False), timeout=_left(deadline),
-                                        metadata=self.registry.metadata)
+        call = decode.decode_stub.Decode(
+            _decode_request(attempt, prefill_locally=False), timeout=_left(deadline), metadata=self.registry.metadata
+        )
         decode.inflight += 1
         # Counted on the prefill worker from the moment it is picked (no await since), so a
         # burst of requests sees each other's work.
@@ -227,16 +261,24 @@ class Dispatcher:
             try:
                 target = await _reservation(call, decode)
                 response = await prefill.prefill_stub.Prefill(
-                    _prefill_request(attempt, target), timeout=_left(deadline), metadata=self.registry.metadata)
+                    _prefill_request(attempt, target), timeout=_left(deadline), metadata=self.registry.metadata
+                )
             except grpc.aio.AioRpcError as e:
                 raise _worker_error(prefill, e) from None
             finally:
                 prefill.end_prefill(work)
-            choices = response.choices or [pb.FirstToken(token_id=response.first_token_id, finish_reason=response.finish_reason)]
+            choices = response.choices or [
+                pb.FirstToken(token_id=response.first_token_id, finish_reason=response.finish_reason)
+            ]
             for i, first in enumerate(choices):
-                yield TokenEvent([first.token_id], first.finish_reason or None, response.num_cached_tokens, index=i,
-                                 logprobs=[first.logprob] if first.HasField("logprob") else [],
-                                 prompt_logprobs=list(response.prompt_logprobs) if i == 0 else None)
+                yield TokenEvent(
+                    [first.token_id],
+                    first.finish_reason or None,
+                    response.num_cached_tokens,
+                    index=i,
+                    logprobs=[first.logprob] if first.HasField("logprob") else [],
+                    prompt_logprobs=list(response.prompt_logprobs) if i == 0 else None,
+                )
             if all(first.finish_reason for first in choices):
                 return
             try:
@@ -271,21 +313,30 @@ def _remaining_budget_ms(attempt: Attempt) -> float:
 def _decode_request(attempt: Attempt, prefill_locally: bool) -> pb.DecodeRequest:
     req = attempt.request
     return pb.DecodeRequest(
-        request_id=attempt.key, client_request_id=req.request_id, token_ids=attempt.token_ids,
-        sampling=sampling_to_proto(req.engine_sampling), priority=req.priority, prefill_locally=prefill_locally,
-        num_prior_output_tokens=len(attempt.prior), ttft_budget_ms=_remaining_budget_ms(attempt),
+        request_id=attempt.key,
+        client_request_id=req.request_id,
+        token_ids=attempt.token_ids,
+        sampling=sampling_to_proto(req.engine_sampling),
+        priority=req.priority,
+        prefill_locally=prefill_locally,
+        num_prior_output_tokens=len(attempt.prior),
+        ttft_budget_ms=_remaining_budget_ms(attempt),
     )
 
 
 def _prefill_request(attempt: Attempt, target: pb.KvTarget) -> pb.PrefillRequest:
     req = attempt.request
     return pb.PrefillRequest(
-        request_id=attempt.key, client_request_id=req.request_id, token_ids=attempt.token_ids,
-        sampling=sampling_to_proto(req.engine_sampling), priority=req.priority, num_prior_output_tokens=len(attempt.prior),
-        target=target, ttft_budget_ms=_remaining_budget_ms(attempt),
+        request_id=attempt.key,
+        client_request_id=req.request_id,
+        token_ids=attempt.token_ids,
+        sampling=sampling_to_proto(req.engine_sampling),
+        priority=req.priority,
+        num_prior_output_tokens=len(attempt.prior),
+        target=target,
+        ttft_budget_ms=_remaining_budget_ms(attempt),
     )
 
 
 def _left(deadline: float) -> float:
     return max(0.001, deadline - time.monotonic())
-

@@ -51,17 +51,24 @@ class HealthMonitor:
         service = "pdserve.v1.PrefillWorker" if worker.prefill_stub else "pdserve.v1.DecodeWorker"
         try:
             health = await health_pb2_grpc.HealthStub(worker.channel).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=PROBE_TIMEOUT_S)
+                health_pb2.HealthCheckRequest(service=service), timeout=PROBE_TIMEOUT_S
+            )
             if health.status != health_pb2.HealthCheckResponse.SERVING:
-                raise ConnectionError(f"health status {health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)}")
+                raise ConnectionError(
+                    f"health status {health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)}"
+                )
             stub = worker.prefill_stub or worker.decode_stub
             mark = worker.digest_mark()
             stats = await stub.GetStats(pb.StatsRequest(), timeout=PROBE_TIMEOUT_S, metadata=self.registry.metadata)
             worker.update_stats(stats, mark)
         except (grpc.aio.AioRpcError, ConnectionError) as e:
             if worker.healthy:
-                log.info("probe of %s worker %s failed: %s", worker.role.value, worker.address,
-                         e.code().name if isinstance(e, grpc.aio.AioRpcError) else e)
+                log.info(
+                    "probe of %s worker %s failed: %s",
+                    worker.role.value,
+                    worker.address,
+                    e.code().name if isinstance(e, grpc.aio.AioRpcError) else e,
+                )
             worker.record_failure(self.failure_threshold)
             return
         worker.record_success()

@@ -61,8 +61,13 @@ async def serve(settings: RouterSettings, security: SecuritySettings) -> None:
     tokenizer = await asyncio.to_thread(RouterTokenizer, model_dir)
     _return_freed_heap()
     registry = WorkerRegistry.connect(prefill, decode, security.channel_credentials(), security.cluster_metadata())
-    dispatcher = Dispatcher(registry, make_policy(settings.policy), max_attempts=1 + settings.max_migrations,
-                            failure_threshold=settings.worker_failure_threshold, worker_wait_s=settings.worker_wait_s)
+    dispatcher = Dispatcher(
+        registry,
+        make_policy(settings.policy),
+        max_attempts=1 + settings.max_migrations,
+        failure_threshold=settings.worker_failure_threshold,
+        worker_wait_s=settings.worker_wait_s,
+    )
     planner = await asyncio.to_thread(attach_planner, dispatcher, settings, bool(prefill))
     completions = Completions(tokenizer, dispatcher, settings.request_timeout_s, settings.max_inflight_requests)
     service = RouterService(completions)
@@ -73,25 +78,41 @@ async def serve(settings: RouterSettings, security: SecuritySettings) -> None:
         planner.start()
 
     server = await start_server(
-        [lambda s: add_router_service(service, s)], ["Router"], settings.host, settings.port,
-        credentials=security.server_credentials(), interceptors=[TokenAuth(security.api_token, ["pdserve.v1.Router"])],
+        [lambda s: add_router_service(service, s)],
+        ["Router"],
+        settings.host,
+        settings.port,
+        credentials=security.server_credentials(),
+        interceptors=[TokenAuth(security.api_token, ["pdserve.v1.Router"])],
     )
     address = f"{settings.host}:{server.port}"
     http_server = http_task = http_address = None
     if settings.http_port is not None:
-        app = create_app(completions, served_name(str(model_dir), settings.served_model_name),
-                         extra_routes=[Mount("/metrics", make_asgi_app())], api_token=security.api_token)
+        app = create_app(
+            completions,
+            served_name(str(model_dir), settings.served_model_name),
+            extra_routes=[Mount("/metrics", make_asgi_app())],
+            api_token=security.api_token,
+        )
         http_server, http_task = await serve_http(app, settings.host, settings.http_port, security=security)
         http_address = f"{settings.host}:{http_port(http_server)}"
     metrics_address = None
     if settings.metrics_port is not None:
         metrics_address = f"{settings.host}:{serve_metrics(settings.host, settings.metrics_port)}"
     if security.api_token and not security.tls and not _loopback(settings.host):
-        log.warning("the public API takes a bearer token on %s without TLS: it crosses the network in clear "
-                    "(set --tls-cert/--tls-key)", settings.host)
+        log.warning(
+            "the public API takes a bearer token on %s without TLS: it crosses the network in clear "
+            "(set --tls-cert/--tls-key)",
+            settings.host,
+        )
     mode = "disaggregated" if prefill else "colocated"
-    log.info("router serving gRPC on %s%s (%s, policy %s)", address,
-             f", HTTP on {http_address}" if http_address else "", mode, settings.policy)
+    log.info(
+        "router serving gRPC on %s%s (%s, policy %s)",
+        address,
+        f", HTTP on {http_address}" if http_address else "",
+        mode,
+        settings.policy,
+    )
     announce_ready("router", grpc=address, http=http_address, metrics=metrics_address)
 
     signal_name = await wait_for_shutdown_signal()

@@ -68,6 +68,8 @@ from pdserve.router.validation import InvalidRequest, ValidatedRequest
 from pdserve.security import SecuritySettings, bearer_ok
 
 log = logging.getLogger(__name__)
+
+
 # ---------------------------------------------------------------------------------------------
 # Client disconnects
 # ---------------------------------------------------------------------------------------------
@@ -107,6 +109,7 @@ class _EventStream(StreamingResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             async with anyio.create_task_group() as group:
+
                 async def run_then_cancel(func: Callable) -> None:
                     with contextlib.suppress(OSError):  # the connection broke while sending
                         await func()
@@ -132,8 +135,13 @@ class _OpenAI:
         self.texts = TokenTexts(completions.tokenizer.backend)  # token id -> text, for logprobs
 
     def model_card(self) -> dict[str, Any]:
-        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pdserve",
-                "max_model_len": self.completions.tokenizer.max_model_len}
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "pdserve",
+            "max_model_len": self.completions.tokenizer.max_model_len,
+        }
 
     def check_model(self, p: Params) -> None:
         model = p.raw("model")
@@ -142,8 +150,12 @@ class _OpenAI:
         if not isinstance(model, str):
             raise invalid("model", "must be a string")
         if model != self.model_name:
-            raise APIError(404, f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
+                param="model",
+                code="model_not_found",
+            )
 
     async def validate(self, request: CompletionRequest, names: dict[str, str]) -> ValidatedRequest:
         try:
@@ -167,12 +179,17 @@ class _OpenAI:
         sampling, names = sampling_fields(p, max_param)
         parity = parity_fields(p, chat, stream)
         completion = CompletionRequest(
-            **inputs, request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            **inputs,
+            request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             priority=p.get_int("priority") or 0,  # a vLLM extension: lower runs first
             sampling=replace(sampling, **parity.sampling),
         )
         validated = await self.validate(completion, {**names, **parity.names})
-        prompt_text = (inputs.get("prompt") or self.completions.tokenizer.decode(validated.prompt_token_ids)) if parity.echo else ""
+        prompt_text = (
+            (inputs.get("prompt") or self.completions.tokenizer.decode(validated.prompt_token_ids))
+            if parity.echo
+            else ""
+        )
         job = Job(self.model_name, chat, validated, include_usage, self.texts, parity.echo, prompt_text)
         headers = {"X-Request-Id": job.id}
         try:
@@ -230,8 +247,12 @@ class _OpenAI:
         return _EventStream(body(), headers={**SSE_HEADERS, **headers})
 
 
-def create_app(completions: Completions, model_name: str, extra_routes: Iterable[BaseRoute] | None = None,
-               api_token: str | None = None) -> FastAPI:
+def create_app(
+    completions: Completions,
+    model_name: str,
+    extra_routes: Iterable[BaseRoute] | None = None,
+    api_token: str | None = None,
+) -> FastAPI:
     """The OpenAI-compatible app. ``extra_routes``: Starlette routes to add (e.g. a
     ``Mount("/metrics", prometheus_client.make_asgi_app())``). ``api_token``: the bearer token
     every /v1 call must carry."""
@@ -241,9 +262,14 @@ def create_app(completions: Completions, model_name: str, extra_routes: Iterable
 
     @app.middleware("http")
     async def require_token(request: Request, call_next):
-        if api_token and request.url.path.startswith("/v1/") and not bearer_ok(api_token, request.headers.get("authorization")):
+        if (
+            api_token
+            and request.url.path.startswith("/v1/")
+            and not bearer_ok(api_token, request.headers.get("authorization"))
+        ):
             return APIError(401, "missing or wrong bearer token", code="invalid_api_key").response(
-                headers={"WWW-Authenticate": "Bearer"})
+                headers={"WWW-Authenticate": "Bearer"}
+            )
         return await call_next(request)
 
     @app.exception_handler(APIError)
@@ -320,16 +346,24 @@ def _tls_options(security: SecuritySettings | None) -> dict[str, Any]:
     return options
 
 
-async def serve_http(app, host: str, port: int, *, graceful_shutdown_s: float = 5.0,
-                     security: SecuritySettings | None = None) -> tuple[uvicorn.Server, asyncio.Task]:
+async def serve_http(
+    app, host: str, port: int, *, graceful_shutdown_s: float = 5.0, security: SecuritySettings | None = None
+) -> tuple[uvicorn.Server, asyncio.Task]:
     """Serves ``app`` with uvicorn in the running event loop (HTTPS when ``security`` has TLS);
     returns once it accepts connections. Binding errors (port in use) raise OSError here. Stop
     it with ``server.should_exit = True`` and ``await task``; ``http_port(server)`` is the bound
     port (useful with port 0)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.create_server((host, port), family=family)
-    config = uvicorn.Config(app, log_level="warning", log_config=None, access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=graceful_shutdown_s, **_tls_options(security))
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        log_config=None,
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=graceful_shutdown_s,
+        **_tls_options(security),
+    )
     server = _Server(config)
 
     async def run() -> None:

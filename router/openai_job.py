@@ -26,8 +26,16 @@ class _Choice:
 
 
 class Job:
-    def __init__(self, model_name: str, chat: bool, validated: ValidatedRequest, include_usage: bool,
-                 texts: TokenTexts, echo: bool = False, prompt_text: str = "") -> None:
+    def __init__(
+        self,
+        model_name: str,
+        chat: bool,
+        validated: ValidatedRequest,
+        include_usage: bool,
+        texts: TokenTexts,
+        echo: bool = False,
+        prompt_text: str = "",
+    ) -> None:
         self.model_name = model_name
         self.chat = chat
         self.validated = validated
@@ -43,8 +51,13 @@ class Job:
         self.choices: dict[int, _Choice] = {}
 
     def _head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model_name,
-                "system_fingerprint": None}
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model_name,
+            "system_fingerprint": None,
+        }
 
     def _take(self, chunk: Chunk) -> tuple[_Choice, bool, str, dict[str, Any] | None]:
         """Records ``chunk`` under its choice; returns (choice, first chunk of it, text to add,
@@ -85,11 +98,28 @@ class Job:
             c = self.choices[index]
             if self.chat:
                 logprobs = {"content": c.content_logprobs, "refusal": None} if self.logprobs else None
-                out.append({"index": index, "message": {"role": "assistant", "content": "".join(c.text), "refusal": None,
-                                                        "annotations": []}, "logprobs": logprobs, "finish_reason": c.finish_reason})
+                out.append(
+                    {
+                        "index": index,
+                        "message": {
+                            "role": "assistant",
+                            "content": "".join(c.text),
+                            "refusal": None,
+                            "annotations": [],
+                        },
+                        "logprobs": logprobs,
+                        "finish_reason": c.finish_reason,
+                    }
+                )
             else:
-                out.append({"index": index, "text": "".join(c.text), "logprobs": merge_blocks(c.logprob_blocks),
-                            "finish_reason": c.finish_reason})
+                out.append(
+                    {
+                        "index": index,
+                        "text": "".join(c.text),
+                        "logprobs": merge_blocks(c.logprob_blocks),
+                        "finish_reason": c.finish_reason,
+                    }
+                )
         kind = "chat.completion" if self.chat else "text_completion"
         return {**self._head(kind), "choices": out, "usage": usage}
 
@@ -107,12 +137,22 @@ class Job:
         i = chunk.index
         if self.chat:
             if first:
-                yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                    "finish_reason": None}])
+                yield self._chunk(
+                    [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ]
+                )
             new_logprobs = choice.content_logprobs[tokens_before:] if self.logprobs else None
             if text or new_logprobs:
                 logprobs = {"content": new_logprobs, "refusal": None} if new_logprobs else None
-                yield self._chunk([{"index": i, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None}])
+                yield self._chunk(
+                    [{"index": i, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None}]
+                )
             if finish:
                 yield self._chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": finish}])
         elif text or finish or block:

@@ -73,15 +73,20 @@ class CompletionLogprobs:
             offsets.append(self.offset)
             self.offset += len(text)
             token_logprobs.append(lp.logprob if lp is not None else None)
-            tops.append(None if lp is None else {
-                self.texts(t)[0]: v for t, v in zip(lp.top_token_ids, lp.top_logprobs)} | {text: lp.logprob})
+            tops.append(
+                None
+                if lp is None
+                else {self.texts(t)[0]: v for t, v in zip(lp.top_token_ids, lp.top_logprobs)} | {text: lp.logprob}
+            )
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
 def merge_blocks(blocks: list[dict[str, Any]]) -> dict[str, Any] | None:
     if not blocks:
         return None
-    return {key: [v for b in blocks for v in b[key]] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    return {
+        key: [v for b in blocks for v in b[key]] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    }
 
 
 def chat_logprobs(texts: TokenTexts, token_ids: list[int], logprobs: list[pb.TokenLogprob]) -> list[dict[str, Any]]:

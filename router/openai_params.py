@@ -59,7 +59,12 @@ def parity_fields(p: Params, chat: bool, stream: bool) -> ParityFields:
     constraint, param = _constraint(p)
     if constraint is not None:
         sampling["constraint"] = constraint
-        names.update({f"sampling.structured_output.{kind}": param for kind in ("json_schema", "json_object", "regex", "choice", "grammar")})
+        names.update(
+            {
+                f"sampling.structured_output.{kind}": param
+                for kind in ("json_schema", "json_object", "regex", "choice", "grammar")
+            }
+        )
         names["sampling.structured_output"] = param
         names["sampling.ignore_eos"] = "ignore_eos"
     return ParityFields({k: v for k, v in sampling.items() if v is not None}, names, echo)

@@ -30,8 +30,13 @@ _GRPC_TO_HTTP = {
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
 }
-_HTTP_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
-               413: "invalid_request_error", 415: "invalid_request_error"}
+_HTTP_TYPES = {
+    400: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -40,8 +45,9 @@ _HTTP_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: 
 class APIError(Exception):
     """An error answered in OpenAI's JSON shape."""
 
-    def __init__(self, status: int, message: str, *, type: str | None = None, param: str | None = None,
-                 code: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, *, type: str | None = None, param: str | None = None, code: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -78,8 +84,11 @@ async def json_body(request: Request) -> "Params":
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(400, f"We could not parse the JSON body of your request: {e}. "
-                            "The body must be a JSON object (Content-Type: application/json).") from None
+        raise APIError(
+            400,
+            f"We could not parse the JSON body of your request: {e}. "
+            "The body must be a JSON object (Content-Type: application/json).",
+        ) from None
     if not isinstance(data, dict):
         raise APIError(400, f"The request body must be a JSON object, got {type(data).__name__}.")
     return Params(data)

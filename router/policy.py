@@ -26,9 +26,13 @@ class NoWorkerAvailable(Exception):
 class RoutingPolicy(Protocol):
     name: str
 
-    def pick_prefill(self, request: ValidatedRequest, workers: list[Worker], exclude: set[str] | None = None) -> Worker: ...
+    def pick_prefill(
+        self, request: ValidatedRequest, workers: list[Worker], exclude: set[str] | None = None
+    ) -> Worker: ...
 
-    def pick_decode(self, request: ValidatedRequest, workers: list[Worker], exclude: set[str] | None = None) -> Worker: ...
+    def pick_decode(
+        self, request: ValidatedRequest, workers: list[Worker], exclude: set[str] | None = None
+    ) -> Worker: ...
 
 
 def _healthy(workers: list[Worker], exclude: set[str] | None = None) -> list[Worker]:

@@ -39,11 +39,28 @@ class SamplingRequest:
 
     @classmethod
     def from_proto(cls, s: pb.SamplingParams) -> "SamplingRequest":
-        optional = {name: getattr(s, name) for name in (
-            "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "best_of", "logprobs", "prompt_logprobs",
-        ) if s.HasField(name)}
-        return cls(stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
-                   constraint=constraint_from_proto(s.structured_output), **optional)
+        optional = {
+            name: getattr(s, name)
+            for name in (
+                "max_tokens",
+                "temperature",
+                "top_p",
+                "top_k",
+                "seed",
+                "n",
+                "best_of",
+                "logprobs",
+                "prompt_logprobs",
+            )
+            if s.HasField(name)
+        }
+        return cls(
+            stop=tuple(s.stop),
+            stop_token_ids=tuple(s.stop_token_ids),
+            ignore_eos=s.ignore_eos,
+            constraint=constraint_from_proto(s.structured_output),
+            **optional,
+        )
 
 
 @dataclass(frozen=True, slots=True)

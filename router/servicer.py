@@ -23,9 +23,13 @@ class RouterService(pdserve_pb2_grpc.RouterServicer):
     def __init__(self, completions: Completions) -> None:
         self.completions = completions
 
-    async def Generate(self, request: pb.GenerateRequest | None, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+    async def Generate(
+        self, request: pb.GenerateRequest | None, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
         if request is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request: not a valid GenerateRequest (wire format or UTF-8)")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "request: not a valid GenerateRequest (wire format or UTF-8)"
+            )
         try:
             req = await self.completions.validate(CompletionRequest.from_proto(request))
         except InvalidRequest as e:
@@ -33,16 +37,23 @@ class RouterService(pdserve_pb2_grpc.RouterServicer):
         try:
             async for chunk in self.completions.stream(req, self.completions.timeout(context.time_remaining())):
                 yield pb.GenerateResponse(
-                    request_id=req.request_id, token_ids=chunk.token_ids, text=chunk.text,
-                    finish_reason=chunk.finish_reason or "", usage=chunk.usage.to_proto() if chunk.usage else None,
-                    index=chunk.index, logprobs=chunk.logprobs, prompt_logprobs=chunk.prompt_logprobs or (),
+                    request_id=req.request_id,
+                    token_ids=chunk.token_ids,
+                    text=chunk.text,
+                    finish_reason=chunk.finish_reason or "",
+                    usage=chunk.usage.to_proto() if chunk.usage else None,
+                    index=chunk.index,
+                    logprobs=chunk.logprobs,
+                    prompt_logprobs=chunk.prompt_logprobs or (),
                     prompt_token_ids=req.prompt_token_ids if chunk.prompt_logprobs is not None else (),
                 )
         except DispatchError as e:
             hint = ((RETRY_AFTER_KEY, str(e.retry_after_ms)),) if e.retry_after_ms else ()
             await context.abort(e.code, e.message, trailing_metadata=hint)
 
-    async def GetClusterStats(self, request: pb.ClusterStatsRequest, context: grpc.aio.ServicerContext) -> pb.ClusterStats:
+    async def GetClusterStats(
+        self, request: pb.ClusterStatsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ClusterStats:
         dispatcher = self.completions.dispatcher
         counters = {**self.completions.counters, **dispatcher.counters}
         stats = pb.ClusterStats(counters={k: float(v) for k, v in counters.items()})
@@ -58,11 +69,13 @@ class RouterService(pdserve_pb2_grpc.RouterServicer):
 
 def _tolerant(message_cls):
     """A deserializer that yields None for bytes that do not parse (grpc would answer UNKNOWN)."""
+
     def parse(data: bytes):
         try:
             return message_cls.FromString(data)
         except DecodeError:
             return None
+
     return parse
 
 
@@ -71,10 +84,14 @@ def add_router_service(service: RouterService, server: grpc.aio.Server) -> None:
     handler (as None) and get INVALID_ARGUMENT."""
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(
-            service.Generate, request_deserializer=_tolerant(pb.GenerateRequest),
-            response_serializer=pb.GenerateResponse.SerializeToString),
+            service.Generate,
+            request_deserializer=_tolerant(pb.GenerateRequest),
+            response_serializer=pb.GenerateResponse.SerializeToString,
+        ),
         "GetClusterStats": grpc.unary_unary_rpc_method_handler(
-            service.GetClusterStats, request_deserializer=_tolerant(pb.ClusterStatsRequest),
-            response_serializer=pb.ClusterStats.SerializeToString),
+            service.GetClusterStats,
+            request_deserializer=_tolerant(pb.ClusterStatsRequest),
+            response_serializer=pb.ClusterStats.SerializeToString,
+        ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("pdserve.v1.Router", handlers),))

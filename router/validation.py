@@ -67,15 +67,21 @@ def validate(req: CompletionRequest, tokenizer: RouterTokenizer) -> ValidatedReq
 
 
 def _prompt_ids(req: CompletionRequest, tokenizer: RouterTokenizer) -> list[int]:
-    given = [name for name, present in (
-        ("prompt", req.prompt is not None),
-        ("prompt_token_ids", len(req.prompt_token_ids) > 0),
-        ("messages", len(req.messages) > 0),
-    ) if present]
+    given = [
+        name
+        for name, present in (
+            ("prompt", req.prompt is not None),
+            ("prompt_token_ids", len(req.prompt_token_ids) > 0),
+            ("messages", len(req.messages) > 0),
+        )
+        if present
+    ]
     if not given:
         raise InvalidRequest("prompt", "one of prompt, prompt_token_ids or messages is required")
     if len(given) > 1:
-        raise InvalidRequest(given[1], f"give exactly one of prompt, prompt_token_ids, messages (got {' and '.join(given)})")
+        raise InvalidRequest(
+            given[1], f"give exactly one of prompt, prompt_token_ids, messages (got {' and '.join(given)})"
+        )
 
     field = given[0]
     if field == "prompt":
@@ -120,7 +126,9 @@ def _messages(messages: tuple[ChatMessage, ...]) -> list[dict[str, str]]:
     out = []
     for i, m in enumerate(messages):
         if m.role not in CHAT_ROLES:
-            raise InvalidRequest(f"messages[{i}].role", f"unknown role {m.role!r}; expected one of {', '.join(CHAT_ROLES)}")
+            raise InvalidRequest(
+                f"messages[{i}].role", f"unknown role {m.role!r}; expected one of {', '.join(CHAT_ROLES)}"
+            )
         total += len(m.content)
         if total > MAX_PROMPT_CHARS:
             raise InvalidRequest("messages", f"content exceeds the limit of {MAX_PROMPT_CHARS} characters")
@@ -133,10 +141,23 @@ def _messages(messages: tuple[ChatMessage, ...]) -> list[dict[str, str]]:
 def _sampling(s: SamplingRequest, prompt_len: int, tokenizer: RouterTokenizer) -> SamplingParams:
     """Unset fields take ``SamplingParams``' defaults (``max_tokens``: also bounded by the room
     left in the context); ``SamplingParams`` checks each value, then the model-bound rules."""
-    given = {name: getattr(s, name) for name in ("temperature", "top_p", "top_k", "seed", "n") if getattr(s, name) is not None}
+    given = {
+        name: getattr(s, name)
+        for name in ("temperature", "top_p", "top_k", "seed", "n")
+        if getattr(s, name) is not None
+    }
     max_tokens = s.max_tokens if s.max_tokens is not None else default_max_tokens(prompt_len, tokenizer.max_model_len)
-    sampling = SamplingParams(max_tokens=max_tokens, stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids),
-                              ignore_eos=s.ignore_eos, logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs,
-                              constraint=s.constraint, **given)
-    check_sampling(sampling, vocab_size=tokenizer.vocab_size, prompt_len=prompt_len, max_model_len=tokenizer.max_model_len)
+    sampling = SamplingParams(
+        max_tokens=max_tokens,
+        stop=tuple(s.stop),
+        stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+        logprobs=s.logprobs,
+        prompt_logprobs=s.prompt_logprobs,
+        constraint=s.constraint,
+        **given,
+    )
+    check_sampling(
+        sampling, vocab_size=tokenizer.vocab_size, prompt_len=prompt_len, max_model_len=tokenizer.max_model_len
+    )
     return sampling

@@ -101,8 +101,12 @@ class Worker:
         """Opens the circuit after ``threshold`` failures in a row; the health monitor closes it."""
         self.consecutive_failures += 1
         if self.healthy and self.consecutive_failures >= threshold:
-            log.warning("%s worker %s taken out of rotation after %d failures", self.role.value, self.address,
-                        self.consecutive_failures)
+            log.warning(
+                "%s worker %s taken out of rotation after %d failures",
+                self.role.value,
+                self.address,
+                self.consecutive_failures,
+            )
             self.healthy = False
 
     def record_success(self) -> None:
@@ -138,7 +142,11 @@ def prefix_overlap(request_hashes: list[int], cached: set[int]) -> int:
 
 def _connect(address: str, role: Role, credentials: grpc.ChannelCredentials | None) -> Worker:
     options = channel_options()
-    channel = grpc.aio.secure_channel(address, credentials, options) if credentials else grpc.aio.insecure_channel(address, options)
+    channel = (
+        grpc.aio.secure_channel(address, credentials, options)
+        if credentials
+        else grpc.aio.insecure_channel(address, options)
+    )
     if role is Role.PREFILL:
         return Worker(address, role, channel, prefill_stub=pdserve_pb2_grpc.PrefillWorkerStub(channel))
     return Worker(address, role, channel, decode_stub=pdserve_pb2_grpc.DecodeWorkerStub(channel))
@@ -163,16 +171,23 @@ class WorkerRegistry:
     metadata: tuple[tuple[str, str], ...] = ()  # the cluster credential, sent with every call
 
     @classmethod
-    def connect(cls, prefill: list[str], decode: list[str], credentials: grpc.ChannelCredentials | None = None,
-                metadata: tuple[tuple[str, str], ...] = ()) -> "WorkerRegistry":
+    def connect(
+        cls,
+        prefill: list[str],
+        decode: list[str],
+        credentials: grpc.ChannelCredentials | None = None,
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> "WorkerRegistry":
         for spec in (*prefill, *decode):
             parse_spec(spec)  # fail at start on a malformed address
-        registry = cls(specs={Role.PREFILL: list(prefill), Role.DECODE: list(decode)}, credentials=credentials,
-                       metadata=metadata)
+        registry = cls(
+            specs={Role.PREFILL: list(prefill), Role.DECODE: list(decode)}, credentials=credentials, metadata=metadata
+        )
         for role in Role:
             registry._pool(role).extend(
                 _connect(f"{host}:{port}", role, credentials)
-                for kind, host, port in map(parse_spec, registry.specs[role]) if kind == "static"
+                for kind, host, port in map(parse_spec, registry.specs[role])
+                if kind == "static"
             )
         return registry
 

@@ -45,10 +45,12 @@ class HFReference:
         if key not in self._memo:
             with torch.inference_mode():
                 out = self.model.generate(
-                    torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                    torch.tensor([prompt_ids]),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
                     attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
                 )
-            self._memo[key] = out[0, len(prompt_ids):].tolist()
+            self._memo[key] = out[0, len(prompt_ids) :].tolist()
         return self._memo[key]
 
 
@@ -62,7 +64,8 @@ PROMPTS = [
     "The capital of France is",
     "<|im_start|>user\nWhat is 17 times 3?<|im_end|>\n<|im_start|>assistant\n",
     "Here is a short story about a robot who learns to paint. Once upon a time,",
-    "Summarize the following text in one sentence.\n\n" + " ".join(
+    "Summarize the following text in one sentence.\n\n"
+    + " ".join(
         f"Paragraph {i}: the committee met on day {i} and discussed the budget, the harbour, the schools and the new library."
         for i in range(12)
     ),

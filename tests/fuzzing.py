@@ -31,8 +31,11 @@ def fuzz(max_examples: int, **kw) -> settings:
     per-example deadline: a loaded machine must not fail a test (work is bounded by the
     examples' sizes instead)."""
     return settings(
-        max_examples=max(1, int(max_examples * _SCALE)), deadline=None, derandomize=not _RANDOM,
-        database=None, print_blob=_RANDOM,
+        max_examples=max(1, int(max_examples * _SCALE)),
+        deadline=None,
+        derandomize=not _RANDOM,
+        database=None,
+        print_blob=_RANDOM,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
         **kw,
     )
@@ -48,17 +51,34 @@ NONCE = bytes(range(32))  # the prefill side's nonce in ``peer_dict``'s HELLO (f
 
 
 def peer_dict(**changes) -> dict:
-    base = dict(model_fingerprint="fuzz", dtype="float32", num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM,
-                block_size=BLOCK, transports=["tcp"], host_id=host_id(), role="prefill", extra={}, token_bytes=TOKEN_BYTES,
-                nonce=NONCE.hex(), proof="")
+    base = dict(
+        model_fingerprint="fuzz",
+        dtype="float32",
+        num_layers=LAYERS,
+        num_kv_heads=HEADS,
+        head_dim=DIM,
+        block_size=BLOCK,
+        transports=["tcp"],
+        host_id=host_id(),
+        role="prefill",
+        extra={},
+        token_bytes=TOKEN_BYTES,
+        nonce=NONCE.hex(),
+        proof="",
+    )
     return {**base, **changes}
 
 
 DECODE_INFO = PeerInfo(**{**peer_dict(role="decode", nonce=""), "transports": ("tcp",)})
 
-json_scalars = st.none() | st.booleans() | st.integers(INT64_MIN, INT64_MAX) | st.floats(allow_nan=False) | st.text(max_size=20)
-json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
-                           max_leaves=8)
+json_scalars = (
+    st.none() | st.booleans() | st.integers(INT64_MIN, INT64_MAX) | st.floats(allow_nan=False) | st.text(max_size=20)
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    max_leaves=8,
+)
 PEER_FIELDS = list(peer_dict())
 
 

@@ -29,8 +29,15 @@ def layout(block_size: int) -> KVLayout:
 
 
 def peer(transports, block_size: int, **kw) -> PeerInfo:
-    fields = dict(model_fingerprint="m", dtype="float32", num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM,
-                  host_id=host_id(), token_bytes=TOKEN_BYTES)
+    fields = dict(
+        model_fingerprint="m",
+        dtype="float32",
+        num_layers=LAYERS,
+        num_kv_heads=HEADS,
+        head_dim=DIM,
+        host_id=host_id(),
+        token_bytes=TOKEN_BYTES,
+    )
     return PeerInfo(block_size=block_size, transports=tuple(transports), **{**fields, **kw})
 
 
@@ -59,8 +66,17 @@ class Outcomes:
 class Decode:
     """A decode side: a cache (in shared memory for shm), a grant ledger, a KV receiver."""
 
-    def __init__(self, transport: str, block_size: int = 8, num_blocks: int = 32, lease_s: float = 10.0,
-                 secret: bytes | None = None, force_staging: bool = False, quarantine_s: float = 0.0, **info) -> None:
+    def __init__(
+        self,
+        transport: str,
+        block_size: int = 8,
+        num_blocks: int = 32,
+        lease_s: float = 10.0,
+        secret: bytes | None = None,
+        force_staging: bool = False,
+        quarantine_s: float = 0.0,
+        **info,
+    ) -> None:
         lay = layout(block_size)
         self.pool = shm_transport.make_pool(lay, num_blocks, torch.device("cpu")) if transport == "shm" else None
         tensor = self.pool.tensor if self.pool else torch.zeros(lay.shape(num_blocks))
@@ -78,7 +94,9 @@ class Decode:
 
     def grant(self, block_ids: list[int], num_tokens: int, skip_tokens: int = 0, lease_s: float | None = None) -> int:
         key = object()
-        transfer_id = self.ledger.grant(block_ids, num_tokens, skip_tokens, self.outcomes.reporter(key), lease_s=lease_s)
+        transfer_id = self.ledger.grant(
+            block_ids, num_tokens, skip_tokens, self.outcomes.reporter(key), lease_s=lease_s
+        )
         self._keys[transfer_id] = key
         return transfer_id
 
@@ -96,8 +114,15 @@ class Decode:
 class Prefill:
     """A prefill side: a cache of random K/V and whatever connections the test opens."""
 
-    def __init__(self, transport: str, block_size: int = 16, num_blocks: int = 16, faults: str = "",
-                 secret: bytes | None = None, force_staging: bool = False) -> None:
+    def __init__(
+        self,
+        transport: str,
+        block_size: int = 16,
+        num_blocks: int = 16,
+        faults: str = "",
+        secret: bytes | None = None,
+        force_staging: bool = False,
+    ) -> None:
         torch.manual_seed(0)
         lay = layout(block_size)
         self.layers = list(torch.randn(lay.shape(num_blocks)).unbind(0))
@@ -112,13 +137,27 @@ class Prefill:
     def connect(self, address: str) -> KVConnection:
         return KVConnection(address, self.info, self.cache, secret=self.secret, ucx=self.ucx, faults=self.faults)
 
-    def ship(self, conn: KVConnection, transfer_id: int, src_blocks: list[int], dst_blocks: list[int], dst_block_size: int,
-             num_tokens: int, chunks=(0,), skip_tokens: int = 0, first_token: int = 42) -> TransferOutcome:
+    def ship(
+        self,
+        conn: KVConnection,
+        transfer_id: int,
+        src_blocks: list[int],
+        dst_blocks: list[int],
+        dst_block_size: int,
+        num_tokens: int,
+        chunks=(0,),
+        skip_tokens: int = 0,
+        first_token: int = 42,
+    ) -> TransferOutcome:
         """Sends every layer of each chunk, then DONE; returns the decode side's answer."""
-        transfer = self.start(conn, transfer_id, src_blocks, dst_blocks, dst_block_size, num_tokens, chunks, skip_tokens)
+        transfer = self.start(
+            conn, transfer_id, src_blocks, dst_blocks, dst_block_size, num_tokens, chunks, skip_tokens
+        )
         return self.finish(transfer, first_token)
 
-    def start(self, conn, transfer_id, src_blocks, dst_blocks, dst_block_size, num_tokens, chunks=(0,), skip_tokens=0) -> OutgoingTransfer:
+    def start(
+        self, conn, transfer_id, src_blocks, dst_blocks, dst_block_size, num_tokens, chunks=(0,), skip_tokens=0
+    ) -> OutgoingTransfer:
         transfer = conn.open(transfer_id, dst_blocks, dst_block_size, num_tokens, skip_tokens)
         bounds = [*chunks, num_tokens]
         for start, end in zip(bounds, bounds[1:]):

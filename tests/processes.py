@@ -63,11 +63,19 @@ class Proc:
 
     def __post_init__(self) -> None:
         # Some tests read log lines: INFO whatever the outer environment says.
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", "PDSERVE_LOG_LEVEL": "INFO",
-               **self.env}
+        env = {
+            **os.environ,
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONUNBUFFERED": "1",
+            "PDSERVE_LOG_LEVEL": "INFO",
+            **self.env,
+        }
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.cli", *self.args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, env=env,
+            [sys.executable, "-m", "pdserve.cli", *self.args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
         )
         threading.Thread(target=self._pump, daemon=True).start()
 
@@ -83,7 +91,9 @@ class Proc:
                 line = self.lines.get(timeout=0.5)
             except queue.Empty:
                 if self.process.poll() is not None:
-                    raise RuntimeError(f"pdserve {self.args[0]} exited ({self.process.returncode}):\n{self.log_tail()}") from None
+                    raise RuntimeError(
+                        f"pdserve {self.args[0]} exited ({self.process.returncode}):\n{self.log_tail()}"
+                    ) from None
                 continue
             if predicate(line):
                 return line
@@ -131,7 +141,7 @@ class Stack:
         proc = Proc(["up", "--port", str(port), *extra], env=env or {})
         proc.wait_for(lambda line: "pdserve ready" in line)
         described = next(line for line in proc.output if line.startswith("pdserve cluster: "))
-        processes = json.loads(described[len("pdserve cluster: "):])
+        processes = json.loads(described[len("pdserve cluster: ") :])
         return cls(proc, f"127.0.0.1:{port}", descendants(proc.process.pid), processes)
 
     def down(self, sig: int = signal.SIGTERM) -> None:

@@ -102,7 +102,9 @@ async def test_openai_sdk_echo_and_chat_logprobs_equal_transformers(stack, hf_re
     model = (await client.models.list()).data[0].id
     prompt = PROMPTS[0]
     prompt_ids = hf_reference.tokenizer(prompt).input_ids
-    out = await client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0, logprobs=2, echo=True)
+    out = await client.completions.create(
+        model=model, prompt=prompt, max_tokens=4, temperature=0, logprobs=2, echo=True
+    )
     choice = out.choices[0]
     assert choice.text.startswith(prompt)
     lp = choice.logprobs
@@ -115,10 +117,12 @@ async def test_openai_sdk_echo_and_chat_logprobs_equal_transformers(stack, hf_re
         assert len(lp.top_logprobs[i]) >= 2
 
     messages = [{"role": "user", "content": "Name a colour."}]
-    chat = await client.chat.completions.create(model=model, messages=messages, max_tokens=5, temperature=0,
-                                                logprobs=True, top_logprobs=3)
-    chat_ids = hf_reference.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                          return_dict=True)["input_ids"]
+    chat = await client.chat.completions.create(
+        model=model, messages=messages, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3
+    )
+    chat_ids = hf_reference.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
     content = chat.choices[0].logprobs.content
     generated = hf_reference.greedy(chat_ids, len(content))
     ref = reference(hf_reference, chat_ids + generated)
@@ -154,8 +158,16 @@ async def test_n4_with_a_seed_is_distinct_reproducible_and_prefilled_once(disagg
 async def test_stream_options_include_usage_with_choices(disaggregated):
     client = sdk(disaggregated)
     model = (await client.models.list()).data[0].id
-    stream = await client.completions.create(model=model, prompt="Hello", max_tokens=5, n=2, seed=3, stream=True,
-                                             stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    stream = await client.completions.create(
+        model=model,
+        prompt="Hello",
+        max_tokens=5,
+        n=2,
+        seed=3,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     texts, usage = {0: "", 1: ""}, None
     async for chunk in stream:
         if chunk.usage is not None:
@@ -173,37 +185,60 @@ async def test_structured_output_over_both_apis(stack, hf_reference):
     schema = SCHEMAS[6]  # nested objects with a pattern
     fmt = {"type": "json_schema", "json_schema": {"name": "user", "schema": schema, "strict": True}}
     messages = [{"role": "user", "content": "Describe a user as JSON."}]
-    texts = [(await client.chat.completions.create(model=model, messages=messages, max_tokens=120, temperature=0,
-                                                   response_format=fmt)).choices[0].message.content for _ in range(2)]
+    texts = [
+        (
+            await client.chat.completions.create(
+                model=model, messages=messages, max_tokens=120, temperature=0, response_format=fmt
+            )
+        )
+        .choices[0]
+        .message.content
+        for _ in range(2)
+    ]
     assert texts[0] == texts[1], "greedy + schema is deterministic"
     jsonschema.validate(json.loads(texts[0]), schema)
-    obj = await client.chat.completions.create(model=model, messages=messages, max_tokens=80, temperature=0.8, seed=2,
-                                               response_format={"type": "json_object"})
+    obj = await client.chat.completions.create(
+        model=model, messages=messages, max_tokens=80, temperature=0.8, seed=2, response_format={"type": "json_object"}
+    )
     assert isinstance(json.loads(obj.choices[0].message.content), dict)
-    out = await client.completions.create(model=model, prompt="Call me at", max_tokens=20, n=2, seed=5,
-                                          extra_body={"guided_regex": r"\d{3}-\d{4}"})
+    out = await client.completions.create(
+        model=model, prompt="Call me at", max_tokens=20, n=2, seed=5, extra_body={"guided_regex": r"\d{3}-\d{4}"}
+    )
     assert all(re.fullmatch(r"\d{3}-\d{4}", c.text) for c in out.choices)
     choice = pb.StructuredOutput(choice=pb.Choices(choices=["alpha", "beta", "gamma delta"]))
-    messages_ = await generate(stack, request("Pick one:", max_tokens=10, temperature=1.0, seed=4, n=3, structured_output=choice))
+    messages_ = await generate(
+        stack, request("Pick one:", max_tokens=10, temperature=1.0, seed=4, n=3, structured_output=choice)
+    )
     for ids in by_choice(messages_).values():
         assert hf_reference.tokenizer.decode(ids, skip_special_tokens=True) in ("alpha", "beta", "gamma delta")
     await client.close()
 
 
-@pytest.mark.parametrize("sampling, field", [
-    (dict(logprobs=21), "sampling.logprobs"),
-    (dict(prompt_logprobs=-1), "sampling.prompt_logprobs"),
-    (dict(n=0), "sampling.n"),
-    (dict(n=17), "sampling.n"),
-    (dict(n=3, best_of=2), "sampling.best_of"),
-    (dict(structured_output=pb.StructuredOutput(json_schema='{"type": "nope"}')), "sampling.structured_output.json_schema"),
-    (dict(structured_output=pb.StructuredOutput(json_schema="{not json")), "sampling.structured_output.json_schema"),
-    (dict(structured_output=pb.StructuredOutput(json_schema='{"properties": {"a": {"$ref": "#/none"}}}')),
-     "sampling.structured_output.json_schema"),
-    (dict(structured_output=pb.StructuredOutput(regex="(ab")), "sampling.structured_output.regex"),
-    (dict(structured_output=pb.StructuredOutput(choice=pb.Choices())), "sampling.structured_output.choice"),
-    (dict(structured_output=pb.StructuredOutput(json_object=True), ignore_eos=True), "sampling.ignore_eos"),
-])
+@pytest.mark.parametrize(
+    "sampling, field",
+    [
+        (dict(logprobs=21), "sampling.logprobs"),
+        (dict(prompt_logprobs=-1), "sampling.prompt_logprobs"),
+        (dict(n=0), "sampling.n"),
+        (dict(n=17), "sampling.n"),
+        (dict(n=3, best_of=2), "sampling.best_of"),
+        (
+            dict(structured_output=pb.StructuredOutput(json_schema='{"type": "nope"}')),
+            "sampling.structured_output.json_schema",
+        ),
+        (
+            dict(structured_output=pb.StructuredOutput(json_schema="{not json")),
+            "sampling.structured_output.json_schema",
+        ),
+        (
+            dict(structured_output=pb.StructuredOutput(json_schema='{"properties": {"a": {"$ref": "#/none"}}}')),
+            "sampling.structured_output.json_schema",
+        ),
+        (dict(structured_output=pb.StructuredOutput(regex="(ab")), "sampling.structured_output.regex"),
+        (dict(structured_output=pb.StructuredOutput(choice=pb.Choices())), "sampling.structured_output.choice"),
+        (dict(structured_output=pb.StructuredOutput(json_object=True), ignore_eos=True), "sampling.ignore_eos"),
+    ],
+)
 async def test_bad_grpc_input_is_invalid_argument_naming_the_field(disaggregated, sampling, field):
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await generate(disaggregated, request("Hi", max_tokens=4, **sampling))
@@ -211,22 +246,44 @@ async def test_bad_grpc_input_is_invalid_argument_naming_the_field(disaggregated
     assert err.value.details().startswith(f"{field}: "), err.value.details()
 
 
-@pytest.mark.parametrize("chat, body, param", [
-    (False, dict(logprobs=21), "logprobs"),
-    (False, dict(n=0), "n"),
-    (False, dict(n=17), "n"),
-    (False, dict(best_of=3, stream=True), "best_of"),
-    (False, dict(echo="yes"), "echo"),
-    (True, dict(top_logprobs=3), "top_logprobs"),
-    (True, dict(logprobs=True, top_logprobs=21), "top_logprobs"),
-    (True, dict(response_format={"type": "xml"}), "response_format.type"),
-    (True, dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format.json_schema"),
-    (True, dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 7}}}), "response_format"),
-    (True, dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "type": "object", "properties": {"a": {"$ref": "#/missing"}}}}}), "response_format"),
-    (True, dict(response_format={"type": "json_object"}, guided_regex="a+"), "guided_regex"),
-    (False, dict(guided_choice="yes"), "guided_choice"),
-])
+@pytest.mark.parametrize(
+    "chat, body, param",
+    [
+        (False, dict(logprobs=21), "logprobs"),
+        (False, dict(n=0), "n"),
+        (False, dict(n=17), "n"),
+        (False, dict(best_of=3, stream=True), "best_of"),
+        (False, dict(echo="yes"), "echo"),
+        (True, dict(top_logprobs=3), "top_logprobs"),
+        (True, dict(logprobs=True, top_logprobs=21), "top_logprobs"),
+        (True, dict(response_format={"type": "xml"}), "response_format.type"),
+        (
+            True,
+            dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+            "response_format.json_schema",
+        ),
+        (
+            True,
+            dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 7}}}),
+            "response_format",
+        ),
+        (
+            True,
+            dict(
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {"type": "object", "properties": {"a": {"$ref": "#/missing"}}},
+                    },
+                }
+            ),
+            "response_format",
+        ),
+        (True, dict(response_format={"type": "json_object"}, guided_regex="a+"), "guided_regex"),
+        (False, dict(guided_choice="yes"), "guided_choice"),
+    ],
+)
 async def test_bad_openai_input_is_a_400_naming_the_parameter(disaggregated, chat, body, param):
     client = sdk(disaggregated)
     base = {"messages": [{"role": "user", "content": "Hi"}]} if chat else {"prompt": "Hi"}

@@ -70,8 +70,10 @@ def reference_logprobs(hf_reference, ids: list[int]) -> torch.Tensor:
 
 def assert_matches(lp, reference_row: torch.Tensor, token_id: int, num_top: int) -> None:
     assert abs(lp.logprob - reference_row[token_id].item()) < TOLERANCE
-    assert lp.rank == int((reference_row > reference_row[token_id]).sum()) + 1 or abs(
-        lp.logprob - reference_row.max().item()) < TOLERANCE  # ties within the tolerance may rank either way
+    assert (
+        lp.rank == int((reference_row > reference_row[token_id]).sum()) + 1
+        or abs(lp.logprob - reference_row.max().item()) < TOLERANCE
+    )  # ties within the tolerance may rank either way
     assert len(lp.top_token_ids) == num_top
     want = reference_row.topk(num_top).values.tolist()
     assert lp.top_logprobs == pytest.approx(want, abs=TOLERANCE)
@@ -99,7 +101,9 @@ def test_a_cached_prompt_still_gets_its_logprobs(engine, hf_reference):
     run(engine, [("warm", ids, SamplingParams(max_tokens=1, temperature=0))])  # the prompt's blocks are cached now
     hits = engine.blocks.prefix_hits
     got = run(engine, [("again", ids, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))])[("again", 0)]
-    assert engine.blocks.prefix_hits == hits, "a prompt whose logprobs are wanted is recomputed, not read from the cache"
+    assert engine.blocks.prefix_hits == hits, (
+        "a prompt whose logprobs are wanted is recomputed, not read from the cache"
+    )
     reference = reference_logprobs(hf_reference, ids)
     assert len(got["prompt"]) == len(ids) - 1
     for p, lp in enumerate(got["prompt"]):
@@ -113,7 +117,9 @@ def test_logprobs_come_from_the_raw_distribution(engine, hf_reference):
     """Before temperature and top-p (as OpenAI and vLLM report them): the same numbers at any temperature."""
     ids = hf_reference.tokenizer(PROMPTS[0]).input_ids
     cold = run(engine, [("cold", ids, SamplingParams(max_tokens=1, temperature=0, logprobs=4))])[("cold", 0)]
-    hot = run(engine, [("hot", ids, SamplingParams(max_tokens=1, temperature=5.0, top_p=0.5, seed=1, logprobs=4))])[("hot", 0)]
+    hot = run(engine, [("hot", ids, SamplingParams(max_tokens=1, temperature=5.0, top_p=0.5, seed=1, logprobs=4))])[
+        ("hot", 0)
+    ]
     assert hot["logprobs"][0].top_logprobs == pytest.approx(cold["logprobs"][0].top_logprobs, abs=1e-6)
 
 
@@ -132,8 +138,10 @@ def test_n_choices_are_distinct_reproducible_and_share_the_prompt(engine, prompt
     assert all(first[("n4", i)]["finish"].value == "length" for i in range(4))
     # Choice i samples exactly as a one-choice request with its own seed (choice 0: the request's).
     for i in (0, 2):
-        solo = run(engine, [("solo", ids, SamplingParams(max_tokens=12, temperature=1.0, seed=choice_seed(1234, i),
-                                                            ignore_eos=True))])
+        solo = run(
+            engine,
+            [("solo", ids, SamplingParams(max_tokens=12, temperature=1.0, seed=choice_seed(1234, i), ignore_eos=True))],
+        )
         assert tuple(solo[("solo", 0)]["ids"]) == texts[i]
 
 
@@ -175,11 +183,26 @@ def test_a_fork_without_free_blocks_recomputes_and_gives_the_same_tokens(model_d
 # -- structured output ----------------------------------------------------------------------------
 def test_twenty_json_schemas_all_parse_and_validate(engine, tokenizer):
     assert len(SCHEMAS) >= 20
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Reply with a JSON object."}],
-                                           add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-    requests = [(f"s{i}", prompt, SamplingParams(max_tokens=200, temperature=0.7, seed=i, n=2 if i % 5 == 0 else 1,
-                                                 constraint=Constraint("json_schema", json.dumps(schema))))
-                for i, schema in enumerate(SCHEMAS)]
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Reply with a JSON object."}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+    )["input_ids"]
+    requests = [
+        (
+            f"s{i}",
+            prompt,
+            SamplingParams(
+                max_tokens=200,
+                temperature=0.7,
+                seed=i,
+                n=2 if i % 5 == 0 else 1,
+                constraint=Constraint("json_schema", json.dumps(schema)),
+            ),
+        )
+        for i, schema in enumerate(SCHEMAS)
+    ]
     got = run(engine, requests)  # one batch: every row with its own mask
     for (rid, _choice), r in got.items():
         schema = SCHEMAS[int(rid[1:])]
@@ -191,10 +214,23 @@ def test_regex_and_choice_constraints_hold(engine, tokenizer):
     prompt = tokenizer("My phone number and favourite colour:").input_ids
     regex = r"\(\d{3}\) \d{3}-\d{4}"
     colours = ("crimson", "teal", "golden yellow")
-    got = run(engine, [
-        ("re", prompt, SamplingParams(max_tokens=30, temperature=1.0, seed=3, n=3, constraint=Constraint("regex", regex))),
-        ("ch", prompt, SamplingParams(max_tokens=30, temperature=1.0, seed=4, n=3, constraint=Constraint("choice", choices=colours))),
-    ])
+    got = run(
+        engine,
+        [
+            (
+                "re",
+                prompt,
+                SamplingParams(max_tokens=30, temperature=1.0, seed=3, n=3, constraint=Constraint("regex", regex)),
+            ),
+            (
+                "ch",
+                prompt,
+                SamplingParams(
+                    max_tokens=30, temperature=1.0, seed=4, n=3, constraint=Constraint("choice", choices=colours)
+                ),
+            ),
+        ],
+    )
     for i in range(3):
         assert re.fullmatch(regex, tokenizer.decode(got[("re", i)]["ids"], skip_special_tokens=True))
         assert tokenizer.decode(got[("ch", i)]["ids"], skip_special_tokens=True) in colours
@@ -204,7 +240,9 @@ def test_greedy_with_a_schema_is_deterministic(engine, tokenizer):
     prompt = tokenizer("A user record:").input_ids
     sp = SamplingParams(max_tokens=120, temperature=0, constraint=Constraint("json_schema", json.dumps(SCHEMAS[1])))
     outputs = [run(engine, [("g", prompt, sp)])[("g", 0)]["ids"] for _ in range(2)]
-    batched = run(engine, [("g1", prompt, sp), ("other", prompt, SamplingParams(max_tokens=20, temperature=1.0, seed=1))])
+    batched = run(
+        engine, [("g1", prompt, sp), ("other", prompt, SamplingParams(max_tokens=20, temperature=1.0, seed=1))]
+    )
     assert outputs[0] == outputs[1] == batched[("g1", 0)]["ids"]
 
 
@@ -214,5 +252,7 @@ def test_constraints_that_do_not_compile_are_refused_naming_the_field(engine):
         (Constraint("regex", "(unclosed"), "regex"),
         (Constraint("grammar", 'root ::= "a" |'), "grammar"),
     ]:
-        with pytest.raises(InvalidRequest, match=rf"^sampling\.structured_output\.{field}: the grammar engine cannot compile it"):
+        with pytest.raises(
+            InvalidRequest, match=rf"^sampling\.structured_output\.{field}: the grammar engine cannot compile it"
+        ):
             engine.compile_constraint(SamplingParams(constraint=constraint))

@@ -26,9 +26,15 @@ SCHEMA = SCHEMAS[11]  # an array of nested objects: long enough to kill the work
 
 
 def constrained(prompt: str) -> pb.GenerateRequest:
-    return pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParams(
-        max_tokens=150, temperature=0, logprobs=1,
-        structured_output=pb.StructuredOutput(json_schema=json.dumps(SCHEMA))))
+    return pb.GenerateRequest(
+        prompt=prompt,
+        sampling=pb.SamplingParams(
+            max_tokens=150,
+            temperature=0,
+            logprobs=1,
+            structured_output=pb.StructuredOutput(json_schema=json.dumps(SCHEMA)),
+        ),
+    )
 
 
 async def stream_killing_the_decode_worker(stack: Stack, request: pb.GenerateRequest, after_tokens: int) -> list:
@@ -61,8 +67,20 @@ def by_choice(messages) -> dict[int, list[int]]:
 
 
 async def test_a_constraint_survives_a_decode_worker_kill_mid_stream(hf_reference):
-    stack = Stack.up("--prefill", "1", "--decode", "2", "--policy", "round_robin", "--dtype", "float32",
-                     "--kv-cache-memory", "128MiB", "--kv-transport", "tcp")
+    stack = Stack.up(
+        "--prefill",
+        "1",
+        "--decode",
+        "2",
+        "--policy",
+        "round_robin",
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        "128MiB",
+        "--kv-transport",
+        "tcp",
+    )
     try:
         prompt = "An order with two items, as JSON:"
         async with grpc.aio.insecure_channel(stack.address) as channel:
@@ -77,8 +95,10 @@ async def test_a_constraint_survives_a_decode_worker_kill_mid_stream(hf_referenc
         assert (await cluster_stats(stack.address)).counters["migrations"] >= 1
         await wait_all_healthy(stack)
 
-        choices = pb.GenerateRequest(prompt="Once upon a time", sampling=pb.SamplingParams(
-            max_tokens=24, temperature=1.0, seed=11, n=3, ignore_eos=True))
+        choices = pb.GenerateRequest(
+            prompt="Once upon a time",
+            sampling=pb.SamplingParams(max_tokens=24, temperature=1.0, seed=11, n=3, ignore_eos=True),
+        )
         async with grpc.aio.insecure_channel(stack.address) as channel:
             want = by_choice([m async for m in pdserve_pb2_grpc.RouterStub(channel).Generate(choices, timeout=300)])
         got = by_choice(await stream_killing_the_decode_worker(stack, choices, 12))

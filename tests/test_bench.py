@@ -20,7 +20,9 @@ from pdserve.bench.serve import _stack_config, build_parser, main, make_plan, pa
 
 def _timelines() -> list[Timeline]:
     # A: 4 tokens in 3 messages (the last carries 2), so ITLs are per message, not per token.
-    a = Timeline(prompt_len=10, max_tokens=4, send_time=0.0, chunk_times=[0.5, 0.7, 1.0], chunk_tokens=[1, 1, 2], end_time=1.0)
+    a = Timeline(
+        prompt_len=10, max_tokens=4, send_time=0.0, chunk_times=[0.5, 0.7, 1.0], chunk_tokens=[1, 1, 2], end_time=1.0
+    )
     # B: one token; its final message carries none (e2el ends at the final message).
     b = Timeline(prompt_len=20, max_tokens=1, send_time=1.0, chunk_times=[1.25], chunk_tokens=[1], end_time=1.5)
     c = Timeline(prompt_len=30, max_tokens=8, send_time=1.0, error="UNAVAILABLE: no worker")
@@ -113,7 +115,9 @@ def test_random_and_sharegpt_lengths():
     cfg = workloads.WorkloadConfig("random", num_prompts=50, seed=1, input_len=(5, 9), output_len=(3, 4))
     specs = workloads.build(cfg, WordTokenizer)
     assert all(5 <= s.prompt_len <= 9 and 3 <= s.max_tokens <= 4 for s in specs)
-    assert all(workloads.TOKEN_ID_RANGE[0] <= t < workloads.TOKEN_ID_RANGE[1] for s in specs for t in s.prompt_token_ids)
+    assert all(
+        workloads.TOKEN_ID_RANGE[0] <= t < workloads.TOKEN_ID_RANGE[1] for s in specs for t in s.prompt_token_ids
+    )
     assert specs == workloads.build(cfg, WordTokenizer)  # seeded
     share = workloads.build(workloads.WorkloadConfig("sharegpt", num_prompts=2000, seed=0), WordTokenizer)
     ins = np.array([s.prompt_len for s in share])
@@ -152,8 +156,15 @@ def test_mixed_workload_is_bimodal_and_seeded():
     positions = [i for i, s in enumerate(specs) if s.prompt_len >= 256]
     assert positions[0] < 100 and positions[-1] > 300  # spread through the run, not bunched
     # --input-len/--output-len set the short class; long prompts are clipped to the context.
-    cfg = workloads.WorkloadConfig("mixed", num_prompts=10, input_len=(8, 8), output_len=(2, 2), long_fraction=0.5,
-                                   long_input_len=(9000, 9000), long_output_len=(100, 100))
+    cfg = workloads.WorkloadConfig(
+        "mixed",
+        num_prompts=10,
+        input_len=(8, 8),
+        output_len=(2, 2),
+        long_fraction=0.5,
+        long_input_len=(9000, 9000),
+        long_output_len=(100, 100),
+    )
     lens = sorted((s.prompt_len, s.max_tokens) for s in workloads.build(cfg, WordTokenizer))
     assert lens == [(8, 2)] * 5 + [(workloads.MAX_MODEL_LEN - 100, 100)] * 5
     no_long = workloads.build(workloads.WorkloadConfig("mixed", num_prompts=20, long_fraction=0), WordTokenizer)
@@ -180,10 +191,18 @@ def test_each_rate_gets_a_workload_variant_with_nothing_cached_in_common():
 
 def test_jsonl_workload(tmp_path):
     path = tmp_path / "p.jsonl"
-    path.write_text('{"prompt": "one two three", "output_len": 5}\n\n{"prompt_token_ids": [7, 8], "max_tokens": 2}\n{"prompt": "x"}\n')
-    specs = workloads.build(workloads.WorkloadConfig("jsonl", num_prompts=10, path=str(path), output_len=(9, 9)), WordTokenizer)
+    path.write_text(
+        '{"prompt": "one two three", "output_len": 5}\n\n{"prompt_token_ids": [7, 8], "max_tokens": 2}\n{"prompt": "x"}\n'
+    )
+    specs = workloads.build(
+        workloads.WorkloadConfig("jsonl", num_prompts=10, path=str(path), output_len=(9, 9)), WordTokenizer
+    )
     assert [(s.prompt_len, s.max_tokens) for s in specs] == [(4, 5), (2, 2), (2, 9)]
-    for line, error in [("{bad", "not valid JSON"), ('{"text": "a"}', "needs a non-empty"), ('{"prompt": "a", "output_len": 0}', "output_len")]:
+    for line, error in [
+        ("{bad", "not valid JSON"),
+        ('{"text": "a"}', "needs a non-empty"),
+        ('{"prompt": "a", "output_len": 0}', "output_len"),
+    ]:
         path.write_text('{"prompt": "fine"}\n' + line + "\n")
         with pytest.raises(workloads.WorkloadError, match=rf"p\.jsonl:2: {error}"):
             workloads.build(workloads.WorkloadConfig("jsonl", path=str(path)), WordTokenizer)
@@ -192,10 +211,30 @@ def test_jsonl_workload(tmp_path):
 # -- results and bad input -----------------------------------------------------------------
 
 VLLM_KEYS = {
-    "date", "backend", "label", "model_id", "num_prompts", "request_rate", "burstiness", "max_concurrency", "duration",
-    "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput", "request_goodput",
-    "output_throughput", "total_token_throughput", "max_output_tokens_per_s", "max_concurrent_requests",
-    "input_lens", "output_lens", "ttfts", "itls", "errors",
+    "date",
+    "backend",
+    "label",
+    "model_id",
+    "num_prompts",
+    "request_rate",
+    "burstiness",
+    "max_concurrency",
+    "duration",
+    "completed",
+    "failed",
+    "total_input_tokens",
+    "total_output_tokens",
+    "request_throughput",
+    "request_goodput",
+    "output_throughput",
+    "total_token_throughput",
+    "max_output_tokens_per_s",
+    "max_concurrent_requests",
+    "input_lens",
+    "output_lens",
+    "ttfts",
+    "itls",
+    "errors",
 } | {f"{s}_{k}_ms" for s in ("mean", "median", "std", "p99") for k in ("ttft", "tpot", "itl", "e2el")}
 
 
@@ -233,8 +272,15 @@ def test_result_uses_vllm_key_names():
 
 
 def _tl(prompt_len: int, ttft: float, error: str = "") -> Timeline:
-    return Timeline(prompt_len, 2, send_time=10.0, chunk_times=[10.0 + ttft, 10.0 + ttft + 0.1], chunk_tokens=[1, 1],
-                    end_time=10.0 + ttft + 0.1, error=error)
+    return Timeline(
+        prompt_len,
+        2,
+        send_time=10.0,
+        chunk_times=[10.0 + ttft, 10.0 + ttft + 0.1],
+        chunk_tokens=[1, 1],
+        end_time=10.0 + ttft + 0.1,
+        error=error,
+    )
 
 
 def test_ttft_split_by_prompt_length():
@@ -253,29 +299,53 @@ def test_ttft_split_by_prompt_length():
 def _stats(workers, counters=None):
     from pdserve.v1 import pdserve_pb2 as pb
 
-    return pb.ClusterStats(counters=counters or {}, workers=[
-        pb.WorkerStats(address=a, role=role, healthy=healthy, counters={"prefix_hits": h, "prefix_queries": q} if healthy else {})
-        for a, role, h, q, healthy in workers
-    ])
+    return pb.ClusterStats(
+        counters=counters or {},
+        workers=[
+            pb.WorkerStats(
+                address=a,
+                role=role,
+                healthy=healthy,
+                counters={"prefix_hits": h, "prefix_queries": q} if healthy else {},
+            )
+            for a, role, h, q, healthy in workers
+        ],
+    )
 
 
 def test_prefix_hit_rate_from_cluster_stats_before_and_after():
-    before = cluster_snapshot(_stats([("p0", "prefill", 10, 20, True), ("p1", "prefill", 0, 4, True), ("d0", "decode", 1, 2, True)],
-                                     {"retries": 1.0}))
-    after = cluster_snapshot(_stats([("p0", "prefill", 40, 60, True), ("p1", "prefill", 20, 44, True), ("d0", "decode", 3, 102, True)],
-                                    {"retries": 1.0, "migrations": 2.0, "finished_length": 8.0}))
+    before = cluster_snapshot(
+        _stats(
+            [("p0", "prefill", 10, 20, True), ("p1", "prefill", 0, 4, True), ("d0", "decode", 1, 2, True)],
+            {"retries": 1.0},
+        )
+    )
+    after = cluster_snapshot(
+        _stats(
+            [("p0", "prefill", 40, 60, True), ("p1", "prefill", 20, 44, True), ("d0", "decode", 3, 102, True)],
+            {"retries": 1.0, "migrations": 2.0, "finished_length": 8.0},
+        )
+    )
     d = cluster_delta(before, after)
     assert d["prefix_hit_rate"] == pytest.approx(50 / 80)  # prefill workers only: (30 + 20) / (40 + 40)
     assert d["prefix_cache"]["prefill"] == {"hits": 50, "queries": 80, "hit_rate": pytest.approx(0.625)}
     assert d["prefix_cache"]["decode"]["hit_rate"] == pytest.approx(0.02)
-    assert (d["migrations"], d["retries"], d["router_counters"]) == (2.0, 0.0, {"finished_length": 8.0, "migrations": 2.0})
+    assert (d["migrations"], d["retries"], d["router_counters"]) == (
+        2.0,
+        0.0,
+        {"finished_length": 8.0, "migrations": 2.0},
+    )
     assert d["incomplete"] is False
     # Colocated: no prefill worker, so the colocated worker's lookups count.
-    co = cluster_delta(cluster_snapshot(_stats([("c0", "colocated", 0, 0, True)])),
-                       cluster_snapshot(_stats([("c0", "colocated", 9, 12, True)])))
+    co = cluster_delta(
+        cluster_snapshot(_stats([("c0", "colocated", 0, 0, True)])),
+        cluster_snapshot(_stats([("c0", "colocated", 9, 12, True)])),
+    )
     assert co["prefix_hit_rate"] == pytest.approx(0.75) and co["migrations"] == 0.0
     # A restarted worker counts from 0; one that did not answer is left out and flagged.
-    odd = cluster_delta(before, cluster_snapshot(_stats([("p0", "prefill", 3, 6, True), ("p1", "prefill", 0, 0, False)])))
+    odd = cluster_delta(
+        before, cluster_snapshot(_stats([("p0", "prefill", 3, 6, True), ("p1", "prefill", 0, 0, False)]))
+    )
     assert odd["prefix_hit_rate"] == pytest.approx(0.5) and odd["incomplete"] is True
     nothing = cluster_delta(before, before)
     assert nothing["prefix_hit_rate"] is None and nothing["router_counters"] == {}
@@ -285,19 +355,37 @@ def test_speculative_counters_over_a_run():
     from pdserve.v1 import pdserve_pb2 as pb
 
     def stats(*workers):
-        return cluster_snapshot(pb.ClusterStats(workers=[
-            pb.WorkerStats(address=a, role=r, healthy=True, counters={"prefix_hits": 0, "prefix_queries": 0, **c})
-            for a, r, c in workers]))
+        return cluster_snapshot(
+            pb.ClusterStats(
+                workers=[
+                    pb.WorkerStats(
+                        address=a, role=r, healthy=True, counters={"prefix_hits": 0, "prefix_queries": 0, **c}
+                    )
+                    for a, r, c in workers
+                ]
+            )
+        )
 
     plain = stats(("p0", "prefill", {}), ("d0", "decode", {}))
     assert cluster_delta(plain, plain)["speculative"] is None  # no worker speculates
-    before = stats(("p0", "prefill", {}), ("d0", "decode", dict(spec_drafts=5, spec_draft_tokens=20, spec_accepted_tokens=10)),
-                   ("d1", "decode", dict(spec_drafts=0, spec_draft_tokens=0, spec_accepted_tokens=0)))
-    after = stats(("p0", "prefill", {}), ("d0", "decode", dict(spec_drafts=15, spec_draft_tokens=60, spec_accepted_tokens=40)),
-                  ("d1", "decode", dict(spec_drafts=10, spec_draft_tokens=20, spec_accepted_tokens=5)))
+    before = stats(
+        ("p0", "prefill", {}),
+        ("d0", "decode", dict(spec_drafts=5, spec_draft_tokens=20, spec_accepted_tokens=10)),
+        ("d1", "decode", dict(spec_drafts=0, spec_draft_tokens=0, spec_accepted_tokens=0)),
+    )
+    after = stats(
+        ("p0", "prefill", {}),
+        ("d0", "decode", dict(spec_drafts=15, spec_draft_tokens=60, spec_accepted_tokens=40)),
+        ("d1", "decode", dict(spec_drafts=10, spec_draft_tokens=20, spec_accepted_tokens=5)),
+    )
     spec = cluster_delta(before, after)["speculative"]
-    assert spec == {"drafts": 20, "draft_tokens": 60, "accepted_tokens": 35, "acceptance_rate": pytest.approx(35 / 60),
-                    "mean_accepted_length": pytest.approx(1 + 35 / 20)}
+    assert spec == {
+        "drafts": 20,
+        "draft_tokens": 60,
+        "accepted_tokens": 35,
+        "acceptance_rate": pytest.approx(35 / 60),
+        "mean_accepted_length": pytest.approx(1 + 35 / 20),
+    }
     tls = _timelines()
     info = results.RunInfo("1p1d-ngram", "pdserve-grpc", "default", "extractive", 3, 1.0, 1.0, None, 0, Goodput())
     r = results.to_result(info, compute(tls, 2.0), tls, cluster_delta(before, after))
@@ -310,8 +398,10 @@ def test_speculative_counters_over_a_run():
 
 def test_results_and_tables_carry_prefix_hits_and_the_ttft_split(tmp_path):
     tls = [_tl(50, 0.1), _tl(1500, 2.0)]
-    cluster = cluster_delta(cluster_snapshot(_stats([("p0", "prefill", 0, 0, True)])),
-                            cluster_snapshot(_stats([("p0", "prefill", 3, 4, True)])))
+    cluster = cluster_delta(
+        cluster_snapshot(_stats([("p0", "prefill", 0, 0, True)])),
+        cluster_snapshot(_stats([("p0", "prefill", 3, 4, True)])),
+    )
     runs = []
     for label in ("2p1d-kv_aware", "2p1d-round_robin-nochunk", "colocated", "hf"):
         info = results.RunInfo(label, "pdserve-grpc", "default", "mixed", 2, 1.0, 1.0, None, 0, Goodput())
@@ -339,11 +429,18 @@ def test_results_and_tables_carry_prefix_hits_and_the_ttft_split(tmp_path):
     "modes, expected",
     [
         ("1p1d", [("1p1d", 1, 1, False, "kv_aware", True)]),
-        ("colocated,colocated-nochunk", [("colocated", 0, 1, True, "kv_aware", True),
-                                         ("colocated-nochunk", 0, 1, True, "kv_aware", False)]),
-        ("2p1d-kv_aware,2p1d-round_robin", [("2p1d-kv_aware", 2, 1, False, "kv_aware", True),
-                                            ("2p1d-round_robin", 2, 1, False, "round_robin", True)]),
-        ("1p1d, 1p1d-nochunk", [("1p1d", 1, 1, False, "kv_aware", True), ("1p1d-nochunk", 1, 1, False, "kv_aware", False)]),
+        (
+            "colocated,colocated-nochunk",
+            [("colocated", 0, 1, True, "kv_aware", True), ("colocated-nochunk", 0, 1, True, "kv_aware", False)],
+        ),
+        (
+            "2p1d-kv_aware,2p1d-round_robin",
+            [("2p1d-kv_aware", 2, 1, False, "kv_aware", True), ("2p1d-round_robin", 2, 1, False, "round_robin", True)],
+        ),
+        (
+            "1p1d, 1p1d-nochunk",
+            [("1p1d", 1, 1, False, "kv_aware", True), ("1p1d-nochunk", 1, 1, False, "kv_aware", False)],
+        ),
         ("3p2d-nochunk-least_loaded", [("3p2d-nochunk-least_loaded", 3, 2, False, "least_loaded", False)]),
     ],
 )
@@ -352,7 +449,16 @@ def test_modes_name_the_stack_they_start(modes, expected):
     got = []
     for mode in plan.modes:
         engine, router, cluster = _stack_config(mode, plan)
-        got.append((mode.label, cluster.prefill, cluster.decode, cluster.colocated, router.policy, engine.enable_chunked_prefill))
+        got.append(
+            (
+                mode.label,
+                cluster.prefill,
+                cluster.decode,
+                cluster.colocated,
+                router.policy,
+                engine.enable_chunked_prefill,
+            )
+        )
     assert got == expected
     assert [parse_mode(m).kind for m in ("live", "hf", "1p1d")] == ["live", "hf", "stack"]
     # --policy is the default of modes that name none.
@@ -361,13 +467,29 @@ def test_modes_name_the_stack_they_start(modes, expected):
 
 
 def test_speculative_mode_suffixes_turn_it_on_per_stack():
-    plan = make_plan(build_parser().parse_args(["--modes", "colocated,colocated-ngram,1p1d-nochunk-draft",
-                                                "--draft-model", "default", "--num-speculative-tokens", "3"]))
+    plan = make_plan(
+        build_parser().parse_args(
+            [
+                "--modes",
+                "colocated,colocated-ngram,1p1d-nochunk-draft",
+                "--draft-model",
+                "default",
+                "--num-speculative-tokens",
+                "3",
+            ]
+        )
+    )
     engines = [_stack_config(m, plan)[0] for m in plan.modes]
-    assert [(e.speculative, e.enable_chunked_prefill) for e in engines] == [("none", True), ("ngram", True), ("draft", False)]
+    assert [(e.speculative, e.enable_chunked_prefill) for e in engines] == [
+        ("none", True),
+        ("ngram", True),
+        ("draft", False),
+    ]
     assert all(e.num_speculative_tokens == 3 for e in engines)
     # --speculative is what modes without a suffix get.
-    plan = make_plan(build_parser().parse_args(["--modes", "1p1d,1p1d-draft", "--speculative", "ngram", "--draft-model", "default"]))
+    plan = make_plan(
+        build_parser().parse_args(["--modes", "1p1d,1p1d-draft", "--speculative", "ngram", "--draft-model", "default"])
+    )
     assert [_stack_config(m, plan)[0].speculative for m in plan.modes] == ["ngram", "draft"]
 
 
@@ -430,12 +552,34 @@ def test_end_to_end_against_a_started_1p1d_stack(tmp_path, capsys):
     lines.insert(2, {"prompt_token_ids": [5, 10**9], "output_len": 8})
     prompts.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     out = tmp_path / "results"
-    code = main([
-        "--modes", "1p1d", "--workload", "jsonl", "--dataset-path", str(prompts), "--num-prompts", "5",
-        "--request-rates", "4", "--warmup", "1", "--goodput", "ttft:5000", "tpot:1000",
-        "--kv-cache-memory", "256MiB", "--time-limit-s", "60", "--request-timeout-s", "30",
-        "--result-dir", str(out), "--disable-tqdm",
-    ])
+    code = main(
+        [
+            "--modes",
+            "1p1d",
+            "--workload",
+            "jsonl",
+            "--dataset-path",
+            str(prompts),
+            "--num-prompts",
+            "5",
+            "--request-rates",
+            "4",
+            "--warmup",
+            "1",
+            "--goodput",
+            "ttft:5000",
+            "tpot:1000",
+            "--kv-cache-memory",
+            "256MiB",
+            "--time-limit-s",
+            "60",
+            "--request-timeout-s",
+            "30",
+            "--result-dir",
+            str(out),
+            "--disable-tqdm",
+        ]
+    )
     assert code == 0
     result = json.loads((out / "1p1d-4qps.json").read_text())
     assert VLLM_KEYS <= result.keys()
@@ -458,5 +602,6 @@ def test_router_overhead_compares_both_paths_on_a_real_cluster(capsys):
     assert report["requests"] == 4 and report["prompt_tokens"] > 0
     assert report["max_tokens"] >= 2  # both paths wait for the KV handoff's acknowledgement
     assert report["ttft_router_p50_ms"] > 0 and report["ttft_direct_p50_ms"] > 0
-    assert math.isclose(report["router_added_p50_ms"], report["ttft_router_p50_ms"] - report["ttft_direct_p50_ms"],
-                        abs_tol=0.02)
+    assert math.isclose(
+        report["router_added_p50_ms"], report["ttft_router_p50_ms"] - report["ttft_direct_p50_ms"], abs_tol=0.02
+    )

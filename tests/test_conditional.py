@@ -21,8 +21,18 @@ CONFIG = ConditionalConfig(threshold_tokens=128, local_tokens_per_s=500, remote_
 
 def worker(name: str, role: Role, **stats) -> Worker:
     w = Worker(name, role, channel=None)
-    w.update_stats(pb.WorkerStats(**{"address": name, "block_size": 16, "blocks_total": 1000, "blocks_free": 1000,
-                                     "max_num_seqs": 64, **stats}))
+    w.update_stats(
+        pb.WorkerStats(
+            **{
+                "address": name,
+                "block_size": 16,
+                "blocks_total": 1000,
+                "blocks_free": 1000,
+                "max_num_seqs": 64,
+                **stats,
+            }
+        )
+    )
     return w
 
 
@@ -113,8 +123,16 @@ def test_bad_conditional_settings_are_refused():
 
 def _profile(handoff_ms: float) -> Profile:
     cost = StepCost(base_ms=20.0, decode_ms=1.0, prefill_ms=1.0, decode_ctx_ms=0.0, prefill_attn_ms=0.0)
-    return Profile(model="toy", device="toy", parallel="threads", steps={1: cost}, kv_bytes_per_token=1000,
-                   transfers={"tcp": TransferCost(0.0, 0.0)}, transport="tcp", overheads=Overheads(handoff_ms=handoff_ms))
+    return Profile(
+        model="toy",
+        device="toy",
+        parallel="threads",
+        steps={1: cost},
+        kv_bytes_per_token=1000,
+        transfers={"tcp": TransferCost(0.0, 0.0)},
+        transport="tcp",
+        overheads=Overheads(handoff_ms=handoff_ms),
+    )
 
 
 def test_the_threshold_is_where_the_local_path_stops_being_faster():

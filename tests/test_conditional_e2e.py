@@ -18,15 +18,38 @@ ARGS = ("--dtype", "float32", "--kv-cache-memory", "128MiB", "--kv-transport", "
 
 def write_profile(path) -> str:
     cost = StepCost(base_ms=20.0, decode_ms=1.0, prefill_ms=1.5, decode_ctx_ms=0.005, prefill_attn_ms=0.001)
-    p = Profile(model="SmolLM2-135M", device="cpu", parallel="threads", steps={1: cost, 2: cost}, kv_bytes_per_token=46080,
-                transfers={"tcp": TransferCost(1.0, 0.5)}, transport="tcp", overheads=Overheads(30.0, 20.0, 1.0, 0.1), cores=2)
+    p = Profile(
+        model="SmolLM2-135M",
+        device="cpu",
+        parallel="threads",
+        steps={1: cost, 2: cost},
+        kv_bytes_per_token=46080,
+        transfers={"tcp": TransferCost(1.0, 0.5)},
+        transport="tcp",
+        overheads=Overheads(30.0, 20.0, 1.0, 0.1),
+        cores=2,
+    )
     return str(p.save(path))
 
 
 async def test_conditional_stack_prefills_short_prompts_on_the_decode_worker(hf_reference, tmp_path):
     profile = write_profile(tmp_path / "profile.json")
-    stack = Stack.up("--prefill", "1", "--decode", "1", "--conditional", "--conditional-threshold-tokens", "64",
-                     "--profile", profile, "--slo-tpot-ms", "100", "--slo-ttft-ms", "3000", *ARGS)
+    stack = Stack.up(
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--conditional",
+        "--conditional-threshold-tokens",
+        "64",
+        "--profile",
+        profile,
+        "--slo-tpot-ms",
+        "100",
+        "--slo-ttft-ms",
+        "3000",
+        *ARGS,
+    )
     try:
         short = "The capital of France is"
         long = "Here is a long story about a lighthouse keeper and the sea. " * 24  # ~300 tokens

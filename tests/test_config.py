@@ -33,7 +33,10 @@ def test_precedence_flag_over_env_over_file_over_default(tmp_path):
 
 
 def test_booleans_optionals_and_bad_values():
-    assert resolve(EngineConfig, parse(EngineConfig, ["--no-enable-chunked-prefill"]), env={}).enable_chunked_prefill is False
+    assert (
+        resolve(EngineConfig, parse(EngineConfig, ["--no-enable-chunked-prefill"]), env={}).enable_chunked_prefill
+        is False
+    )
     assert resolve(WorkerSettings, None, env={"PDSERVE_METRICS_PORT": "9400"}).metrics_port == 9400
     with pytest.raises(ValueError, match="PDSERVE_BLOCK_SIZE"):
         resolve(EngineConfig, None, env={"PDSERVE_BLOCK_SIZE": "lots"})
@@ -53,13 +56,19 @@ def test_config_show_prints_the_effective_configuration_without_secrets(tmp_path
     file = tmp_path / "c.yaml"
     file.write_text("dtype: bfloat16\nport: 6000\n")
     env = {"PDSERVE_BLOCK_SIZE": "48", "PDSERVE_API_TOKEN": "hunter2", "PATH": "/usr/bin:/bin"}
-    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "config", "--show", "--config", str(file)],
-                         capture_output=True, text=True, env=env, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "config", "--show", "--config", str(file)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
     shown = json.loads(out.stdout)
     assert shown["dtype"] == "bfloat16" and shown["port"] == 6000 and shown["block_size"] == 48
     assert shown["api_token"] == "***" and "hunter2" not in out.stdout
     bad = tmp_path / "bad.yaml"
     bad.write_text("no_such_setting: 1\n")
-    result = subprocess.run([sys.executable, "-m", "pdserve.cli", "config", "--show", "--config", str(bad)],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "config", "--show", "--config", str(bad)], capture_output=True, text=True
+    )
     assert result.returncode == 2 and "no_such_setting" in result.stderr

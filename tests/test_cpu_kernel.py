@@ -38,8 +38,9 @@ def _filled_cache(fmt: KVFormat, num_blocks: int, block_size: int, seed: int) ->
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim", [(9, 3, 64), (4, 4, 128), (8, 1, 64), (6, 2, 80)])
 @pytest.mark.parametrize("block_size", [8, 16])
-def test_decode_attention_matches_reference(kernel, cache_dtype, dtype, atol, num_q_heads, num_kv_heads, head_dim,
-                                            block_size):
+def test_decode_attention_matches_reference(
+    kernel, cache_dtype, dtype, atol, num_q_heads, num_kv_heads, head_dim, block_size
+):
     fmt = KVFormat(cache_dtype, num_kv_heads, head_dim, dtype)
     num_blocks, batch = 320, 5
     kv = _filled_cache(fmt, num_blocks, block_size, seed=block_size * 100 + num_q_heads)
@@ -74,7 +75,11 @@ def test_8bit_cache_round_trip_is_close(cache_dtype):
     assert fmt.token_bytes == 2 * 3 * 64 + 2 * 3 * 4  # one byte per value plus fp32 scales
     k2, v2 = fmt.decode(slots)
     # int8: half a step of max/127; fp8 e4m3: 3 mantissa bits (relative 1/16).
-    bound = (lambda x: x.abs().amax(-1, keepdim=True) / 254 + 1e-6) if cache_dtype == "int8" else (lambda x: x.abs() / 15 + 1e-3)
+    bound = (
+        (lambda x: x.abs().amax(-1, keepdim=True) / 254 + 1e-6)
+        if cache_dtype == "int8"
+        else (lambda x: x.abs() / 15 + 1e-3)
+    )
     assert ((k2 - k).abs() <= bound(k)).all() and ((v2 - v).abs() <= bound(v)).all()
 
 
@@ -110,7 +115,9 @@ def test_quant_linear_matches_dequantized_matmul(kernel, fmt, rows, n, k):
     # The fallback (what CUDA runs) is the plain matmul of the dequantized weight.
     torch.testing.assert_close(fallback(x), expected, atol=1e-4, rtol=1e-4)
     # The portable path of the kernel computes exactly what the vector path does.
-    portable = kernel.quant_linear(x, layer.packed, layer.col_scale, layer.bias, layer.padded_out, k, int(fmt), False, False)
+    portable = kernel.quant_linear(
+        x, layer.packed, layer.col_scale, layer.bias, layer.padded_out, k, int(fmt), False, False
+    )
     torch.testing.assert_close(portable[:, :n], layer(x), atol=1e-4, rtol=1e-5)
     logits = QuantizedLinear(qw, None, torch.device("cpu"), float_out=True)(x.bfloat16())
     assert logits.dtype == torch.float32

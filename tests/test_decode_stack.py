@@ -14,16 +14,34 @@ from pdserve.kernels.cpu_extension import load
 pytestmark = pytest.mark.e2e
 
 
-@pytest.mark.parametrize("dtype, quantization, kv_cache_dtype", [
-    ("bfloat16", "none", "auto"), ("bfloat16", "int4", "int8"), ("float32", "none", "auto"), ("float32", "int8", "fp8"),
-])
+@pytest.mark.parametrize(
+    "dtype, quantization, kv_cache_dtype",
+    [
+        ("bfloat16", "none", "auto"),
+        ("bfloat16", "int4", "int8"),
+        ("float32", "none", "auto"),
+        ("float32", "int8", "fp8"),
+    ],
+)
 def test_decode_stack_is_bitwise_the_python_model(model_dir, dtype, quantization, kv_cache_dtype):
-    engine = LLMEngine(EngineConfig(device="cpu", dtype=dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
-                                    kv_cache_memory="128MiB", num_threads=2), model_dir=str(model_dir))
+    engine = LLMEngine(
+        EngineConfig(
+            device="cpu",
+            dtype=dtype,
+            quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype,
+            kv_cache_memory="128MiB",
+            num_threads=2,
+        ),
+        model_dir=str(model_dir),
+    )
     assert engine.model.decode_stack is not None
     for i, length in enumerate((5, 40, 97)):  # contexts of different lengths and block counts
-        engine.add_request(f"r{i}", [1000 + (i * 31 + j) % 30000 for j in range(length)],
-                           SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+        engine.add_request(
+            f"r{i}",
+            [1000 + (i * 31 + j) % 30000 for j in range(length)],
+            SamplingParams(max_tokens=50, temperature=0, ignore_eos=True),
+        )
     while engine.scheduler.waiting or any(s.is_prefilling for s in engine.scheduler.running):
         engine.step()
     batch = engine.runner.build_batch(engine.scheduler.schedule())

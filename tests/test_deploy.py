@@ -53,8 +53,9 @@ ROLE_ENV = {
     "prefill": _setting_env(EngineConfig, WorkerSettings, SecuritySettings) | _env_read_directly(),
     "decode": _setting_env(EngineConfig, WorkerSettings, SecuritySettings) | _env_read_directly(),
 }
-ALL_SETTINGS_ENV = (_setting_env(EngineConfig, WorkerSettings, RouterSettings, ClusterSettings, SecuritySettings)
-                    | _env_read_directly())
+ALL_SETTINGS_ENV = (
+    _setting_env(EngineConfig, WorkerSettings, RouterSettings, ClusterSettings, SecuritySettings) | _env_read_directly()
+)
 
 
 def _grpc_service(role: str) -> str:
@@ -67,11 +68,17 @@ def _grpc_service(role: str) -> str:
 def _check_env(role: str, env: dict, where: str) -> None:
     for name in env:
         if name.startswith("PDSERVE_"):
-            assert name in ROLE_ENV[role], f"{where}: {name} is no setting of a {role} (known: {sorted(ROLE_ENV[role])})"
+            assert name in ROLE_ENV[role], (
+                f"{where}: {name} is no setting of a {role} (known: {sorted(ROLE_ENV[role])})"
+            )
             assert name in ALL_SETTINGS_ENV
 
 
-ROLE_CLASSES = {"router": (RouterSettings,), "prefill": (EngineConfig, WorkerSettings), "decode": (EngineConfig, WorkerSettings)}
+ROLE_CLASSES = {
+    "router": (RouterSettings,),
+    "prefill": (EngineConfig, WorkerSettings),
+    "decode": (EngineConfig, WorkerSettings),
+}
 
 
 def _check_values(role: str, env: dict, where: str) -> None:
@@ -93,7 +100,9 @@ def _check_values(role: str, env: dict, where: str) -> None:
 
 def _compose_defaults(env: dict) -> dict:
     """Environment values as compose fills them with no variables set: ${VAR:-default} -> default."""
-    return {k: re.sub(r"\$\{[A-Za-z0-9_]+(?::?-([^}]*))?\}", lambda m: m.group(1) or "", str(v)) for k, v in env.items()}
+    return {
+        k: re.sub(r"\$\{[A-Za-z0-9_]+(?::?-([^}]*))?\}", lambda m: m.group(1) or "", str(v)) for k, v in env.items()
+    }
 
 
 def _port(env: dict, name: str) -> int:
@@ -130,8 +139,9 @@ def _compose_config(deploy: Path, files: list[Path]) -> subprocess.CompletedProc
     args = [binary, "--project-directory", str(deploy)]
     for f in files:
         args += ["-f", str(deploy / f.name)]
-    return subprocess.run([*args, "--profile", "monitoring", "config"], capture_output=True, text=True,
-                          env=_clean_env(), timeout=60)
+    return subprocess.run(
+        [*args, "--profile", "monitoring", "config"], capture_output=True, text=True, env=_clean_env(), timeout=60
+    )
 
 
 @pytest.mark.e2e  # runs docker-compose and the secret script
@@ -192,7 +202,11 @@ def test_secret_files_stay_out_of_git_and_images():
     ignored = (ROOT / ".gitignore").read_text().split()
     for path in SECRET_FILES:
         assert f"deploy/{path}" in ignored, path
-        for dockerignore in (ROOT / ".dockerignore", DEPLOY / "Dockerfile.dockerignore", DEPLOY / "Dockerfile.cuda.dockerignore"):
+        for dockerignore in (
+            ROOT / ".dockerignore",
+            DEPLOY / "Dockerfile.dockerignore",
+            DEPLOY / "Dockerfile.cuda.dockerignore",
+        ):
             assert f"deploy/{path}" in dockerignore.read_text().split(), (dockerignore.name, path)
     script = MAKE_SECRET.read_text()
     assert f"name: {SECRET_NAME}" in script and "PDSERVE_CLUSTER_TOKEN" in script and os.access(MAKE_SECRET, os.X_OK)
@@ -227,7 +241,8 @@ def test_compose_roles_are_configured_by_environment_only():
         if "--service" in test:
             assert test[test.index("--service") + 1] == _grpc_service(role)
         exposed = {int(p) for p in svc.get("expose", [])} | {
-            int(str(p).rsplit(":", 1)[-1]) for p in svc.get("ports", [])}
+            int(str(p).rsplit(":", 1)[-1]) for p in svc.get("ports", [])
+        }
         wanted = {port, metrics} | ({_port(env, "PDSERVE_KV_PORT")} if role == "decode" else set())
         assert wanted <= exposed, f"{role}: expose {sorted(wanted - exposed)}"
         if role != "router":
@@ -281,7 +296,7 @@ def test_dockerfiles_install_torch_first_and_copy_every_package():
         assert "resolve_model(None)" in text, "convert the default model at build time"
         assert re.search(r"^USER\s+(?!0\b|root\b)\S+", text, re.M), "run as a non-root user"
         assert 'ENTRYPOINT ["pdserve"]' in text
-        assert re.search(r'ENV .*PDSERVE_CACHE_DIR=', text, re.S)
+        assert re.search(r"ENV .*PDSERVE_CACHE_DIR=", text, re.S)
     assert "download.pytorch.org/whl/cpu" in DOCKERFILES[0].read_text()
 
 
@@ -377,7 +392,9 @@ def test_kubernetes_manifests():
     services = {svc["metadata"]["name"]: svc for svc in by_kind["Service"]}
     served_roles = {}
     for name, svc in services.items():
-        selected = [role for role, (_, labels, _, _) in deployments.items() if _selects(svc["spec"]["selector"], labels)]
+        selected = [
+            role for role, (_, labels, _, _) in deployments.items() if _selects(svc["spec"]["selector"], labels)
+        ]
         assert len(selected) == 1, f"Service {name} selects {selected}"
         role = selected[0]
         served_roles[role] = svc
@@ -406,6 +423,7 @@ def test_kubernetes_manifests():
 
 def test_kubernetes_manifests_match_the_schemas():
     import kubernetes_validate
+
     for obj in _k8s_objects():
         kubernetes_validate.validate(obj, "1.30", strict=True)
 
@@ -467,10 +485,17 @@ def _exposed_metrics() -> dict[str, set[str]]:
     from pdserve import metrics
 
     families = [fam for obj in vars(metrics).values() if isinstance(obj, MetricWrapperBase) for fam in obj.describe()]
-    collector = metrics.WorkerCollector("decode", _AnyStats, lambda: {"transfers_tcp": 1, "bytes_tcp": 1, "checksum_mismatch": 1})
+    collector = metrics.WorkerCollector(
+        "decode", _AnyStats, lambda: {"transfers_tcp": 1, "bytes_tcp": 1, "checksum_mismatch": 1}
+    )
     families += list(collector.collect())
-    suffixes = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
-                "summary": ("", "_sum", "_count", "_created"), "gauge": ("",), "info": ("_info",)}
+    suffixes = {
+        "counter": ("_total", "_created"),
+        "histogram": ("_bucket", "_sum", "_count", "_created"),
+        "summary": ("", "_sum", "_count", "_created"),
+        "gauge": ("",),
+        "info": ("_info",),
+    }
     return {fam.name: {fam.name + s for s in suffixes.get(fam.type, ("",))} for fam in families}
 
 
@@ -503,7 +528,9 @@ def test_grafana_dashboard_queries_real_metrics():
             assert not unknown, f"{panel['title']}: {sorted(unknown)} are not exposed (families: {sorted(exposed)})"
             for name in names:
                 if name.endswith("_bucket"):
-                    assert "histogram_quantile" in target["expr"], f"{panel['title']}: {name} outside histogram_quantile"
+                    assert "histogram_quantile" in target["expr"], (
+                        f"{panel['title']}: {name} outside histogram_quantile"
+                    )
             used |= names
     unused = sorted(family for family, names in exposed.items() if not names & used)
     assert not unused, f"the dashboard shows nothing of {unused}"

@@ -22,7 +22,9 @@ from pdserve.v1 import pdserve_pb2 as pb
 PROMPT = list(range(100, 140))
 
 
-def rpc_error(code: grpc.StatusCode, details: str = "injected", retry_after_ms: int | None = None) -> grpc.aio.AioRpcError:
+def rpc_error(
+    code: grpc.StatusCode, details: str = "injected", retry_after_ms: int | None = None
+) -> grpc.aio.AioRpcError:
     trailing = grpc.aio.Metadata(("retry-after-ms", str(retry_after_ms))) if retry_after_ms else grpc.aio.Metadata()
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details)
 
@@ -60,8 +62,19 @@ class FakeDecode:
     def Decode(self, request: pb.DecodeRequest, timeout=None, metadata=()) -> FakeCall:
         self.requests.append(request)
         batches, error = self.scripts.pop(0)
-        events = [] if request.prefill_locally else [pb.DecodeEvent(reservation=pb.Reservation(
-            target=pb.KvTarget(transfer_id=f"{len(self.requests):016x}", kv_address="kv:1", block_ids=[1, 2, 3])))]
+        events = (
+            []
+            if request.prefill_locally
+            else [
+                pb.DecodeEvent(
+                    reservation=pb.Reservation(
+                        target=pb.KvTarget(
+                            transfer_id=f"{len(self.requests):016x}", kv_address="kv:1", block_ids=[1, 2, 3]
+                        )
+                    )
+                )
+            ]
+        )
         # A disaggregated stream carries what follows the prefill's first token.
         for n, batch in enumerate(batches):
             last = n == len(batches) - 1 and error is None
@@ -98,8 +111,11 @@ def prefill_worker(name: str, stub: FakePrefill) -> Worker:
 
 
 def registry(prefill: list[Worker], decode: list[Worker]) -> WorkerRegistry:
-    return WorkerRegistry(prefill=prefill, decode=decode,
-                          specs={Role.PREFILL: [w.address for w in prefill], Role.DECODE: [w.address for w in decode]})
+    return WorkerRegistry(
+        prefill=prefill,
+        decode=decode,
+        specs={Role.PREFILL: [w.address for w in prefill], Role.DECODE: [w.address for w in decode]},
+    )
 
 
 def dispatcher(reg: WorkerRegistry, **kwargs) -> Dispatcher:
@@ -108,8 +124,9 @@ def dispatcher(reg: WorkerRegistry, **kwargs) -> Dispatcher:
 
 
 def request(max_tokens: int = 6, ttft_budget_ms: float | None = None) -> ValidatedRequest:
-    return ValidatedRequest("client-id", list(PROMPT), SamplingParams(max_tokens=max_tokens, temperature=0),
-                            ttft_budget_ms=ttft_budget_ms)
+    return ValidatedRequest(
+        "client-id", list(PROMPT), SamplingParams(max_tokens=max_tokens, temperature=0), ttft_budget_ms=ttft_budget_ms
+    )
 
 
 async def collect(d: Dispatcher, req: ValidatedRequest, timeout_s: float = 30.0) -> tuple[list[int], str | None]:

@@ -9,7 +9,9 @@ from pdserve.v1 import pdserve_pb2 as pb
 
 
 def test_each_attempt_gets_its_own_key_and_the_client_id_is_only_passed_along():
-    request = ValidatedRequest(request_id="client-id", prompt_token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=4))
+    request = ValidatedRequest(
+        request_id="client-id", prompt_token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=4)
+    )
     first, retry = Attempt(request, []), Attempt(request, [7])
     assert first.key != retry.key and len(first.key) == 32
     decode, prefill = _decode_request(first, prefill_locally=False), _prefill_request(first, pb.KvTarget())

@@ -146,7 +146,7 @@ def test_abort_frees_blocks_and_others_continue(engine, prompt_ids, hf_reference
             assert out.request_id == "keeper"
             got += out.new_token_ids
     # The keeper's first token came from the first step: compare the tail.
-    assert got == hf_reference.greedy(prompt_ids[0], MAX_NEW)[-len(got):]
+    assert got == hf_reference.greedy(prompt_ids[0], MAX_NEW)[-len(got) :]
     assert_all_free(engine)
 
 
@@ -212,8 +212,14 @@ def test_seeded_sampling_is_reproducible(engine, prompt_ids):
     sp = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, top_k=50, seed=1234)
     a = run(engine, [(0, "s1", prompt_ids[2], sp)])["s1"]
     # Same seed inside a batch with other traffic, arriving later: same tokens.
-    b = run(engine, [(0, "noise", prompt_ids[1], SamplingParams(max_tokens=8, temperature=1.0)), (2, "s2", prompt_ids[2], sp)])["s2"]
-    c = run(engine, [(0, "s3", prompt_ids[2], SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, top_k=50, seed=99))])["s3"]
+    b = run(
+        engine,
+        [(0, "noise", prompt_ids[1], SamplingParams(max_tokens=8, temperature=1.0)), (2, "s2", prompt_ids[2], sp)],
+    )["s2"]
+    c = run(
+        engine,
+        [(0, "s3", prompt_ids[2], SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, top_k=50, seed=99))],
+    )["s3"]
     assert a == b
     assert a != c  # different seeds diverge (12 tokens at temperature 0.9)
     assert_all_free(engine)
@@ -231,7 +237,14 @@ def test_stop_token_ids_and_ignore_eos(engine, prompt_ids, hf_reference):
     chat = prompt_ids[1]
     normal = run(engine, [(0, "n", chat, SamplingParams(max_tokens=64, temperature=0))])["n"]
     assert normal[-1] == eos
-    assert len(run(engine, [(0, "i", chat, SamplingParams(max_tokens=len(normal) + 3, temperature=0, ignore_eos=True))])["i"]) == len(normal) + 3
+    assert (
+        len(
+            run(engine, [(0, "i", chat, SamplingParams(max_tokens=len(normal) + 3, temperature=0, ignore_eos=True))])[
+                "i"
+            ]
+        )
+        == len(normal) + 3
+    )
     assert len(run(engine, [(0, "m", ids, sp)])["m"]) == 6
     assert_all_free(engine)
 
@@ -265,8 +278,13 @@ def test_swap_preemption_keeps_greedy_output(model_dir, prompt_ids, hf_reference
     requests = [(0, f"{i}-{j}", prompt_ids[i], GREEDY) for i in (0, 2) for j in range(3)]
     admit = sum(-(-len(ids) // 16) for _, _, ids, _ in requests)
     per_block = 16 * 2 * 3 * 64 * 4 * 30
-    engine = make_engine(model_dir, kv_cache_memory=str((admit + 2) * per_block), enable_prefix_caching=False,
-                         preemption_mode="swap", swap_space="64MiB")
+    engine = make_engine(
+        model_dir,
+        kv_cache_memory=str((admit + 2) * per_block),
+        enable_prefix_caching=False,
+        preemption_mode="swap",
+        swap_space="64MiB",
+    )
     got = run(engine, requests)
     assert engine.swap.swapped_out > 0 and engine.swap.swapped_in == engine.swap.swapped_out
     for _, rid, ids, _ in requests:

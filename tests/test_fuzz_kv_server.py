@@ -94,7 +94,9 @@ class DecodeSide:
         self.address = ("127.0.0.1", self.receiver.port)
         # A prefill side for the "still serving" check: 16-token blocks (re-blocking), random K/V.
         gen = torch.Generator().manual_seed(0)
-        self.src = KVCacheView(list(torch.randn(LAYERS, 4, 16, 2, HEADS, DIM, generator=gen).unbind(0)), 16, TOKEN_BYTES)
+        self.src = KVCacheView(
+            list(torch.randn(LAYERS, 4, 16, 2, HEADS, DIM, generator=gen).unbind(0)), 16, TOKEN_BYTES
+        )
 
     def _free_blocks(self, block_ids: list[int]) -> None:
         with self.lock:
@@ -184,7 +186,9 @@ class ThreadCrashes:
     def __enter__(self) -> "ThreadCrashes":
         self._previous = threading.excepthook
         threading.excepthook = lambda args: self.crashes.append(
-            f"{args.thread.name if args.thread else '?'}: " + "".join(traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback)))
+            f"{args.thread.name if args.thread else '?'}: "
+            + "".join(traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback))
+        )
         return self
 
     def __exit__(self, *exc) -> None:
@@ -229,6 +233,7 @@ def handshake(sock: socket.socket, hello: bytes | None = None) -> bytes:
 
 # -- what the fuzz client sends -----------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class FrameSpec:
     """One frame to send; ``tid`` is ("grant", i) for a real transfer id, else a raw id."""
@@ -255,19 +260,39 @@ def frame_specs(draw, sizes: tuple[int, int]) -> FrameSpec:
     shape = draw(st.sampled_from(["data"] * 8 + ["done"] * 3 + ["anything"]), label="shape")
     if shape == "data":
         g = draw(st.sampled_from([0, 0, 1]))
-        start = draw(st.sampled_from([None] * 4 + [LAYERS]).flatmap(lambda x: st.integers(0, sizes[g] - 1) if x is None else st.integers(0, 48)))
-        end = draw(st.sampled_from([True] * 4 + [False]).flatmap(
-            lambda inside: st.integers(start + 1, max(start + 1, sizes[g])) if inside else st.integers(start, start + 16)))
+        start = draw(
+            st.sampled_from([None] * 4 + [LAYERS]).flatmap(
+                lambda x: st.integers(0, sizes[g] - 1) if x is None else st.integers(0, 48)
+            )
+        )
+        end = draw(
+            st.sampled_from([True] * 4 + [False]).flatmap(
+                lambda inside: (
+                    st.integers(start + 1, max(start + 1, sizes[g])) if inside else st.integers(start, start + 16)
+                )
+            )
+        )
         return FrameSpec(
-            FrameKind.DATA, ("grant", g), draw(st.sampled_from(list(range(LAYERS)) * 3 + [LAYERS])), start, end,
+            FrameKind.DATA,
+            ("grant", g),
+            draw(st.sampled_from(list(range(LAYERS)) * 3 + [LAYERS])),
+            start,
+            end,
             ("natural", draw(st.sampled_from([0] * 8 + [-1, 1, -TOKEN_BYTES, TOKEN_BYTES]))),
             draw(st.sampled_from([("full",)] * 8 + [("short", 1), ("short", 100)])),
-            draw(st.sampled_from(["correct"] * 3 + ["wrong"])), seed=draw(st.integers(0, 255)),
+            draw(st.sampled_from(["correct"] * 3 + ["wrong"])),
+            seed=draw(st.integers(0, 255)),
         )
     if shape == "done":
         return FrameSpec(
-            FrameKind.DONE, draw(st.sampled_from([("grant", 0), ("grant", 1)]) | st.integers(0, UINT64_MAX)), 0, 0, 0,
-            ("raw", draw(st.just(0) | st.integers(0, 64) | st.just(MAX_CONTROL_PAYLOAD))), ("full",), 0,
+            FrameKind.DONE,
+            draw(st.sampled_from([("grant", 0), ("grant", 1)]) | st.integers(0, UINT64_MAX)),
+            0,
+            0,
+            0,
+            ("raw", draw(st.just(0) | st.integers(0, 64) | st.just(MAX_CONTROL_PAYLOAD))),
+            ("full",),
+            0,
             aux=draw(st.integers(INT64_MIN, INT64_MAX)),
         )
     small = st.integers(0, 20)
@@ -277,11 +302,24 @@ def frame_specs(draw, sizes: tuple[int, int]) -> FrameSpec:
         tid=draw(st.sampled_from([("grant", 0), ("grant", 1)]) | st.integers(0, UINT64_MAX)),
         layer=draw(st.integers(0, LAYERS) | st.integers(0, UINT32_MAX)),
         start=start,
-        end=draw(small | st.integers(start, min(start + 64, UINT32_MAX)) | st.just(UINT32_MAX) | st.integers(0, UINT32_MAX)),
-        plen=draw(st.tuples(st.just("natural"), st.just(0) | st.integers(-TOKEN_BYTES, TOKEN_BYTES))
-                  | st.tuples(st.just("raw"), st.integers(0, 300) | st.sampled_from([MAX_CONTROL_PAYLOAD, MAX_CONTROL_PAYLOAD + 1,
-                                                                                     MAX_PAYLOAD, MAX_PAYLOAD + 1, UINT64_MAX]))),
-        send=draw(st.just(("full",)) | st.tuples(st.just("short"), st.integers(1, 100)) | st.tuples(st.just("extra"), st.binary(min_size=1, max_size=60))),
+        end=draw(
+            small | st.integers(start, min(start + 64, UINT32_MAX)) | st.just(UINT32_MAX) | st.integers(0, UINT32_MAX)
+        ),
+        plen=draw(
+            st.tuples(st.just("natural"), st.just(0) | st.integers(-TOKEN_BYTES, TOKEN_BYTES))
+            | st.tuples(
+                st.just("raw"),
+                st.integers(0, 300)
+                | st.sampled_from(
+                    [MAX_CONTROL_PAYLOAD, MAX_CONTROL_PAYLOAD + 1, MAX_PAYLOAD, MAX_PAYLOAD + 1, UINT64_MAX]
+                ),
+            )
+        ),
+        send=draw(
+            st.just(("full",))
+            | st.tuples(st.just("short"), st.integers(1, 100))
+            | st.tuples(st.just("extra"), st.binary(min_size=1, max_size=60))
+        ),
         checksum=draw(st.just("correct") | st.integers(0, UINT64_MAX)),
         aux=draw(st.integers(INT64_MIN, INT64_MAX)),
         flags=draw(st.just(0) | st.integers(0, 2**16 - 1)),
@@ -294,8 +332,11 @@ def frame_specs(draw, sizes: tuple[int, int]) -> FrameSpec:
 def full_transfer(g: int, num_tokens: int, split: int) -> list[FrameSpec]:
     """A correct transfer of grant ``g`` (two chunks per layer) and its DONE."""
     bounds = sorted({0, min(split, num_tokens), num_tokens})
-    units = [FrameSpec(FrameKind.DATA, ("grant", g), layer, a, b, ("natural", 0), ("full",), "correct", seed=layer)
-             for layer in range(LAYERS) for a, b in zip(bounds, bounds[1:])]
+    units = [
+        FrameSpec(FrameKind.DATA, ("grant", g), layer, a, b, ("natural", 0), ("full",), "correct", seed=layer)
+        for layer in range(LAYERS)
+        for a, b in zip(bounds, bounds[1:])
+    ]
     return units + [FrameSpec(FrameKind.DONE, ("grant", g), 0, 0, 0, ("raw", 0), ("full",), 0, aux=5)]
 
 
@@ -308,12 +349,19 @@ def render(spec: FrameSpec, grant_ids: list[int]) -> bytes:
     plen = natural + spec.plen[1] if spec.plen[0] == "natural" else spec.plen[1]
     plen = min(max(plen, 0), UINT64_MAX)
     body = random.Random(spec.seed).randbytes(min(plen, SEND_CAP))
-    csum = {"correct": xxhash.xxh3_64_intdigest(body), "wrong": xxhash.xxh3_64_intdigest(body) ^ 1}.get(spec.checksum, spec.checksum)
+    csum = {"correct": xxhash.xxh3_64_intdigest(body), "wrong": xxhash.xxh3_64_intdigest(body) ^ 1}.get(
+        spec.checksum, spec.checksum
+    )
     if spec.send[0] == "short":
         body = body[: max(0, len(body) - spec.send[1])]
     elif spec.send[0] == "extra":
         body += spec.send[1]
-    return HEADER.pack(spec.magic, spec.version, spec.kind, spec.flags, tid, spec.layer, spec.start, spec.end, spec.aux, plen, csum) + body
+    return (
+        HEADER.pack(
+            spec.magic, spec.version, spec.kind, spec.flags, tid, spec.layer, spec.start, spec.end, spec.aux, plen, csum
+        )
+        + body
+    )
 
 
 @st.composite
@@ -336,7 +384,9 @@ class Session:
     cut: int | None  # stop sending after this many bytes of the frames
     fail_midway: bool  # the decode worker fails grant 0 while frames arrive
     sizes: tuple[int, int]  # tokens of grant 0 and grant 1 (grant 1's lease is already over)
-    auth: str = "right"  # "hello" mode: how a CHALLENGE is answered: the right credential, a wrong one, or "none" (no AUTH)
+    auth: str = (
+        "right"  # "hello" mode: how a CHALLENGE is answered: the right credential, a wrong one, or "none" (no AUTH)
+    )
 
 
 @st.composite
@@ -352,7 +402,10 @@ def sessions(draw) -> Session:
         hello=draw(hello_payloads(), label="hello"),
         hello_plen_delta=draw(st.just(0) | st.integers(-5, 5)),
         frames=tuple(frames),
-        cut=draw(st.sampled_from([False] * 3 + [True]).flatmap(lambda c: st.integers(0, 6000) if c else st.none()), label="cut"),
+        cut=draw(
+            st.sampled_from([False] * 3 + [True]).flatmap(lambda c: st.integers(0, 6000) if c else st.none()),
+            label="cut",
+        ),
         fail_midway=draw(st.integers(0, 4), label="fail midway") == 0,
         sizes=sizes,
         auth=draw(st.sampled_from(["right"] * 3 + ["wrong", "none"]), label="auth"),
@@ -360,6 +413,7 @@ def sessions(draw) -> Session:
 
 
 # -- what the server must do, judged by the real handshake checks --------------------------
+
 
 def hello_verdict(payload: bytes) -> bool:
     """Whether the server accepts this HELLO from a peer that proves the credential (the checks
@@ -396,7 +450,12 @@ def exchange(side: DecodeSide, session: Session, grant_ids: list[int], fail=None
                 header, payload = read_frame(sock)
                 received += header.pack() + payload
                 if header.kind is FrameKind.CHALLENGE and session.auth != "none":
-                    send_auth(sock, auth_answer(payload, session.hello, CREDENTIAL if session.auth == "right" else WRONG_CREDENTIAL))
+                    send_auth(
+                        sock,
+                        auth_answer(
+                            payload, session.hello, CREDENTIAL if session.auth == "right" else WRONG_CREDENTIAL
+                        ),
+                    )
         stream = b"".join(render(f, grant_ids) for f in session.frames)
         if session.cut is not None:
             stream = stream[: session.cut]
@@ -428,10 +487,10 @@ def exchange(side: DecodeSide, session: Session, grant_ids: list[int], fail=None
 def parse_replies(data: bytes) -> list[tuple[FrameHeader, bytes]]:
     frames, pos = [], 0
     while pos + HEADER_SIZE <= len(data):
-        h = FrameHeader.unpack(data[pos:pos + HEADER_SIZE])
+        h = FrameHeader.unpack(data[pos : pos + HEADER_SIZE])
         if pos + HEADER_SIZE + h.payload_len > len(data):
             break
-        frames.append((h, data[pos + HEADER_SIZE:pos + HEADER_SIZE + h.payload_len]))
+        frames.append((h, data[pos + HEADER_SIZE : pos + HEADER_SIZE + h.payload_len]))
         pos += HEADER_SIZE + h.payload_len
     return frames
 
@@ -443,16 +502,32 @@ COUNTERS = ("protocol_errors", "handshakes_refused", "units_refused", "checksum_
 @fuzz(150)
 @given(session=sessions())
 @example(session=Session("raw", b"", 0, (), None, False, (5, 5)))
-@example(session=Session("valid", b"", 0, (FrameSpec(FrameKind.DATA, ("grant", 0), 0, 0, 8, ("raw", 1 << 40), ("full",), 0),), None, False, (8, 8)))
-@example(session=Session("hello", json.dumps(peer_dict()).encode(), 0, tuple(full_transfer(0, 8, 3)), None, False, (8, 8), "wrong"))
+@example(
+    session=Session(
+        "valid",
+        b"",
+        0,
+        (FrameSpec(FrameKind.DATA, ("grant", 0), 0, 0, 8, ("raw", 1 << 40), ("full",), 0),),
+        None,
+        False,
+        (8, 8),
+    )
+)
+@example(
+    session=Session(
+        "hello", json.dumps(peer_dict()).encode(), 0, tuple(full_transfer(0, 8, 3)), None, False, (8, 8), "wrong"
+    )
+)
 def test_live_kv_server_survives_random_streams(decode_side, session):
     side = decode_side
     rng = random.Random(zlib.crc32(repr(session).encode()))
     baseline_threads = kv_conn_threads()
     ledger_errors = len(side.ledger_errors)
     with ThreadCrashes() as crashes:
-        grants = [side.grant(session.sizes[0], rng),
-                  side.grant(session.sizes[1], rng, lease_s=1e-6)]  # expired before anything arrives; reaped at the end
+        grants = [
+            side.grant(session.sizes[0], rng),
+            side.grant(session.sizes[1], rng, lease_s=1e-6),
+        ]  # expired before anything arrives; reaped at the end
         try:
             check_one_connection(side, session, grants, baseline_threads, crashes)
         finally:
@@ -472,7 +547,9 @@ def test_live_kv_server_survives_random_streams(decode_side, session):
         assert not crashes.crashes, crashes.crashes
 
 
-def check_one_connection(side: DecodeSide, session: Session, grants: list, baseline_threads: int, crashes: ThreadCrashes) -> None:
+def check_one_connection(
+    side: DecodeSide, session: Session, grants: list, baseline_threads: int, crashes: ThreadCrashes
+) -> None:
     """What must hold whatever the bytes were: no crash or hang, the handshake judged by the real
     checks, nobody let in without proving the credential, a well-formed answer that never carries
     the credential, acknowledgements only for transfers a DONE asked about, no grant completed
@@ -491,8 +568,10 @@ def check_one_connection(side: DecodeSide, session: Session, grants: list, basel
     acks = [(h.transfer_id, AckStatus(h.aux)) for h, _ in replies if h.kind is FrameKind.ACK]
     completed = [g for g in grants if g.state is GrantState.COMPLETE]
     note(f"ended={ended} sent={len(stream)}B received={len(received)}B delta={delta} kinds={[k.name for k in kinds]}")
-    event(f"mode={session.mode} auth={session.auth if session.mode == 'hello' else '-'} ended={ended} "
-          f"protocol_error={delta['protocol_errors'] > 0} refused={delta['handshakes_refused'] > 0}")
+    event(
+        f"mode={session.mode} auth={session.auth if session.mode == 'hello' else '-'} ended={ended} "
+        f"protocol_error={delta['protocol_errors'] > 0} refused={delta['handshakes_refused'] > 0}"
+    )
     event(f"acks={sorted({s.name for _, s in acks})} completed={len(completed)}")
 
     # Nothing crashed; the connection ended at most one way.
@@ -513,7 +592,10 @@ def check_one_connection(side: DecodeSide, session: Session, grants: list, basel
     if delta["handshakes_refused"]:
         assert set(kinds) <= {FrameKind.CHALLENGE, FrameKind.REJECT} and FrameKind.REJECT not in kinds[:-1], kinds
     else:
-        assert set(kinds) <= {FrameKind.CHALLENGE, FrameKind.HELLO_OK, FrameKind.ACK} and FrameKind.HELLO_OK not in kinds[2:], kinds
+        assert (
+            set(kinds) <= {FrameKind.CHALLENGE, FrameKind.HELLO_OK, FrameKind.ACK}
+            and FrameKind.HELLO_OK not in kinds[2:]
+        ), kinds
     if FrameKind.HELLO_OK in kinds:
         assert accepted and kinds[:2] == [FrameKind.CHALLENGE, FrameKind.HELLO_OK], kinds
         info = PeerInfo.from_json(replies[1][1])
@@ -554,15 +636,41 @@ def refusable_frames(draw, num_tokens: int) -> list[FrameSpec]:
         unknown = draw(st.integers(0, UINT64_MAX))
         seed = draw(st.integers(0, 255))
         if how == "unknown":
-            out.append(FrameSpec(FrameKind.DATA, unknown, draw(st.integers(0, LAYERS - 1)), start, end, ("natural", 0),
-                                 ("full",), "correct", seed=seed))
+            out.append(
+                FrameSpec(
+                    FrameKind.DATA,
+                    unknown,
+                    draw(st.integers(0, LAYERS - 1)),
+                    start,
+                    end,
+                    ("natural", 0),
+                    ("full",),
+                    "correct",
+                    seed=seed,
+                )
+            )
         elif how == "done-unknown":
             out.append(FrameSpec(FrameKind.DONE, unknown, 0, 0, 0, ("raw", 0), ("full",), 0))
         elif how == "bad-layer":
-            out.append(FrameSpec(FrameKind.DATA, ("grant", 0), LAYERS, start, end, ("natural", 0), ("full",), "correct", seed=seed))
+            out.append(
+                FrameSpec(
+                    FrameKind.DATA, ("grant", 0), LAYERS, start, end, ("natural", 0), ("full",), "correct", seed=seed
+                )
+            )
         else:
-            out.append(FrameSpec(FrameKind.DATA, ("grant", 0), draw(st.integers(0, LAYERS - 1)), start, num_tokens + 1 + end,
-                                 ("natural", 0), ("full",), "correct", seed=seed))
+            out.append(
+                FrameSpec(
+                    FrameKind.DATA,
+                    ("grant", 0),
+                    draw(st.integers(0, LAYERS - 1)),
+                    start,
+                    num_tokens + 1 + end,
+                    ("natural", 0),
+                    ("full",),
+                    "correct",
+                    seed=seed,
+                )
+            )
     return out
 
 
@@ -601,7 +709,9 @@ def test_live_kv_server_completes_a_clean_transfer_amid_refused_frames(decode_si
             assert outcome.ok and outcome.first_token_id == 5 and outcome.nbytes == num_tokens * LAYERS * TOKEN_BYTES
             for unit in units:  # what landed is what was sent
                 payload = render(unit, [grant.transfer_id])[HEADER_SIZE:]
-                got = side.cache.read(unit.layer, side.cache.slots(grant.block_ids, unit.start, unit.end)).data.tobytes()
+                got = side.cache.read(
+                    unit.layer, side.cache.slots(grant.block_ids, unit.start, unit.end)
+                ).data.tobytes()
                 assert got == payload, f"layer {unit.layer} tokens [{unit.start}, {unit.end}) differ"
         finally:
             side.settle([grant])
@@ -692,7 +802,10 @@ def test_live_kv_server_lets_in_only_a_proof_of_the_credential(decode_side, answ
                 mac = answer(challenge)
                 transfer = b"".join(render(f, [grant.transfer_id]) for f in full_transfer(0, 8, 3))
                 try:
-                    sock.sendall((b"" if mac is None else FrameHeader(FrameKind.AUTH, payload_len=len(mac)).pack() + mac) + transfer)
+                    sock.sendall(
+                        (b"" if mac is None else FrameHeader(FrameKind.AUTH, payload_len=len(mac)).pack() + mac)
+                        + transfer
+                    )
                 except OSError:
                     pass  # refused and closed before all of it was read
                 received = b""
@@ -707,7 +820,9 @@ def test_live_kv_server_lets_in_only_a_proof_of_the_credential(decode_side, answ
             assert set(h.kind for h, _ in parse_replies(received)) <= {FrameKind.REJECT}, received
             assert side.ledger.counters["handshakes_refused"] == refused + 1
             assert grant.state is GrantState.ACTIVE and not grant.landed.any()
-            assert torch.equal(side.tensor.view(torch.int32), before.view(torch.int32))  # bitwise: earlier garbage holds NaNs
+            assert torch.equal(
+                side.tensor.view(torch.int32), before.view(torch.int32)
+            )  # bitwise: earlier garbage holds NaNs
             assert CREDENTIAL not in received
         finally:
             side.settle([grant])
@@ -726,7 +841,10 @@ def test_a_failed_done_is_final(decode_side):
     grant = side.grant(8, rng)
 
     def data(layer: int) -> bytes:
-        return render(FrameSpec(FrameKind.DATA, ("grant", 0), layer, 0, 8, ("natural", 0), ("full",), "correct", seed=layer), [grant.transfer_id])
+        return render(
+            FrameSpec(FrameKind.DATA, ("grant", 0), layer, 0, 8, ("natural", 0), ("full",), "correct", seed=layer),
+            [grant.transfer_id],
+        )
 
     done = FrameHeader(FrameKind.DONE, grant.transfer_id).pack()
     sock = socket.create_connection(side.address, timeout=5.0)

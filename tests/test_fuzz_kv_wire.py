@@ -66,10 +66,12 @@ def header_blobs(draw) -> bytes:
     magic = draw(st.just(MAGIC) | st.binary(min_size=4, max_size=4))
     version = draw(st.just(VERSION) | st.integers(0, 255))
     kind = draw(st.sampled_from(KIND_VALUES) | st.integers(0, 255))
-    blob = bytearray(magic + bytes([version, kind]) + draw(st.binary(min_size=HEADER_SIZE - 6, max_size=HEADER_SIZE - 6)))
+    blob = bytearray(
+        magic + bytes([version, kind]) + draw(st.binary(min_size=HEADER_SIZE - 6, max_size=HEADER_SIZE - 6))
+    )
     plen = draw(st.none() | st.sampled_from([0, 1, MAX_CONTROL_PAYLOAD, MAX_CONTROL_PAYLOAD + 1, 2**63, UINT64_MAX]))
     if plen is not None:
-        blob[_PAYLOAD_LEN_AT:_PAYLOAD_LEN_AT + 8] = plen.to_bytes(8, "little")
+        blob[_PAYLOAD_LEN_AT : _PAYLOAD_LEN_AT + 8] = plen.to_bytes(8, "little")
     return bytes(blob)
 
 
@@ -77,8 +79,12 @@ def header_blobs(draw) -> bytes:
 @given(blob=st.binary(min_size=HEADER_SIZE, max_size=HEADER_SIZE) | header_blobs())
 def test_frame_decoder_returns_a_header_or_protocol_error(blob):
     magic, version, kind, flags, tid, layer, start, end, aux, plen, csum = HEADER.unpack(blob)
-    acceptable = (magic == MAGIC and version == VERSION and kind in KIND_VALUES
-                  and (kind == FrameKind.DATA or plen <= MAX_CONTROL_PAYLOAD))
+    acceptable = (
+        magic == MAGIC
+        and version == VERSION
+        and kind in KIND_VALUES
+        and (kind == FrameKind.DATA or plen <= MAX_CONTROL_PAYLOAD)
+    )
     try:
         h = FrameHeader.unpack(blob)
     except ProtocolError:
@@ -87,7 +93,16 @@ def test_frame_decoder_returns_a_header_or_protocol_error(blob):
     assert acceptable
     assert isinstance(h.kind, FrameKind) and h.pack() == blob
     assert (h.kind, h.flags, h.transfer_id, h.layer, h.start, h.end, h.aux, h.payload_len, h.checksum) == (
-        kind, flags, tid, layer, start, end, aux, plen, csum)
+        kind,
+        flags,
+        tid,
+        layer,
+        start,
+        end,
+        aux,
+        plen,
+        csum,
+    )
 
 
 @st.composite
@@ -95,8 +110,14 @@ def valid_headers(draw) -> FrameHeader:
     kind = draw(st.sampled_from(FrameKind))
     u32 = st.integers(0, UINT32_MAX)
     return FrameHeader(
-        kind, draw(st.integers(0, UINT64_MAX)), draw(u32), draw(u32), draw(u32), draw(st.integers(INT64_MIN, INT64_MAX)),
-        draw(st.integers(0, UINT64_MAX if kind is FrameKind.DATA else MAX_CONTROL_PAYLOAD)), draw(st.integers(0, UINT64_MAX)),
+        kind,
+        draw(st.integers(0, UINT64_MAX)),
+        draw(u32),
+        draw(u32),
+        draw(u32),
+        draw(st.integers(INT64_MIN, INT64_MAX)),
+        draw(st.integers(0, UINT64_MAX if kind is FrameKind.DATA else MAX_CONTROL_PAYLOAD)),
+        draw(st.integers(0, UINT64_MAX)),
         draw(st.integers(0, 2**16 - 1)),
     )
 
@@ -113,6 +134,7 @@ def test_frame_header_round_trip(h):
 # =========================================================================================
 # The handshake: PeerInfo.from_json, check_compatible, negotiation, the HMAC challenge-response
 # =========================================================================================
+
 
 @fuzz(200)
 @given(obj=peer_json_objects(), encoding=encodings())
@@ -137,8 +159,11 @@ def test_peer_info_from_random_bytes(data):
         pass
 
 
-@pytest.mark.parametrize("data", [b"0", b"null", b'"peer"', b"[]", b"true", b"[" * 100_000, b'{"a":' * 50_000],
-                         ids=["number", "null", "string", "array", "true", "deep-array", "deep-object"])
+@pytest.mark.parametrize(
+    "data",
+    [b"0", b"null", b'"peer"', b"[]", b"true", b"[" * 100_000, b'{"a":' * 50_000],
+    ids=["number", "null", "string", "array", "true", "deep-array", "deep-object"],
+)
 def test_peer_info_from_json_non_object_is_a_handshake_error(data):
     with pytest.raises(HandshakeError):
         PeerInfo.from_json(data)
@@ -228,8 +253,9 @@ def test_check_compatible_negotiation_and_auth_raise_only_handshake_error(obj, c
     assert isinstance(client, (PeerInfo, HandshakeError)), repr(client)
     assert isinstance(server, (tuple, HandshakeError, ConnectionError)), repr(server)
     compatible = "tcp" in remote.transports and all(
-        getattr(remote, n) == getattr(DECODE_INFO, n) for n in ("model_fingerprint", "dtype", "num_layers", "num_kv_heads",
-                                                                "head_dim", "token_bytes"))
+        getattr(remote, n) == getattr(DECODE_INFO, n)
+        for n in ("model_fingerprint", "dtype", "num_layers", "num_kv_heads", "head_dim", "token_bytes")
+    )
     assert isinstance(client, PeerInfo) == (client_secret == server_secret and compatible), (client, server)
     if server_secret is not None and client_secret != server_secret and client_secret is not None:
         assert isinstance(server, HandshakeError) and "unauthenticated" in str(server)
@@ -240,15 +266,26 @@ def test_check_compatible_negotiation_and_auth_raise_only_handshake_error(obj, c
 
 
 MALFORMED_HANDSHAKES = [
-    pytest.param(peer_dict(transports=[1]), "was a bug: kvtransfer/negotiate.py:73-75 choose(): ', '.join(remote.transports) raises "
-                 "TypeError when the peer lists a non-string transport", id="transports-int"),
+    pytest.param(
+        peer_dict(transports=[1]),
+        "was a bug: kvtransfer/negotiate.py:73-75 choose(): ', '.join(remote.transports) raises "
+        "TypeError when the peer lists a non-string transport",
+        id="transports-int",
+    ),
     pytest.param(peer_dict(transports=[None, "shm"]), "same as transports-int", id="transports-null"),
-    pytest.param(peer_dict(nonce=5), "the credential's old cases (protocol 1 sent it in HELLO as auth_token, and "
-                 "check_auth() crashed on a non-string one); now the nonce the HMAC is computed over", id="nonce-int"),
+    pytest.param(
+        peer_dict(nonce=5),
+        "the credential's old cases (protocol 1 sent it in HELLO as auth_token, and "
+        "check_auth() crashed on a non-string one); now the nonce the HMAC is computed over",
+        id="nonce-int",
+    ),
     pytest.param(peer_dict(nonce=None), "same as nonce-int", id="nonce-null"),
     pytest.param(peer_dict(proof=5), "same as nonce-int, for the proof a decode worker answers with", id="proof-int"),
-    pytest.param(peer_dict(auth_token=CREDENTIAL.decode()), "protocol 1's credential in HELLO: refused, not read",
-                 id="credential-in-hello"),
+    pytest.param(
+        peer_dict(auth_token=CREDENTIAL.decode()),
+        "protocol 1's credential in HELLO: refused, not read",
+        id="credential-in-hello",
+    ),
 ]
 
 
@@ -304,7 +341,7 @@ def scripted_prefill(hello: bytes, answer) -> tuple[object, bytes]:
 def reply_kinds(replies: bytes) -> list[FrameKind]:
     kinds, pos = [], 0
     while pos < len(replies):
-        h = FrameHeader.unpack(replies[pos:pos + HEADER_SIZE])
+        h = FrameHeader.unpack(replies[pos : pos + HEADER_SIZE])
         kinds.append(h.kind)
         pos += HEADER_SIZE + h.payload_len
     return kinds
@@ -314,22 +351,27 @@ HELLO = json.dumps(peer_dict()).encode()
 OTHER_HELLO = json.dumps(peer_dict(role="another prefill worker")).encode()
 
 
-@pytest.mark.parametrize("answer, accepted", [
-    pytest.param(lambda c: auth_answer(c, HELLO), True, id="right-credential"),
-    pytest.param(lambda c: auth_answer(c, HELLO, WRONG_CREDENTIAL), False, id="wrong-credential"),
-    pytest.param(lambda c: auth_answer(c, OTHER_HELLO), False, id="answer-for-another-hello"),
-    pytest.param(lambda c: auth_answer(bytes(32), HELLO), False, id="answer-to-another-challenge"),
-    pytest.param(lambda c: CREDENTIAL, False, id="the-credential-itself"),
-    pytest.param(lambda c: b"", False, id="empty-answer"),
-    pytest.param(lambda c: None, False, id="no-answer"),
-])
+@pytest.mark.parametrize(
+    "answer, accepted",
+    [
+        pytest.param(lambda c: auth_answer(c, HELLO), True, id="right-credential"),
+        pytest.param(lambda c: auth_answer(c, HELLO, WRONG_CREDENTIAL), False, id="wrong-credential"),
+        pytest.param(lambda c: auth_answer(c, OTHER_HELLO), False, id="answer-for-another-hello"),
+        pytest.param(lambda c: auth_answer(bytes(32), HELLO), False, id="answer-to-another-challenge"),
+        pytest.param(lambda c: CREDENTIAL, False, id="the-credential-itself"),
+        pytest.param(lambda c: b"", False, id="empty-answer"),
+        pytest.param(lambda c: None, False, id="no-answer"),
+    ],
+)
 def test_the_decode_end_accepts_only_a_proof_of_the_credential(answer, accepted):
     server, replies = scripted_prefill(HELLO, answer)
     if accepted:
         assert isinstance(server, tuple) and reply_kinds(replies) == [FrameKind.CHALLENGE, FrameKind.HELLO_OK]
-        challenge = replies[HEADER_SIZE:HEADER_SIZE + 32]
-        ok = PeerInfo.from_json(replies[2 * HEADER_SIZE + 32:])
-        assert ok.proof == server_proof(NONCE, challenge) and ok.extra["transport"] == "tcp"  # the decode end proves it too
+        challenge = replies[HEADER_SIZE : HEADER_SIZE + 32]
+        ok = PeerInfo.from_json(replies[2 * HEADER_SIZE + 32 :])
+        assert (
+            ok.proof == server_proof(NONCE, challenge) and ok.extra["transport"] == "tcp"
+        )  # the decode end proves it too
     elif isinstance(server, HandshakeError):
         assert "unauthenticated" in str(server) and reply_kinds(replies) == [FrameKind.CHALLENGE, FrameKind.REJECT]
     else:  # no AUTH: the prefill end closed the connection
@@ -337,8 +379,11 @@ def test_the_decode_end_accepts_only_a_proof_of_the_credential(answer, accepted)
     assert CREDENTIAL not in replies
 
 
-@pytest.mark.parametrize("nonce", ["\ud800", "zz", "", "00", "é" * 40, "ab" * 1000], ids=["surrogate", "not-hex", "empty", "short",
-                                                                                        "non-ascii", "long"])
+@pytest.mark.parametrize(
+    "nonce",
+    ["\ud800", "zz", "", "00", "é" * 40, "ab" * 1000],
+    ids=["surrogate", "not-hex", "empty", "short", "non-ascii", "long"],
+)
 @pytest.mark.parametrize("credential", [CREDENTIAL, WRONG_CREDENTIAL], ids=["right", "wrong"])
 def test_odd_nonces_are_read_without_crashing_and_still_need_the_credential(nonce, credential):
     """A nonce that is not hex counts as empty: only the prefill end's own check of the decode
@@ -349,8 +394,9 @@ def test_odd_nonces_are_read_without_crashing_and_still_need_the_credential(nonc
     assert isinstance(server, (tuple, HandshakeError))
 
 
-@pytest.mark.parametrize("proof", ["", "\ud800", "zz", "00" * 32, 5, None], ids=["empty", "surrogate", "not-hex", "wrong",
-                                                                              "int", "null"])
+@pytest.mark.parametrize(
+    "proof", ["", "\ud800", "zz", "00" * 32, 5, None], ids=["empty", "surrogate", "not-hex", "wrong", "int", "null"]
+)
 def test_the_prefill_end_refuses_a_decode_end_that_cannot_prove_the_credential(proof):
     """A fake decode worker challenges, ignores the answer and sends HELLO_OK with ``proof``."""
     client_sock, server_sock = socket.socketpair()
@@ -370,7 +416,9 @@ def test_the_prefill_end_refuses_a_decode_end_that_cannot_prove_the_credential(p
     thread.start()
     try:
         with pytest.raises(HandshakeError):
-            client_handshake(client_sock, PeerInfo(**{**peer_dict(), "transports": ("tcp",)}), CREDENTIAL, "fake-decode")
+            client_handshake(
+                client_sock, PeerInfo(**{**peer_dict(), "transports": ("tcp",)}), CREDENTIAL, "fake-decode"
+            )
     finally:
         client_sock.close()
         thread.join(10)

@@ -91,10 +91,35 @@ BOUNDED_WORK = 10 * 8192
 # =========================================================================================
 
 SPECIAL_STRINGS = [
-    "", " ", "\x00", "\n", "\r\n", "\t", "\x7f", "\x1b[31m", "\u200b", "\ufeff", "\u202e", "\ufffd", "\U0010ffff",
-    "\U000e0001", "a\u0301\u0301\u0301", "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im_start|>system\n",
-    "{{ raise_exception('boom') }}", "{% for m in messages %}", "\\u0000", "%s%n%x", "🙂", "\ud7ff", "\ue000",
-    "user", "x" * MAX_STOP_STRING_CHARS, "x" * (MAX_STOP_STRING_CHARS + 1),
+    "",
+    " ",
+    "\x00",
+    "\n",
+    "\r\n",
+    "\t",
+    "\x7f",
+    "\x1b[31m",
+    "\u200b",
+    "\ufeff",
+    "\u202e",
+    "\ufffd",
+    "\U0010ffff",
+    "\U000e0001",
+    "a\u0301\u0301\u0301",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|im_start|>system\n",
+    "{{ raise_exception('boom') }}",
+    "{% for m in messages %}",
+    "\\u0000",
+    "%s%n%x",
+    "🙂",
+    "\ud7ff",
+    "\ue000",
+    "user",
+    "x" * MAX_STOP_STRING_CHARS,
+    "x" * (MAX_STOP_STRING_CHARS + 1),
 ]
 ODD_CATEGORIES = ["Cc", "Cf", "Co", "Cn", "Zs", "Zl", "Zp", "Mn", "Me"]
 
@@ -117,8 +142,22 @@ def huge_text(max_repeats: int) -> st.SearchStrategy[str]:
 
 ANY_FLOAT = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True),
-    st.sampled_from([0.0, -0.0, 1.0, 100.0, math.nextafter(100.0, math.inf), 5e-324, -5e-324,
-                     math.nextafter(1.0, 2.0), math.nan, math.inf, -math.inf, 1e308]),
+    st.sampled_from(
+        [
+            0.0,
+            -0.0,
+            1.0,
+            100.0,
+            math.nextafter(100.0, math.inf),
+            5e-324,
+            -5e-324,
+            math.nextafter(1.0, 2.0),
+            math.nan,
+            math.inf,
+            -math.inf,
+            1e308,
+        ]
+    ),
 )
 ANY_INT64 = st.one_of(st.integers(INT64_MIN, INT64_MAX), st.sampled_from([INT64_MIN, INT64_MAX, -1, 0, 1]))
 
@@ -139,78 +178,189 @@ def request_parts(vocab: int, max_len: int) -> dict[str, tuple[st.SearchStrategy
     v, n = vocab, max_len
     lo, hi = PRIORITY_RANGE
     token_id = edges_or([-1, 0, v - 1, v, v + 1, INT64_MIN, INT64_MAX], st.integers(0, v - 1), ANY_INT64)
-    printable = st.text(st.characters(categories=["L", "M", "N", "P", "S"], include_characters=" "), max_size=MAX_REQUEST_ID_CHARS)
-    role = edges_or(["", "User", "USER", " user", "user ", "bot", "developer", "function", "ipython", "system\x00", "usér"],
-                    st.sampled_from(CHAT_ROLES), st.text(max_size=12))
+    printable = st.text(
+        st.characters(categories=["L", "M", "N", "P", "S"], include_characters=" "), max_size=MAX_REQUEST_ID_CHARS
+    )
+    role = edges_or(
+        ["", "User", "USER", " user", "user ", "bot", "developer", "function", "ipython", "system\x00", "usér"],
+        st.sampled_from(CHAT_ROLES),
+        st.text(max_size=12),
+    )
     message = st.tuples(role, st.one_of(odd_text(), huge_text(8_000)))
-    short_message = st.tuples(role, odd_text())  # 512 long ones would be up to 1M chars: seconds of tokenizing (see the report)
+    short_message = st.tuples(
+        role, odd_text()
+    )  # 512 long ones would be up to 1M chars: seconds of tokenizing (see the report)
     good_message = st.tuples(st.sampled_from(CHAT_ROLES), odd_text(100))
     nextup, nextdown = (lambda x: math.nextafter(x, math.inf)), (lambda x: math.nextafter(x, -math.inf))
     return {
-        "request_id": (edges_or(["", "x" * MAX_REQUEST_ID_CHARS, " ", "é" * MAX_REQUEST_ID_CHARS], printable),
-                       edges_or(["x" * (MAX_REQUEST_ID_CHARS + 1), "é" * 10_000, "a\nb", "\x00", "id\u200b", "\u00a0", "\x7f", "\u2028"],
-                                odd_text(200), st.text(st.characters(codec="ascii"), min_size=100, max_size=400))),
-        "priority": (edges_or([lo, hi, 0], st.integers(lo, hi)),
-                     edges_or([lo - 1, hi + 1, INT32_MIN, INT32_MAX], st.integers(INT32_MIN, INT32_MAX))),
-        "ttft_budget_ms": (edges_or([None, 5e-324, 1e308], st.floats(min_value=0, exclude_min=True, allow_infinity=False)),
-                           edges_or([0.0, -0.0, -1.0, math.nan, math.inf, -math.inf], ANY_FLOAT)),
-        "inputs": (st.sampled_from(["prompt", "prompt_token_ids", "messages"]),
-                   st.sampled_from(["prompt", "prompt_token_ids", "messages"] * 2 + ["none", "prompt+prompt_token_ids",
-                                                                                     "prompt+messages", "prompt_token_ids+messages", "all"])),
+        "request_id": (
+            edges_or(["", "x" * MAX_REQUEST_ID_CHARS, " ", "é" * MAX_REQUEST_ID_CHARS], printable),
+            edges_or(
+                [
+                    "x" * (MAX_REQUEST_ID_CHARS + 1),
+                    "é" * 10_000,
+                    "a\nb",
+                    "\x00",
+                    "id\u200b",
+                    "\u00a0",
+                    "\x7f",
+                    "\u2028",
+                ],
+                odd_text(200),
+                st.text(st.characters(codec="ascii"), min_size=100, max_size=400),
+            ),
+        ),
+        "priority": (
+            edges_or([lo, hi, 0], st.integers(lo, hi)),
+            edges_or([lo - 1, hi + 1, INT32_MIN, INT32_MAX], st.integers(INT32_MIN, INT32_MAX)),
+        ),
+        "ttft_budget_ms": (
+            edges_or([None, 5e-324, 1e308], st.floats(min_value=0, exclude_min=True, allow_infinity=False)),
+            edges_or([0.0, -0.0, -1.0, math.nan, math.inf, -math.inf], ANY_FLOAT),
+        ),
+        "inputs": (
+            st.sampled_from(["prompt", "prompt_token_ids", "messages"]),
+            st.sampled_from(
+                ["prompt", "prompt_token_ids", "messages"] * 2
+                + ["none", "prompt+prompt_token_ids", "prompt+messages", "prompt_token_ids+messages", "all"]
+            ),
+        ),
         # Well-formed prompts hold a letter (the tokenizer drops some characters, e.g. "\x06", entirely)
         # and leave room for 64 new tokens (the most a well-formed max_tokens asks).
-        "prompt": (st.one_of(odd_text(200), huge_text(1_500)).map(lambda t: "x" + t) | st.just("🙂" * ((n - 65) // 2)),
-                   edges_or(["", "x" * (MAX_PROMPT_CHARS + 1), "word " * (n + 10), "🙂" * (n // 2), "\x00" * n],
-                            odd_text(), huge_text(12_000))),
-        "prompt_token_ids": (st.one_of(st.lists(st.integers(0, v - 1), min_size=1, max_size=300),
-                                       repeated(st.integers(0, v - 1), n - 300, n - 65)),
-                             edges_or([[v], [-1], [INT64_MIN], [INT64_MAX], [0] * n, [1] * (n + 1), [v - 1, v]],
-                                      st.lists(token_id, min_size=1, max_size=40), repeated(token_id, 1, 20_000))),
-        "messages": (st.builds(lambda some, rest: [*rest[: len(rest) // 2], some, *rest[len(rest) // 2:]],
-                               st.tuples(st.sampled_from(CHAT_ROLES), odd_text(100).filter(bool)), st.lists(good_message, max_size=5)),
-                     edges_or([[("user", "")], [("system", ""), ("user", "")], [("user", "x")] * (MAX_MESSAGES + 1),
-                               [("user", "x" * (MAX_PROMPT_CHARS // 2 + 1))] * 2, [("user", "word " * n)], [("wizard", "x")],
-                               [("user", "x"), ("User", "y")]],
-                              st.lists(message, min_size=1, max_size=6), repeated(short_message, MAX_MESSAGES - 1, MAX_MESSAGES + 1))),
-        "max_tokens": (edges_or([None, 1], st.none() | st.integers(1, 64)),
-                       edges_or([0, -1, n - 1, n, n + 1, INT64_MIN, INT64_MAX], st.none() | ANY_INT64)),
-        "temperature": (edges_or([None, 0.0, -0.0, MAX_TEMPERATURE], st.floats(0, MAX_TEMPERATURE)),
-                        edges_or([nextup(MAX_TEMPERATURE), -5e-324, math.nan, math.inf, -math.inf], st.none() | ANY_FLOAT)),
-        "top_p": (edges_or([None, 5e-324, 1.0], st.floats(0, 1, exclude_min=True)),
-                  edges_or([0.0, -0.0, nextup(1.0), nextdown(0.0), math.nan, math.inf, -1.0], st.none() | ANY_FLOAT)),
-        "top_k": (edges_or([None, 0, v], st.integers(0, v)),
-                  edges_or([-1, v + 1, INT64_MIN, INT64_MAX], st.none() | ANY_INT64)),
-        "seed": (edges_or([None, 0, MAX_SEED], st.integers(0, MAX_SEED)),
-                 edges_or([-1, INT64_MIN], st.none() | ANY_INT64)),
-        "stop": (edges_or([[], ["x" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS, ["🙂" * MAX_STOP_STRING_CHARS]],
-                          st.lists(odd_text(MAX_STOP_STRING_CHARS).filter(lambda x: 0 < len(x) <= MAX_STOP_STRING_CHARS), max_size=MAX_STOP_STRINGS)),
-                 edges_or([[""], ["a", ""], ["x" * (MAX_STOP_STRING_CHARS + 1)], ["🙂" * (MAX_STOP_STRING_CHARS + 1)],
-                           ["a"] * (MAX_STOP_STRINGS + 1), [""] * 10_000],
-                          st.lists(odd_text(300), max_size=20), repeated(st.sampled_from(["a", "", "x" * 257]), 15, 5_000))),
-        "stop_token_ids": (edges_or([[], [0] * MAX_STOP_TOKEN_IDS, [v - 1]], st.lists(st.integers(0, v - 1), max_size=MAX_STOP_TOKEN_IDS)),
-                           edges_or([[-1], [v], [0] * (MAX_STOP_TOKEN_IDS + 1), [INT64_MIN], list(range(100_000))],
-                                    st.lists(token_id, max_size=70), repeated(token_id, 60, 20_000))),
+        "prompt": (
+            st.one_of(odd_text(200), huge_text(1_500)).map(lambda t: "x" + t) | st.just("🙂" * ((n - 65) // 2)),
+            edges_or(
+                ["", "x" * (MAX_PROMPT_CHARS + 1), "word " * (n + 10), "🙂" * (n // 2), "\x00" * n],
+                odd_text(),
+                huge_text(12_000),
+            ),
+        ),
+        "prompt_token_ids": (
+            st.one_of(
+                st.lists(st.integers(0, v - 1), min_size=1, max_size=300),
+                repeated(st.integers(0, v - 1), n - 300, n - 65),
+            ),
+            edges_or(
+                [[v], [-1], [INT64_MIN], [INT64_MAX], [0] * n, [1] * (n + 1), [v - 1, v]],
+                st.lists(token_id, min_size=1, max_size=40),
+                repeated(token_id, 1, 20_000),
+            ),
+        ),
+        "messages": (
+            st.builds(
+                lambda some, rest: [*rest[: len(rest) // 2], some, *rest[len(rest) // 2 :]],
+                st.tuples(st.sampled_from(CHAT_ROLES), odd_text(100).filter(bool)),
+                st.lists(good_message, max_size=5),
+            ),
+            edges_or(
+                [
+                    [("user", "")],
+                    [("system", ""), ("user", "")],
+                    [("user", "x")] * (MAX_MESSAGES + 1),
+                    [("user", "x" * (MAX_PROMPT_CHARS // 2 + 1))] * 2,
+                    [("user", "word " * n)],
+                    [("wizard", "x")],
+                    [("user", "x"), ("User", "y")],
+                ],
+                st.lists(message, min_size=1, max_size=6),
+                repeated(short_message, MAX_MESSAGES - 1, MAX_MESSAGES + 1),
+            ),
+        ),
+        "max_tokens": (
+            edges_or([None, 1], st.none() | st.integers(1, 64)),
+            edges_or([0, -1, n - 1, n, n + 1, INT64_MIN, INT64_MAX], st.none() | ANY_INT64),
+        ),
+        "temperature": (
+            edges_or([None, 0.0, -0.0, MAX_TEMPERATURE], st.floats(0, MAX_TEMPERATURE)),
+            edges_or([nextup(MAX_TEMPERATURE), -5e-324, math.nan, math.inf, -math.inf], st.none() | ANY_FLOAT),
+        ),
+        "top_p": (
+            edges_or([None, 5e-324, 1.0], st.floats(0, 1, exclude_min=True)),
+            edges_or([0.0, -0.0, nextup(1.0), nextdown(0.0), math.nan, math.inf, -1.0], st.none() | ANY_FLOAT),
+        ),
+        "top_k": (
+            edges_or([None, 0, v], st.integers(0, v)),
+            edges_or([-1, v + 1, INT64_MIN, INT64_MAX], st.none() | ANY_INT64),
+        ),
+        "seed": (
+            edges_or([None, 0, MAX_SEED], st.integers(0, MAX_SEED)),
+            edges_or([-1, INT64_MIN], st.none() | ANY_INT64),
+        ),
+        "stop": (
+            edges_or(
+                [[], ["x" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS, ["🙂" * MAX_STOP_STRING_CHARS]],
+                st.lists(
+                    odd_text(MAX_STOP_STRING_CHARS).filter(lambda x: 0 < len(x) <= MAX_STOP_STRING_CHARS),
+                    max_size=MAX_STOP_STRINGS,
+                ),
+            ),
+            edges_or(
+                [
+                    [""],
+                    ["a", ""],
+                    ["x" * (MAX_STOP_STRING_CHARS + 1)],
+                    ["🙂" * (MAX_STOP_STRING_CHARS + 1)],
+                    ["a"] * (MAX_STOP_STRINGS + 1),
+                    [""] * 10_000,
+                ],
+                st.lists(odd_text(300), max_size=20),
+                repeated(st.sampled_from(["a", "", "x" * 257]), 15, 5_000),
+            ),
+        ),
+        "stop_token_ids": (
+            edges_or(
+                [[], [0] * MAX_STOP_TOKEN_IDS, [v - 1]], st.lists(st.integers(0, v - 1), max_size=MAX_STOP_TOKEN_IDS)
+            ),
+            edges_or(
+                [[-1], [v], [0] * (MAX_STOP_TOKEN_IDS + 1), [INT64_MIN], list(range(100_000))],
+                st.lists(token_id, max_size=70),
+                repeated(token_id, 60, 20_000),
+            ),
+        ),
     }
 
 
 INPUTS = ["prompt", "prompt_token_ids", "messages"]
-PARTS = ["request_id", "priority", "ttft_budget_ms", "inputs", *INPUTS, "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-         "stop_token_ids"]
-WHICH_ARBITRARY = st.one_of(st.just(frozenset()), st.sampled_from(PARTS).map(lambda p: {p}), st.sets(st.sampled_from(PARTS)))
+PARTS = [
+    "request_id",
+    "priority",
+    "ttft_budget_ms",
+    "inputs",
+    *INPUTS,
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+]
+WHICH_ARBITRARY = st.one_of(
+    st.just(frozenset()), st.sampled_from(PARTS).map(lambda p: {p}), st.sets(st.sampled_from(PARTS))
+)
 PART_FIELDS = {
-    "request_id": r"request_id", "priority": r"priority", "ttft_budget_ms": r"ttft_budget_ms",
+    "request_id": r"request_id",
+    "priority": r"priority",
+    "ttft_budget_ms": r"ttft_budget_ms",
     # A long prompt may leave no room for max_tokens.
     "inputs": r"prompt|prompt_token_ids|messages|messages\[\d+\]\.role|sampling\.max_tokens",
-    "prompt": r"prompt|sampling\.max_tokens", "prompt_token_ids": r"prompt_token_ids|sampling\.max_tokens",
+    "prompt": r"prompt|sampling\.max_tokens",
+    "prompt_token_ids": r"prompt_token_ids|sampling\.max_tokens",
     "messages": r"messages|messages\[\d+\]\.role|sampling\.max_tokens",
-    "max_tokens": r"sampling\.max_tokens", "temperature": r"sampling\.temperature", "top_p": r"sampling\.top_p",
-    "top_k": r"sampling\.top_k", "seed": r"sampling\.seed", "stop": r"sampling\.stop(\[\d+\])?",
+    "max_tokens": r"sampling\.max_tokens",
+    "temperature": r"sampling\.temperature",
+    "top_p": r"sampling\.top_p",
+    "top_k": r"sampling\.top_k",
+    "seed": r"sampling\.seed",
+    "stop": r"sampling\.stop(\[\d+\])?",
     "stop_token_ids": r"sampling\.stop_token_ids",
 }
 
 
 @st.composite
-def generate_requests(draw, vocab: int, max_len: int, only: str | None = None) -> tuple[pb.GenerateRequest, frozenset[str]]:
+def generate_requests(
+    draw, vocab: int, max_len: int, only: str | None = None
+) -> tuple[pb.GenerateRequest, frozenset[str]]:
     """A GenerateRequest where each part is either well formed or arbitrary: a mix of valid
     requests, requests with one or a few bad parts, and chaos (``only``: just that part
     arbitrary); returned with the names of the arbitrary parts."""
@@ -224,11 +374,22 @@ def generate_requests(draw, vocab: int, max_len: int, only: str | None = None) -
     bad_input = next((name for name in INPUTS if name in arbitrary), None)
     inputs = bad_input if bad_input and "inputs" not in arbitrary else pick("inputs")
     given = INPUTS if inputs == "all" else inputs.split("+")
-    values = {name: draw(parts[name][name in arbitrary or "inputs" in arbitrary], label=name) if name in given else None for name in INPUTS}
-    sampling = {name: pick(name) for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids")}
-    req = build_request(values["prompt"], prompt_token_ids=values["prompt_token_ids"],
-                        messages=[{"role": r, "content": c} for r, c in values["messages"] or []],
-                        request_id=pick("request_id"), priority=pick("priority"), ignore_eos=draw(st.booleans()), **sampling)
+    values = {
+        name: draw(parts[name][name in arbitrary or "inputs" in arbitrary], label=name) if name in given else None
+        for name in INPUTS
+    }
+    sampling = {
+        name: pick(name) for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids")
+    }
+    req = build_request(
+        values["prompt"],
+        prompt_token_ids=values["prompt_token_ids"],
+        messages=[{"role": r, "content": c} for r, c in values["messages"] or []],
+        request_id=pick("request_id"),
+        priority=pick("priority"),
+        ignore_eos=draw(st.booleans()),
+        **sampling,
+    )
     ttft = pick("ttft_budget_ms")
     if ttft is not None:
         req.ttft_budget_ms = ttft
@@ -243,8 +404,15 @@ FIELD_PATH = re.compile(
 
 
 def given_inputs(req: pb.GenerateRequest) -> list[str]:
-    return [name for name, present in (("prompt", req.HasField("prompt")), ("prompt_token_ids", len(req.prompt_token_ids) > 0),
-                                       ("messages", len(req.messages) > 0)) if present]
+    return [
+        name
+        for name, present in (
+            ("prompt", req.HasField("prompt")),
+            ("prompt_token_ids", len(req.prompt_token_ids) > 0),
+            ("messages", len(req.messages) > 0),
+        )
+        if present
+    ]
 
 
 def check_accepted(req: pb.GenerateRequest, v: ValidatedRequest, tok: RouterTokenizer) -> None:
@@ -264,7 +432,9 @@ def check_accepted(req: pb.GenerateRequest, v: ValidatedRequest, tok: RouterToke
     else:
         assert ids == tok.encode_chat([{"role": m.role, "content": m.content} for m in req.messages])
     sp, defaults = v.sampling, SamplingParams()
-    assert sp.max_tokens == (s.max_tokens if s.HasField("max_tokens") else default_max_tokens(len(ids), tok.max_model_len))
+    assert sp.max_tokens == (
+        s.max_tokens if s.HasField("max_tokens") else default_max_tokens(len(ids), tok.max_model_len)
+    )
     for name in ("temperature", "top_p", "top_k", "seed"):
         assert getattr(sp, name) == (getattr(s, name) if s.HasField(name) else getattr(defaults, name)), name
     assert (sp.stop, sp.stop_token_ids, sp.ignore_eos) == (tuple(s.stop), tuple(s.stop_token_ids), s.ignore_eos)
@@ -316,8 +486,19 @@ def test_validate_names_the_one_bad_part(tok, part, data):
 
 
 def _valid_wire_request() -> bytes:
-    req = build_request("Hello there", request_id="r-1", priority=3, max_tokens=8, temperature=0.5, top_p=0.9, top_k=40,
-                        seed=7, stop=["\n", "END"], stop_token_ids=[2], ignore_eos=True)
+    req = build_request(
+        "Hello there",
+        request_id="r-1",
+        priority=3,
+        max_tokens=8,
+        temperature=0.5,
+        top_p=0.9,
+        top_k=40,
+        seed=7,
+        stop=["\n", "END"],
+        stop_token_ids=[2],
+        ignore_eos=True,
+    )
     req.ttft_budget_ms = 250.0
     return req.SerializeToString()
 
@@ -353,9 +534,12 @@ def test_validate_on_arbitrary_wire_bytes(tok, raw):
 
 
 def test_oversized_input_is_refused_before_tokenizing(tok):
-    for req, name in ((build_request("x" * (MAX_PROMPT_CHARS + 1)), "prompt"), (build_request("🙂" * (MAX_PROMPT_CHARS + 1)), "prompt"),
-                      (build_request(messages=[{"role": "user", "content": "x" * 600_000}] * 2), "messages"),
-                      (build_request(messages=[U] * 100_000), "messages")):
+    for req, name in (
+        (build_request("x" * (MAX_PROMPT_CHARS + 1)), "prompt"),
+        (build_request("🙂" * (MAX_PROMPT_CHARS + 1)), "prompt"),
+        (build_request(messages=[{"role": "user", "content": "x" * 600_000}] * 2), "messages"),
+        (build_request(messages=[U] * 100_000), "messages"),
+    ):
         counting = CountingTokenizer(tok)
         with pytest.raises(InvalidRequest) as err:
             check(req, counting)
@@ -373,10 +557,10 @@ def test_validate_work_is_bounded_by_the_context(tok):
             assert counting.chars <= BOUNDED_WORK, counting.chars
 
 
-
 # =========================================================================================
 # 2. A table of malformed public requests: each one is refused naming the field
 # =========================================================================================
+
 
 def _with(req: pb.GenerateRequest, **fields) -> pb.GenerateRequest:
     for name, value in fields.items():
@@ -421,26 +605,49 @@ MALFORMED = [
     ("token ids 100k", lambda: build_request(prompt_token_ids=[1] * 100_000), "prompt_token_ids"),
     # chat messages
     ("messages too many", lambda: build_request(messages=[U] * (MAX_MESSAGES + 1)), "messages"),
-    ("messages all empty", lambda: build_request(messages=[{"role": "system", "content": ""}, {"role": "user", "content": ""}]), "messages"),
-    ("messages over the char limit", lambda: build_request(messages=[{"role": "user", "content": "x" * 600_000}] * 2), "messages"),
-    ("messages over the context", lambda: build_request(messages=[{"role": "user", "content": "word " * 9_000}]), "messages"),
+    (
+        "messages all empty",
+        lambda: build_request(messages=[{"role": "system", "content": ""}, {"role": "user", "content": ""}]),
+        "messages",
+    ),
+    (
+        "messages over the char limit",
+        lambda: build_request(messages=[{"role": "user", "content": "x" * 600_000}] * 2),
+        "messages",
+    ),
+    (
+        "messages over the context",
+        lambda: build_request(messages=[{"role": "user", "content": "word " * 9_000}]),
+        "messages",
+    ),
     ("role empty", lambda: build_request(messages=[{"role": "", "content": "hi"}]), "messages[0].role"),
     ("role capitalised", lambda: build_request(messages=[{"role": "User", "content": "hi"}]), "messages[0].role"),
     ("role padded", lambda: build_request(messages=[{"role": " user", "content": "hi"}]), "messages[0].role"),
     ("role developer", lambda: build_request(messages=[{"role": "developer", "content": "hi"}]), "messages[0].role"),
     ("role function", lambda: build_request(messages=[{"role": "function", "content": "hi"}]), "messages[0].role"),
     ("role with NUL", lambda: build_request(messages=[{"role": "user\x00", "content": "hi"}]), "messages[0].role"),
-    ("third role unknown", lambda: build_request(messages=[{"role": "system", "content": "s"}, U, {"role": "bot", "content": "x"}]),
-     "messages[2].role"),
+    (
+        "third role unknown",
+        lambda: build_request(messages=[{"role": "system", "content": "s"}, U, {"role": "bot", "content": "x"}]),
+        "messages[2].role",
+    ),
     # sampling
     ("max_tokens negative", lambda: build_request("hi", max_tokens=-1), "sampling.max_tokens"),
     ("max_tokens int64 min", lambda: build_request("hi", max_tokens=INT64_MIN), "sampling.max_tokens"),
     ("max_tokens int64 max", lambda: build_request("hi", max_tokens=INT64_MAX), "sampling.max_tokens"),
     ("max_tokens == context", lambda: build_request(prompt_token_ids=[1], max_tokens=L), "sampling.max_tokens"),
-    ("max_tokens one past room", lambda: build_request(prompt_token_ids=[1] * (L - 1), max_tokens=2), "sampling.max_tokens"),
+    (
+        "max_tokens one past room",
+        lambda: build_request(prompt_token_ids=[1] * (L - 1), max_tokens=2),
+        "sampling.max_tokens",
+    ),
     ("temperature NaN", lambda: build_request("hi", temperature=math.nan), "sampling.temperature"),
     ("temperature inf", lambda: build_request("hi", temperature=math.inf), "sampling.temperature"),
-    ("temperature just above max", lambda: build_request("hi", temperature=math.nextafter(MAX_TEMPERATURE, math.inf)), "sampling.temperature"),
+    (
+        "temperature just above max",
+        lambda: build_request("hi", temperature=math.nextafter(MAX_TEMPERATURE, math.inf)),
+        "sampling.temperature",
+    ),
     ("temperature tiny negative", lambda: build_request("hi", temperature=-5e-324), "sampling.temperature"),
     ("top_p NaN", lambda: build_request("hi", top_p=math.nan), "sampling.top_p"),
     ("top_p -inf", lambda: build_request("hi", top_p=-math.inf), "sampling.top_p"),
@@ -451,17 +658,37 @@ MALFORMED = [
     ("stop 10k strings", lambda: build_request("hi", stop=["x"] * 10_000), "sampling.stop"),
     ("stop 17 empty strings", lambda: build_request("hi", stop=[""] * 17), "sampling.stop"),
     ("stop second empty", lambda: build_request("hi", stop=["a", ""]), "sampling.stop[1]"),
-    ("stop string too long", lambda: build_request("hi", stop=["ok", "x" * (MAX_STOP_STRING_CHARS + 1)]), "sampling.stop[1]"),
-    ("stop string too long in emoji", lambda: build_request("hi", stop=["🙂" * (MAX_STOP_STRING_CHARS + 1)]), "sampling.stop[0]"),
-    ("stop_token_ids too many", lambda: build_request("hi", stop_token_ids=[1] * (MAX_STOP_TOKEN_IDS + 1)), "sampling.stop_token_ids"),
-    ("stop_token_ids 100k", lambda: build_request("hi", stop_token_ids=list(range(100_000))), "sampling.stop_token_ids"),
+    (
+        "stop string too long",
+        lambda: build_request("hi", stop=["ok", "x" * (MAX_STOP_STRING_CHARS + 1)]),
+        "sampling.stop[1]",
+    ),
+    (
+        "stop string too long in emoji",
+        lambda: build_request("hi", stop=["🙂" * (MAX_STOP_STRING_CHARS + 1)]),
+        "sampling.stop[0]",
+    ),
+    (
+        "stop_token_ids too many",
+        lambda: build_request("hi", stop_token_ids=[1] * (MAX_STOP_TOKEN_IDS + 1)),
+        "sampling.stop_token_ids",
+    ),
+    (
+        "stop_token_ids 100k",
+        lambda: build_request("hi", stop_token_ids=list(range(100_000))),
+        "sampling.stop_token_ids",
+    ),
     ("stop_token_id negative", lambda: build_request("hi", stop_token_ids=[-1]), "sampling.stop_token_ids"),
     ("stop_token_id == vocab", lambda: build_request("hi", stop_token_ids=[5, V]), "sampling.stop_token_ids"),
     # several problems: the request-level one is named first, then inputs, then sampling
     ("bad request_id and no input", lambda: build_request(request_id="\n"), "request_id"),
     ("bad priority and bad temperature", lambda: build_request("hi", priority=1000, temperature=-1.0), "priority"),
     ("no input and bad max_tokens", lambda: build_request(max_tokens=0), "prompt"),
-    ("bad role and bad top_p", lambda: build_request(messages=[{"role": "x", "content": "y"}], top_p=2.0), "messages[0].role"),
+    (
+        "bad role and bad top_p",
+        lambda: build_request(messages=[{"role": "x", "content": "y"}], top_p=2.0),
+        "messages[0].role",
+    ),
 ]
 
 
@@ -511,7 +738,9 @@ async def _generate_status(tok: RouterTokenizer, raw: bytes) -> tuple[grpc.Statu
     await server.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            call = channel.unary_stream("/pdserve.v1.Router/Generate", request_serializer=lambda b: b, response_deserializer=lambda b: b)
+            call = channel.unary_stream(
+                "/pdserve.v1.Router/Generate", request_serializer=lambda b: b, response_deserializer=lambda b: b
+            )
             try:
                 async for _ in call(raw, timeout=10):
                     pass

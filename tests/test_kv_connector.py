@@ -170,7 +170,8 @@ def test_prefill_side_saves_each_layer_and_holds_blocks_until_the_ack():
     h.step()  # chunk [0, 6)
     h.step()  # chunk [6, 10), first token
     assert transfer.layers == [(layer, seq.block_table, 0, 6) for layer in range(LAYERS)] + [
-        (layer, seq.block_table, 6, 10) for layer in range(LAYERS)]
+        (layer, seq.block_table, 6, 10) for layer in range(LAYERS)
+    ]
     assert transfer.finished_with == 5 and seq.status is SequenceStatus.SENDING_KV
     assert h.scheduler.num_unfinished == 0 and h.blocks.num_free == h.blocks.num_blocks - 3
 
@@ -198,7 +199,9 @@ def test_send_after_prefill_sends_every_layer_at_the_end():
     h.step()
     assert transfer.layers == []
     h.step()
-    assert [(layer, start, end) for layer, _, start, end in transfer.layers] == [(layer, 0, 10) for layer in range(LAYERS)]
+    assert [(layer, start, end) for layer, _, start, end in transfer.layers] == [
+        (layer, 0, 10) for layer in range(LAYERS)
+    ]
 
 
 def test_an_overdue_ack_cancels_the_transfer_and_frees_the_blocks():

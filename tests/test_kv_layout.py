@@ -68,7 +68,9 @@ def test_the_device_checksum_sees_every_byte():
 
 
 @pytest.mark.parametrize("block_ids", [[3, 4, 5, 6], [6, 1, 4, 0]], ids=["contiguous", "fragmented"])
-@pytest.mark.parametrize("start, end", [(0, 64), (16, 50), (5, 60)], ids=["whole-blocks", "aligned-with-tail", "unaligned"])
+@pytest.mark.parametrize(
+    "start, end", [(0, 64), (16, 50), (5, 60)], ids=["whole-blocks", "aligned-with-tail", "unaligned"]
+)
 def test_block_rows_copy_and_hash_like_token_rows(block_ids, start, end):
     from pdserve.kvtransfer.integrity import checksum
     from pdserve.kvtransfer.layout import copy_and_hash, gather, hash_rows

@@ -24,23 +24,31 @@ from pdserve.kvtransfer.sender import KVConnection
 LAYERS, DIM, BLOCK = 2, 8, 4
 
 
-@pytest.mark.parametrize("cache_dtype, dtype", [("auto", torch.float32), ("auto", torch.bfloat16), ("int8", torch.float32),
-                                                ("fp8", torch.bfloat16)])
+@pytest.mark.parametrize(
+    "cache_dtype, dtype",
+    [("auto", torch.float32), ("auto", torch.bfloat16), ("int8", torch.float32), ("fp8", torch.bfloat16)],
+)
 def test_head_fields_follow_the_slot_layout(cache_dtype, dtype):
     heads, tokens = 3, 5
     k, v = torch.randn(tokens, heads, DIM, dtype=dtype), torch.randn(tokens, heads, DIM, dtype=dtype)
     whole = KVFormat(cache_dtype, heads, DIM, dtype).encode(k, v).reshape(tokens, -1).view(torch.uint8)
     stored_as = cache_dtype if cache_dtype != "auto" else str(dtype).removeprefix("torch.")
     for h in range(heads):  # head h alone, encoded as a one-head slot, is head h's fields of the whole slot
-        alone = KVFormat(cache_dtype, 1, DIM, dtype).encode(k[:, h : h + 1], v[:, h : h + 1]).reshape(tokens, -1).view(torch.uint8)
+        alone = (
+            KVFormat(cache_dtype, 1, DIM, dtype)
+            .encode(k[:, h : h + 1], v[:, h : h + 1])
+            .reshape(tokens, -1)
+            .view(torch.uint8)
+        )
         fields, one = head_fields(stored_as, heads, DIM), head_fields(stored_as, 1, DIM)
         for (base, size), (base1, _) in zip(fields, one):
             assert torch.equal(whole[:, base + h * size : base + (h + 1) * size], alone[:, base1 : base1 + size])
         assert sum(size for _, size in fields) * heads == whole.shape[1]
 
 
-@pytest.mark.parametrize("heads, src_tp, dst_tp", [(3, 1, 3), (3, 3, 1), (3, 3, 9), (3, 9, 1), (4, 2, 4), (4, 4, 2), (4, 8, 2),
-                                                   (2, 1, 8)])
+@pytest.mark.parametrize(
+    "heads, src_tp, dst_tp", [(3, 1, 3), (3, 3, 1), (3, 3, 9), (3, 9, 1), (4, 2, 4), (4, 4, 2), (4, 8, 2), (2, 1, 8)]
+)
 def test_each_decode_rank_gets_each_of_its_heads_once_from_a_rank_holding_it(heads, src_tp, dst_tp):
     for d in range(dst_tp):
         got = []
@@ -53,8 +61,11 @@ def test_each_decode_rank_gets_each_of_its_heads_once_from_a_rank_holding_it(hea
 
 def shards_of(full: torch.Tensor, heads: int, tp: int) -> list[torch.Tensor]:
     """A plain cache [layers, blocks, block, 2, heads, dim] as shard layers ``layer * tp + rank``."""
-    return [full[layer, :, :, :, kv_heads_of(r, heads, tp).start : kv_heads_of(r, heads, tp).stop].contiguous()
-            for layer in range(full.shape[0]) for r in range(tp)]
+    return [
+        full[layer, :, :, :, kv_heads_of(r, heads, tp).start : kv_heads_of(r, heads, tp).stop].contiguous()
+        for layer in range(full.shape[0])
+        for r in range(tp)
+    ]
 
 
 @pytest.mark.parametrize("heads, src_tp, dst_tp", [(3, 1, 3), (3, 3, 1), (3, 3, 9), (4, 4, 2), (4, 1, 8)])
@@ -80,18 +91,35 @@ class ShardedSide:
     def __init__(self, heads: int, tp: int, block_size: int, num_blocks: int, transport: str, decode: bool) -> None:
         whole = KVLayout(LAYERS, heads, DIM, block_size, torch.float32)
         self.layout = shard_layout(whole, tp)
-        self.pool = shm_transport.make_pool(self.layout, num_blocks, torch.device("cpu")) if decode and transport == "shm" else None
-        self.full = torch.zeros(LAYERS, num_blocks, block_size, 2, heads, DIM) if decode else \
-            torch.randn(LAYERS, num_blocks, block_size, 2, heads, DIM)
+        self.pool = (
+            shm_transport.make_pool(self.layout, num_blocks, torch.device("cpu"))
+            if decode and transport == "shm"
+            else None
+        )
+        self.full = (
+            torch.zeros(LAYERS, num_blocks, block_size, 2, heads, DIM)
+            if decode
+            else torch.randn(LAYERS, num_blocks, block_size, 2, heads, DIM)
+        )
         if self.pool is not None:
             self.layers = list(self.pool.tensor.unbind(0))
         else:
             self.layers = shards_of(self.full, heads, tp)
         self.cache = KVCacheView(self.layers, block_size, self.layout.token_bytes)
-        self.info = PeerInfo(model_fingerprint="m", dtype="float32", num_layers=LAYERS, num_kv_heads=heads, head_dim=DIM,
-                             block_size=block_size, transports=(transport,), host_id=host_id(), token_bytes=whole.token_bytes,
-                             role="decode" if decode else "prefill", tp_size=tp,
-                             extra=self.pool.describe() if self.pool else {})
+        self.info = PeerInfo(
+            model_fingerprint="m",
+            dtype="float32",
+            num_layers=LAYERS,
+            num_kv_heads=heads,
+            head_dim=DIM,
+            block_size=block_size,
+            transports=(transport,),
+            host_id=host_id(),
+            token_bytes=whole.token_bytes,
+            role="decode" if decode else "prefill",
+            tp_size=tp,
+            extra=self.pool.describe() if self.pool else {},
+        )
         self.receiver = None
         if decode:
             self.ledger = GrantLedger(self.layout.num_layers, self.layout.token_bytes)
@@ -124,7 +152,9 @@ def test_a_transfer_between_layouts_lands_every_head_where_the_decode_ranks_hold
         assert outcomes.wait("grant").ok and outcomes.wait("send").ok
         conn.close()
         sent = prefill.full[:, src_blocks].reshape(LAYERS, -1, 2, heads, DIM)[:, :tokens]
-        landed = torch.stack([torch.stack(decode.layers[layer * dst_tp : (layer + 1) * dst_tp]) for layer in range(LAYERS)])
+        landed = torch.stack(
+            [torch.stack(decode.layers[layer * dst_tp : (layer + 1) * dst_tp]) for layer in range(LAYERS)]
+        )
         for layer in range(LAYERS):
             for d in range(dst_tp):
                 rows = landed[layer, d][dst_blocks].reshape(-1, 2, kv_heads_per_rank(heads, dst_tp), DIM)[:tokens]

@@ -9,7 +9,10 @@ from pdserve.bench.kv_transfer_bench import main
 
 def test_micro_part_reports_positive_throughput(tmp_path, capsys):
     out = tmp_path / "kv.json"
-    assert main(["--sizes-mib", "1", "--repeats", "1", "--transports", "tcp,shm", "--parts", "micro", "--json", str(out)]) == 0
+    assert (
+        main(["--sizes-mib", "1", "--repeats", "1", "--transports", "tcp,shm", "--parts", "micro", "--json", str(out)])
+        == 0
+    )
     result = json.loads(out.read_text())
 
     machine = result["machine"]

@@ -108,7 +108,9 @@ def test_a_payload_altered_on_the_wire_is_refused():
             payload = bytearray(prefill.layers[layer][0, :8].numpy().tobytes())
             digest = checksum(bytes(payload))
             payload[100] ^= 1
-            conn.ctx.send_frame(FrameHeader(FrameKind.DATA, tid, layer, 0, 8, payload_len=len(payload), checksum=digest), payload)
+            conn.ctx.send_frame(
+                FrameHeader(FrameKind.DATA, tid, layer, 0, 8, payload_len=len(payload), checksum=digest), payload
+            )
         transfer = conn.open(tid, [1], 8, 8)
         outcome = prefill.finish(transfer)
         assert not outcome.ok and outcome.corrupted and decode.outcome(tid).corrupted

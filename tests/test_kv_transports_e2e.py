@@ -53,8 +53,9 @@ async def test_without_ucxx_auto_falls_back_and_says_so(tmp_path, hf_reference):
     env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     stack = Stack.up(*ARGS, env=env)
     try:
-        assert stack.proc.saw(lambda line: "UCX unavailable" in line and "pip install 'pdserve[ucx]'" in line), \
+        assert stack.proc.saw(lambda line: "UCX unavailable" in line and "pip install 'pdserve[ucx]'" in line), (
             stack.proc.log_tail()
+        )
         await check_greedy(stack.address, hf_reference, prompts=(PROMPTS[0],))
         counters = worker_counters(await cluster_stats(stack.address), "decode")
         assert counters.get("kv_transfers_shm", 0) >= 1, counters
@@ -101,7 +102,9 @@ async def test_prefill_and_decode_with_different_block_sizes(hf_reference):
         decode = Proc(["decode", "--port", "0", "--block-size", "32", "--num-threads", "1", *ARGS])
         procs += [prefill, decode]
         p_info, d_info = prefill.wait_ready(), decode.wait_ready()
-        router = Proc(["router", "--port", "0", "--prefill-workers", p_info["grpc"], "--decode-workers", d_info["grpc"]])
+        router = Proc(
+            ["router", "--port", "0", "--prefill-workers", p_info["grpc"], "--decode-workers", d_info["grpc"]]
+        )
         procs.append(router)
         address = router.wait_ready()["grpc"]
         await check_greedy(address, hf_reference)
@@ -118,8 +121,12 @@ async def test_requests_sharing_a_client_request_id_do_not_collide(hf_reference)
     stack = Stack.up("--kv-transport", "tcp", *ARGS)
     try:
         prompts = (PROMPTS[0], PROMPTS[2], PROMPTS[3])
-        results = await asyncio.gather(*(
-            collect(stack.address, build_request(p, max_tokens=MAX_NEW, temperature=0, request_id="same-id")) for p in prompts))
+        results = await asyncio.gather(
+            *(
+                collect(stack.address, build_request(p, max_tokens=MAX_NEW, temperature=0, request_id="same-id"))
+                for p in prompts
+            )
+        )
         for prompt, (ids, _, messages) in zip(prompts, results):
             assert ids == hf_reference.greedy(hf_reference.tokenizer(prompt).input_ids, MAX_NEW)
             assert {m.request_id for m in messages} == {"same-id"}  # the client's id is echoed
@@ -136,8 +143,14 @@ async def test_quantized_weights_and_8bit_kv_through_the_stack(hf_reference):
         prompt = PROMPTS[0]
         ids, _, _ = await collect(stack.address, build_request(prompt, max_tokens=MAX_NEW, temperature=0))
         assert ids[:2] == hf_reference.greedy(hf_reference.tokenizer(prompt).input_ids, 2)
-        assert sum(v for k, v in worker_counters(await cluster_stats(stack.address), "decode").items()
-                   if k.startswith("kv_transfers_")) >= 1
+        assert (
+            sum(
+                v
+                for k, v in worker_counters(await cluster_stats(stack.address), "decode").items()
+                if k.startswith("kv_transfers_")
+            )
+            >= 1
+        )
         await assert_blocks_all_free(stack.address)
     finally:
         stack.down()

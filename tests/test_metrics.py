@@ -44,12 +44,22 @@ async def test_metrics_move_with_traffic(stack):
     router_before, router_after = before["router"], after["router"]
     finished = lambda m: sum(v for k, v in m.items() if k.startswith("pdserve_requests_total"))  # noqa: E731
     assert finished(router_after) - finished(router_before) == 2
-    assert router_after["pdserve_time_to_first_token_seconds_count{}"] - router_before.get("pdserve_time_to_first_token_seconds_count{}", 0) == 2
-    assert router_after["pdserve_inter_token_latency_seconds_count{}"] > router_before.get("pdserve_inter_token_latency_seconds_count{}", 0)
+    assert (
+        router_after["pdserve_time_to_first_token_seconds_count{}"]
+        - router_before.get("pdserve_time_to_first_token_seconds_count{}", 0)
+        == 2
+    )
+    assert router_after["pdserve_inter_token_latency_seconds_count{}"] > router_before.get(
+        "pdserve_inter_token_latency_seconds_count{}", 0
+    )
     assert router_after["pdserve_e2e_request_latency_seconds_count{}"] >= 2
 
     decode = after["decode"]
-    assert decode["pdserve_kv_transfers_total{role=decode,transport=tcp}"] - before["decode"].get("pdserve_kv_transfers_total{role=decode,transport=tcp}", 0) == 2
+    assert (
+        decode["pdserve_kv_transfers_total{role=decode,transport=tcp}"]
+        - before["decode"].get("pdserve_kv_transfers_total{role=decode,transport=tcp}", 0)
+        == 2
+    )
     assert decode["pdserve_kv_transfer_bytes_total{role=decode,transport=tcp}"] > 0
     assert decode["pdserve_kv_blocks_total{role=decode}"] > 0
     assert decode["pdserve_kv_blocks_free{role=decode}"] == decode["pdserve_kv_blocks_total{role=decode}"]

@@ -45,8 +45,13 @@ COMMON = dict(
 
 # Llama 3.1 style; a short original context so that positions of the tested lengths fall in
 # all three bands (kept, blended, slowed by ``factor``).
-LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": 64}
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 
 
 @dataclass(frozen=True)
@@ -63,39 +68,79 @@ class Case:
 
 
 CASES = [
-    Case("llama-tied", "LlamaConfig", {"tie_word_embeddings": True},
-         expect={"tie_word_embeddings": True, "qkv_bias": False, "o_proj_bias": False}),
-    Case("llama-untied", "LlamaConfig", {"tie_word_embeddings": False},
-         expect={"tie_word_embeddings": False}),
-    Case("llama-attention-bias", "LlamaConfig", {"attention_bias": True},
-         expect={"qkv_bias": True, "o_proj_bias": True, "mlp_bias": False}),
-    Case("llama-mlp-bias", "LlamaConfig", {"mlp_bias": True},
-         expect={"qkv_bias": False, "mlp_bias": True}),
-    Case("llama3-rope-scaling", "LlamaConfig",
-         {"num_hidden_layers": 3, "rope_theta": 500000.0, "rope_scaling": LLAMA3_SCALING},
-         expect={"rope_type": "llama3", "rope_theta": 500000.0, "num_layers": 3}),
-    Case("llama-linear-rope-scaling", "LlamaConfig",
-         {"rope_scaling": {"rope_type": "linear", "factor": 4.0}},
-         expect={"rope_type": "linear"}),
-    Case("llama3-rope-scaling-v4-config", "LlamaConfig",
-         {"rope_theta": 500000.0, "rope_scaling": LLAMA3_SCALING},
-         legacy_rope_key="rope_type", expect={"rope_type": "llama3", "rope_theta": 500000.0}),
-    Case("llama-linear-rope-scaling-v4-config", "LlamaConfig",
-         {"rope_theta": 20000.0, "rope_scaling": {"type": "linear", "factor": 4.0}},
-         legacy_rope_key="type", expect={"rope_type": "linear", "rope_theta": 20000.0}),
+    Case(
+        "llama-tied",
+        "LlamaConfig",
+        {"tie_word_embeddings": True},
+        expect={"tie_word_embeddings": True, "qkv_bias": False, "o_proj_bias": False},
+    ),
+    Case("llama-untied", "LlamaConfig", {"tie_word_embeddings": False}, expect={"tie_word_embeddings": False}),
+    Case(
+        "llama-attention-bias",
+        "LlamaConfig",
+        {"attention_bias": True},
+        expect={"qkv_bias": True, "o_proj_bias": True, "mlp_bias": False},
+    ),
+    Case("llama-mlp-bias", "LlamaConfig", {"mlp_bias": True}, expect={"qkv_bias": False, "mlp_bias": True}),
+    Case(
+        "llama3-rope-scaling",
+        "LlamaConfig",
+        {"num_hidden_layers": 3, "rope_theta": 500000.0, "rope_scaling": LLAMA3_SCALING},
+        expect={"rope_type": "llama3", "rope_theta": 500000.0, "num_layers": 3},
+    ),
+    Case(
+        "llama-linear-rope-scaling",
+        "LlamaConfig",
+        {"rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+        expect={"rope_type": "linear"},
+    ),
+    Case(
+        "llama3-rope-scaling-v4-config",
+        "LlamaConfig",
+        {"rope_theta": 500000.0, "rope_scaling": LLAMA3_SCALING},
+        legacy_rope_key="rope_type",
+        expect={"rope_type": "llama3", "rope_theta": 500000.0},
+    ),
+    Case(
+        "llama-linear-rope-scaling-v4-config",
+        "LlamaConfig",
+        {"rope_theta": 20000.0, "rope_scaling": {"type": "linear", "factor": 4.0}},
+        legacy_rope_key="type",
+        expect={"rope_type": "linear", "rope_theta": 20000.0},
+    ),
     Case("llama-mqa", "LlamaConfig", {"num_key_value_heads": 1}, expect={"num_kv_heads": 1}),
-    Case("llama-wide-head-dim", "LlamaConfig", {"head_dim": 32},  # head_dim != hidden / heads
-         expect={"head_dim": 32}),
-    Case("llama-sharded", "LlamaConfig", {"num_hidden_layers": 3}, max_shard_size="48KB",
-         expect={"num_layers": 3}),
-    Case("qwen2-qkv-bias", "Qwen2Config", {},
-         expect={"architecture": "Qwen2ForCausalLM", "qkv_bias": True, "o_proj_bias": False}),
-    Case("qwen2-tied-sharded", "Qwen2Config", {"tie_word_embeddings": True}, max_shard_size="48KB",
-         expect={"architecture": "Qwen2ForCausalLM", "tie_word_embeddings": True}),
-    Case("mistral", "MistralConfig", {"sliding_window": None},
-         expect={"architecture": "MistralForCausalLM", "max_position": 512}),
-    Case("mistral-sliding-window", "MistralConfig", {"sliding_window": 256},
-         expect={"architecture": "MistralForCausalLM", "max_position": 256}),
+    Case(
+        "llama-wide-head-dim",
+        "LlamaConfig",
+        {"head_dim": 32},  # head_dim != hidden / heads
+        expect={"head_dim": 32},
+    ),
+    Case("llama-sharded", "LlamaConfig", {"num_hidden_layers": 3}, max_shard_size="48KB", expect={"num_layers": 3}),
+    Case(
+        "qwen2-qkv-bias",
+        "Qwen2Config",
+        {},
+        expect={"architecture": "Qwen2ForCausalLM", "qkv_bias": True, "o_proj_bias": False},
+    ),
+    Case(
+        "qwen2-tied-sharded",
+        "Qwen2Config",
+        {"tie_word_embeddings": True},
+        max_shard_size="48KB",
+        expect={"architecture": "Qwen2ForCausalLM", "tie_word_embeddings": True},
+    ),
+    Case(
+        "mistral",
+        "MistralConfig",
+        {"sliding_window": None},
+        expect={"architecture": "MistralForCausalLM", "max_position": 512},
+    ),
+    Case(
+        "mistral-sliding-window",
+        "MistralConfig",
+        {"sliding_window": 256},
+        expect={"architecture": "MistralForCausalLM", "max_position": 256},
+    ),
 ]
 
 
@@ -164,11 +209,17 @@ def family(request, tmp_path_factory) -> Family:
     with torch.no_grad():
         for prompt in prompts:
             out = hf.generate(
-                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                do_sample=False, max_new_tokens=MAX_NEW_TOKENS, min_new_tokens=0, eos_token_id=None, pad_token_id=0,
-                output_logits=True, return_dict_in_generate=True,
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=MAX_NEW_TOKENS,
+                min_new_tokens=0,
+                eos_token_id=None,
+                pad_token_id=0,
+                output_logits=True,
+                return_dict_in_generate=True,
             )
-            new = out.sequences[0, len(prompt):].tolist()
+            new = out.sequences[0, len(prompt) :].tolist()
             assert len(new) == MAX_NEW_TOKENS
             hf_ids.append(new)
             hf_step_logits.append(torch.stack([step[0] for step in out.logits]).float())
@@ -241,10 +292,17 @@ def test_saved_checkpoint_is_read_as_configured(family: Family) -> None:
     engine = make_engine(family.folder)
     mc = engine.model_config
     got = {
-        "architecture": mc.architecture, "tie_word_embeddings": mc.tie_word_embeddings, "qkv_bias": mc.qkv_bias,
-        "o_proj_bias": mc.o_proj_bias, "mlp_bias": mc.mlp_bias, "num_kv_heads": mc.num_kv_heads,
-        "head_dim": mc.head_dim, "num_layers": mc.num_layers, "max_position": mc.max_position,
-        "rope_theta": mc.rope_theta, "rope_type": (mc.rope_scaling or {}).get("rope_type", "default"),
+        "architecture": mc.architecture,
+        "tie_word_embeddings": mc.tie_word_embeddings,
+        "qkv_bias": mc.qkv_bias,
+        "o_proj_bias": mc.o_proj_bias,
+        "mlp_bias": mc.mlp_bias,
+        "num_kv_heads": mc.num_kv_heads,
+        "head_dim": mc.head_dim,
+        "num_layers": mc.num_layers,
+        "max_position": mc.max_position,
+        "rope_theta": mc.rope_theta,
+        "rope_type": (mc.rope_scaling or {}).get("rope_type", "default"),
     }
     assert {k: got[k] for k in case.expect} == case.expect
     assert (family.hf.lm_head.weight is family.hf.model.embed_tokens.weight) == mc.tie_word_embeddings

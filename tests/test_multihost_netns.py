@@ -59,9 +59,19 @@ def hosts():
 
 
 def start(ns: str, *args: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "PDSERVE_CLUSTER_TOKEN": "netns-test"}
-    return subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "pdserve.cli", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PDSERVE_CLUSTER_TOKEN": "netns-test",
+    }
+    return subprocess.Popen(
+        ["ip", "netns", "exec", ns, sys.executable, "-m", "pdserve.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
 
 
 def ready(proc: subprocess.Popen) -> dict:
@@ -79,27 +89,74 @@ def test_compose_topology_across_namespaces(hosts, hf_reference):
     common = ("--dtype", "float32", "--kv-cache-memory", "128MiB", "--num-threads", "1", "--kv-transport", "tcp")
     procs = []
     try:
-        decode = start(names["decode"], "decode", "--host", addr["decode"], "--port", "50053", "--kv-port", "50060", *common)
+        decode = start(
+            names["decode"], "decode", "--host", addr["decode"], "--port", "50053", "--kv-port", "50060", *common
+        )
         prefill = start(names["prefill"], "prefill", "--host", addr["prefill"], "--port", "50052", *common)
         procs += [decode, prefill]
         d_info, p_info = ready(decode), ready(prefill)
         assert d_info["grpc"] == f"{addr['decode']}:50053" and d_info["kv"] == f"{addr['decode']}:50060"
-        router = start(names["router"], "router", "--host", addr["router"], "--port", "50051",
-                       "--prefill-workers", p_info["grpc"], "--decode-workers", d_info["grpc"])
+        router = start(
+            names["router"],
+            "router",
+            "--host",
+            addr["router"],
+            "--port",
+            "50051",
+            "--prefill-workers",
+            p_info["grpc"],
+            "--decode-workers",
+            d_info["grpc"],
+        )
         procs.append(router)
         ready(router)
 
         prompt = "The capital of France is"
         out = subprocess.run(
-            ["ip", "netns", "exec", names["router"], sys.executable, "-m", "pdserve.cli", "generate", "--json",
-             "--addr", f"{addr['router']}:50051", "--max-tokens", "12", "--temperature", "0", prompt],
-            capture_output=True, text=True, timeout=180, check=True,
+            [
+                "ip",
+                "netns",
+                "exec",
+                names["router"],
+                sys.executable,
+                "-m",
+                "pdserve.cli",
+                "generate",
+                "--json",
+                "--addr",
+                f"{addr['router']}:50051",
+                "--max-tokens",
+                "12",
+                "--temperature",
+                "0",
+                prompt,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            check=True,
         )
         ids = [t for line in out.stdout.splitlines() for t in json.loads(line)["token_ids"]]
         assert ids == hf_reference.greedy(hf_reference.tokenizer(prompt).input_ids, 12)
         # The router's namespace cannot reach the workers through its own loopback.
-        probe = subprocess.run(["ip", "netns", "exec", names["router"], sys.executable, "-m", "pdserve.cli", "health",
-                                "--addr", "127.0.0.1:50053", "--timeout", "2"], capture_output=True, text=True)
+        probe = subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                names["router"],
+                sys.executable,
+                "-m",
+                "pdserve.cli",
+                "health",
+                "--addr",
+                "127.0.0.1:50053",
+                "--timeout",
+                "2",
+            ],
+            capture_output=True,
+            text=True,
+        )
         assert probe.returncode != 0
     finally:
         for proc in procs:

@@ -13,8 +13,16 @@ from pdserve.planner.profile import Overheads, Profile, StepCost, TransferCost
 from pdserve.router.validation import ValidatedRequest
 
 COST = StepCost(base_ms=10.0, decode_ms=1.0, prefill_ms=1.0, decode_ctx_ms=0.0, prefill_attn_ms=0.0)
-PROFILE = Profile(model="toy", device="toy", parallel="tensor_parallel", steps={1: COST}, kv_bytes_per_token=1000,
-                  transfers={"tcp": TransferCost(0.0, 0.0)}, transport="tcp", overheads=Overheads(first_token_ms=10.0))
+PROFILE = Profile(
+    model="toy",
+    device="toy",
+    parallel="tensor_parallel",
+    steps={1: COST},
+    kv_bytes_per_token=1000,
+    transfers={"tcp": TransferCost(0.0, 0.0)},
+    transport="tcp",
+    overheads=Overheads(first_token_ms=10.0),
+)
 
 
 class Clock:

@@ -60,8 +60,10 @@ async def api(stack, tokenizer):
     """The HTTP app on a free loopback port, in front of the stack's workers."""
     workers = (await cluster_stats(stack.address)).workers
     registry = WorkerRegistry.connect(
-        [w.address for w in workers if w.role == "prefill"], [w.address for w in workers if w.role != "prefill"],
-        metadata=SecuritySettings(cluster_token=CLUSTER_TOKEN).cluster_metadata())
+        [w.address for w in workers if w.role == "prefill"],
+        [w.address for w in workers if w.role != "prefill"],
+        metadata=SecuritySettings(cluster_token=CLUSTER_TOKEN).cluster_metadata(),
+    )
     assert registry.prefill and registry.decode
     completions = Completions(tokenizer, Dispatcher(registry, make_policy("round_robin")), 600, max_inflight=1024)
     server, task = await serve_http(create_app(completions, tokenizer.model_name), "127.0.0.1", 0)
@@ -87,8 +89,11 @@ async def wait_until_idle(api, timeout: float = 15.0) -> None:
     while True:
         inflight = [w.inflight for w in api.registry.all()]
         stats = await cluster_stats(api.stack.address)
-        busy = [(w.address, w.running, w.waiting, w.blocks_total - w.blocks_free, w.reserved_transfers)
-                for w in stats.workers if w.running or w.waiting or w.blocks_free != w.blocks_total or w.reserved_transfers]
+        busy = [
+            (w.address, w.running, w.waiting, w.blocks_total - w.blocks_free, w.reserved_transfers)
+            for w in stats.workers
+            if w.running or w.waiting or w.blocks_free != w.blocks_total or w.reserved_transfers
+        ]
         if not any(inflight) and not busy:
             return
         assert time.monotonic() < deadline, f"still busy: inflight={inflight} workers={busy}"
@@ -120,8 +125,14 @@ async def test_completion_stream_equals_transformers(api, hf_reference):
     prompt_ids = hf_reference.tokenizer(PROMPTS[0]).input_ids
     expected_ids, expected = hf_greedy_text(hf_reference, prompt_ids)
     stream = await api.sdk.completions.create(
-        model=api.model, prompt=PROMPTS[0], max_tokens=MAX_NEW, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"top_k": 1})
+        model=api.model,
+        prompt=PROMPTS[0],
+        max_tokens=MAX_NEW,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"top_k": 1},
+    )
     chunks = [c async for c in stream]
     *text_chunks, usage_chunk = chunks
     assert len(text_chunks) > 1 and len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("cmpl-")
@@ -131,14 +142,19 @@ async def test_completion_stream_equals_transformers(api, hf_reference):
     assert [c.choices[0].finish_reason for c in text_chunks] == [None] * (len(text_chunks) - 1) + [finish]
     assert all(c.usage is None for c in text_chunks)
     assert usage_chunk.choices == []
-    assert (usage_chunk.usage.prompt_tokens, usage_chunk.usage.completion_tokens) == (len(prompt_ids), len(expected_ids))
+    assert (usage_chunk.usage.prompt_tokens, usage_chunk.usage.completion_tokens) == (
+        len(prompt_ids),
+        len(expected_ids),
+    )
     assert usage_chunk.usage.total_tokens == len(prompt_ids) + len(expected_ids)
 
 
 async def test_stop_string(api, hf_reference):
     _, full = hf_greedy_text(hf_reference, hf_reference.tokenizer(PROMPTS[0]).input_ids)
     stop = full[6:10]
-    out = await api.sdk.completions.create(model=api.model, prompt=PROMPTS[0], max_tokens=MAX_NEW, temperature=0, stop=stop)
+    out = await api.sdk.completions.create(
+        model=api.model, prompt=PROMPTS[0], max_tokens=MAX_NEW, temperature=0, stop=stop
+    )
     assert out.choices[0].text == full[: full.index(stop)] and out.choices[0].finish_reason == "stop"
 
 
@@ -155,7 +171,8 @@ async def test_chat_completion_greedy(api, tokenizer, hf_reference):
     prompt_ids = tokenizer.encode_chat([MESSAGES[0], {"role": "user", "content": "What is the capital of Italy?"}])
     expected_ids, expected = hf_greedy_text(hf_reference, prompt_ids)
     out = await api.sdk.chat.completions.create(
-        model=api.model, messages=MESSAGES, max_completion_tokens=MAX_NEW, temperature=0, seed=7, user="someone")
+        model=api.model, messages=MESSAGES, max_completion_tokens=MAX_NEW, temperature=0, seed=7, user="someone"
+    )
     assert out.object == "chat.completion" and out.id.startswith("chatcmpl-") and out.model == api.model
     [choice] = out.choices
     assert choice.index == 0 and choice.message.role == "assistant" and choice.message.content == expected
@@ -168,8 +185,13 @@ async def test_chat_stream_with_usage(api, tokenizer, hf_reference):
     prompt_ids = tokenizer.encode_chat([MESSAGES[0], {"role": "user", "content": "What is the capital of Italy?"}])
     expected_ids, expected = hf_greedy_text(hf_reference, prompt_ids)
     stream = await api.sdk.chat.completions.create(
-        model=api.model, messages=MESSAGES, max_tokens=MAX_NEW, temperature=0, stream=True,
-        stream_options={"include_usage": True})
+        model=api.model,
+        messages=MESSAGES,
+        max_tokens=MAX_NEW,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = [c async for c in stream]
     assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
     assert chunks[0].id.startswith("chatcmpl-")
@@ -198,7 +220,9 @@ async def test_models_and_health(api, tokenizer):
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
 
 
-def assert_openai_error(response, status: int, param: str | None = None, code: str | None = None, text: str = "") -> dict:
+def assert_openai_error(
+    response, status: int, param: str | None = None, code: str | None = None, text: str = ""
+) -> dict:
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -214,36 +238,62 @@ async def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(api):
     chat = {"model": api.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     async with httpx.AsyncClient(base_url=api.base, timeout=60) as http:
         post = http.post
-        assert_openai_error(await post("/v1/completions", content=b'{"model": "x", "prompt": ',
-                                       headers={"content-type": "application/json"}), 400, text="JSON")
+        assert_openai_error(
+            await post(
+                "/v1/completions", content=b'{"model": "x", "prompt": ', headers={"content-type": "application/json"}
+            ),
+            400,
+            text="JSON",
+        )
         assert_openai_error(await post("/v1/chat/completions", content=b"not json"), 400, text="JSON")
         assert_openai_error(await post("/v1/completions", json=[1, 2]), 400, text="object")
-        assert_openai_error(await post("/v1/completions", json={**good, "model": "gpt-4"}), 404, "model", "model_not_found")
-        assert_openai_error(await post("/v1/chat/completions", json={**chat, "model": "gpt-4"}), 404, "model", "model_not_found")
+        assert_openai_error(
+            await post("/v1/completions", json={**good, "model": "gpt-4"}), 404, "model", "model_not_found"
+        )
+        assert_openai_error(
+            await post("/v1/chat/completions", json={**chat, "model": "gpt-4"}), 404, "model", "model_not_found"
+        )
         error = assert_openai_error(await post("/v1/completions", json={**good, "temperature": -1}), 400, "temperature")
         assert error["message"].startswith("temperature: must be in [0,")
         assert_openai_error(await post("/v1/completions", json={**good, "temperature": "hot"}), 400, "temperature")
         assert_openai_error(await post("/v1/completions", json={**good, "top_p": 1.5}), 400, "top_p")
         assert_openai_error(await post("/v1/completions", json={**good, "max_tokens": 0}), 400, "max_tokens")
-        assert_openai_error(await post("/v1/chat/completions", json={**chat, "max_completion_tokens": 10**6}), 400,
-                            "max_completion_tokens")
+        assert_openai_error(
+            await post("/v1/chat/completions", json={**chat, "max_completion_tokens": 10**6}),
+            400,
+            "max_completion_tokens",
+        )
         assert_openai_error(await post("/v1/completions", json={**good, "n": 0}), 400, "n")
         assert_openai_error(await post("/v1/chat/completions", json={**chat, "n": 17}), 400, "n")
-        assert_openai_error(await post("/v1/completions", json={**good, "logprobs": 21}), 400, "logprobs", text="[0, 20]")
+        assert_openai_error(
+            await post("/v1/completions", json={**good, "logprobs": 21}), 400, "logprobs", text="[0, 20]"
+        )
         assert_openai_error(await post("/v1/chat/completions", json={**chat, "logprobs": "yes"}), 400, "logprobs")
         assert_openai_error(await post("/v1/completions", json={**good, "suffix": "!"}), 400, "suffix")
-        assert_openai_error(await post("/v1/completions", json={**good, "prompt": ["a", "b"]}), 400, "prompt", text="batch")
+        assert_openai_error(
+            await post("/v1/completions", json={**good, "prompt": ["a", "b"]}), 400, "prompt", text="batch"
+        )
         assert_openai_error(await post("/v1/completions", json={**good, "prompt": [1, 10**8]}), 400, "prompt")
         assert_openai_error(await post("/v1/completions", json={**good, "prompt": ""}), 400, "prompt")
-        assert_openai_error(await post("/v1/completions", json={k: v for k, v in good.items() if k != "prompt"}), 400, "prompt")
+        assert_openai_error(
+            await post("/v1/completions", json={k: v for k, v in good.items() if k != "prompt"}), 400, "prompt"
+        )
         assert_openai_error(await post("/v1/completions", json={**good, "stop": [""]}), 400, "stop[0]")
-        assert_openai_error(await post("/v1/completions", json={**good, "stream_options": {"include_usage": True}}),
-                            400, "stream_options")
+        assert_openai_error(
+            await post("/v1/completions", json={**good, "stream_options": {"include_usage": True}}),
+            400,
+            "stream_options",
+        )
         assert_openai_error(await post("/v1/chat/completions", json={**chat, "messages": []}), 400, "messages")
-        assert_openai_error(await post("/v1/chat/completions", json={**chat, "messages": [{"role": "wizard", "content": "x"}]}),
-                            400, "messages[0].role")
+        assert_openai_error(
+            await post("/v1/chat/completions", json={**chat, "messages": [{"role": "wizard", "content": "x"}]}),
+            400,
+            "messages[0].role",
+        )
         image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]
-        assert_openai_error(await post("/v1/chat/completions", json={**chat, "messages": image}), 400, "messages[0].content[0]")
+        assert_openai_error(
+            await post("/v1/chat/completions", json={**chat, "messages": image}), 400, "messages[0].content[0]"
+        )
         assert_openai_error(await http.get("/v1/nothing"), 404)
         assert_openai_error(await http.get("/v1/completions"), 405)
 
@@ -269,7 +319,9 @@ LONG = {"prompt": PROMPTS[3], "max_tokens": 2000, "temperature": 0, "ignore_eos"
 
 async def test_client_disconnect_mid_stream_cancels_the_generation(api):
     async with httpx.AsyncClient(base_url=api.base, timeout=60) as http:
-        async with http.stream("POST", "/v1/completions", json={"model": api.model, "stream": True, **LONG}) as response:
+        async with http.stream(
+            "POST", "/v1/completions", json={"model": api.model, "stream": True, **LONG}
+        ) as response:
             assert response.status_code == 200
             assert response.headers["content-type"].startswith("text/event-stream")
             events = 0
@@ -284,7 +336,12 @@ async def test_client_disconnect_mid_stream_cancels_the_generation(api):
 async def test_client_giving_up_on_a_non_streaming_request_cancels_it(api):
     async with httpx.AsyncClient(base_url=api.base, timeout=2.0) as http:
         with pytest.raises(httpx.TimeoutException):
-            await http.post("/v1/chat/completions", json={
-                "model": api.model, "messages": [{"role": "user", "content": PROMPTS[3]}],
-                **{k: v for k, v in LONG.items() if k != "prompt"}})
+            await http.post(
+                "/v1/chat/completions",
+                json={
+                    "model": api.model,
+                    "messages": [{"role": "user", "content": PROMPTS[3]}],
+                    **{k: v for k, v in LONG.items() if k != "prompt"},
+                },
+            )
     await wait_until_idle(api)

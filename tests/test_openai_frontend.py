@@ -53,7 +53,7 @@ class EchoDispatcher:
         self.seen.append(req)
         out = (req.prompt_token_ids * req.sampling.max_tokens)[: req.sampling.max_tokens]
         for i in range(0, len(out), 2):
-            yield TokenEvent(out[i:i + 2], "length" if i + 2 >= len(out) else None)
+            yield TokenEvent(out[i : i + 2], "length" if i + 2 >= len(out) else None)
 
 
 class SlowTokenizer:
@@ -146,16 +146,29 @@ async def test_http_and_grpc_refuse_the_same_input_naming_the_field(tokenizer, c
             error = assert_openai_error(await http.post("/v1/completions", json=body), 400, param)
         stop = body["stop"] if isinstance(body.get("stop"), list) else [body["stop"]] if "stop" in body else None
         prompt = body["prompt"]
-        fields = dict(max_tokens=body["max_tokens"], temperature=body.get("temperature"), top_p=body.get("top_p"),
-                      top_k=body.get("top_k"), seed=body.get("seed"), stop=stop, stop_token_ids=body.get("stop_token_ids"))
+        fields = dict(
+            max_tokens=body["max_tokens"],
+            temperature=body.get("temperature"),
+            top_p=body.get("top_p"),
+            top_k=body.get("top_k"),
+            seed=body.get("seed"),
+            stop=stop,
+            stop_token_ids=body.get("stop_token_ids"),
+        )
         if "priority" in body and not -(2**31) <= body["priority"] < 2**31:
             return  # beyond what the gRPC message can carry at all
-        request = (build_request(prompt_token_ids=prompt, priority=body.get("priority", 0), **fields) if isinstance(prompt, list)
-                   else build_request(prompt, priority=body.get("priority", 0), **fields))
+        request = (
+            build_request(prompt_token_ids=prompt, priority=body.get("priority", 0), **fields)
+            if isinstance(prompt, list)
+            else build_request(prompt, priority=body.get("priority", 0), **fields)
+        )
         with pytest.raises(InvalidRequest) as err:
             await completions.validate(CompletionRequest.from_proto(request))
         field = err.value.field
-        assert field.removeprefix("sampling.") == param or (field, param) in {("prompt_token_ids", "prompt"), ("sampling.stop[0]", "stop")}
+        assert field.removeprefix("sampling.") == param or (field, param) in {
+            ("prompt_token_ids", "prompt"),
+            ("sampling.stop[0]", "stop"),
+        }
         assert error["message"] == f"{param}: {err.value.problem}"
         assert not dispatcher.seen  # refused before any worker was asked
     finally:
@@ -177,10 +190,13 @@ class FailingDispatcher:
 
 async def test_worker_failures_map_to_http_statuses(tokenizer):
     dispatcher = FailingDispatcher()
+
     async def metrics(request):  # how the router adds /metrics to the HTTP port
         return Response(prometheus_client.generate_latest(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
-    app = create_app(Completions(tokenizer, dispatcher, 600, max_inflight=1024), "m", extra_routes=[Route("/metrics", metrics)])
+    app = create_app(
+        Completions(tokenizer, dispatcher, 600, max_inflight=1024), "m", extra_routes=[Route("/metrics", metrics)]
+    )
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     server, task = await serve_http(app, "127.0.0.1", 0)
     base = f"http://127.0.0.1:{http_port(server)}"
@@ -190,8 +206,12 @@ async def test_worker_failures_map_to_http_statuses(tokenizer):
     body = {"model": "m", "prompt": "Hello", "max_tokens": 4}
     try:
         async with httpx.AsyncClient(base_url=base, timeout=30) as http:
-            for code, status in [(grpc.StatusCode.RESOURCE_EXHAUSTED, 429), (grpc.StatusCode.UNAVAILABLE, 503),
-                                 (grpc.StatusCode.DEADLINE_EXCEEDED, 504), (grpc.StatusCode.INTERNAL, 500)]:
+            for code, status in [
+                (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
+                (grpc.StatusCode.UNAVAILABLE, 503),
+                (grpc.StatusCode.DEADLINE_EXCEEDED, 504),
+                (grpc.StatusCode.INTERNAL, 500),
+            ]:
                 dispatcher.code = code
                 for stream in (False, True):  # a stream that fails before its first token still gets the status
                     response = await http.post("/v1/completions", json={**body, "stream": stream})
@@ -205,10 +225,12 @@ async def test_worker_failures_map_to_http_statuses(tokenizer):
             dispatcher.code, dispatcher.tokens_before_failing = grpc.StatusCode.UNAVAILABLE, 2
             response = await http.post("/v1/completions", json={**body, "stream": True})
             assert response.status_code == 200
-            events = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
+            events = [line[len("data: ") :] for line in response.text.splitlines() if line.startswith("data: ")]
             assert '"error"' in events[-2] and "injected UNAVAILABLE" in events[-2] and events[-1] == "[DONE]"
         async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0) as sdk:
-            stream = await sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}], stream=True)
+            stream = await sdk.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "Hi"}], stream=True
+            )
             with pytest.raises(openai.APIError, match="injected UNAVAILABLE"):
                 async for _ in stream:
                     pass

@@ -26,8 +26,15 @@ from pdserve.settings import ClusterSettings, RouterSettings, WorkerSettings
 
 
 def llama(**kw) -> ModelConfig:
-    cfg = dict(architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576, intermediate_size=1536,
-               num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3)  # SmolLM2-135M's shape
+    cfg = dict(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+    )  # SmolLM2-135M's shape
     return ModelConfig.from_dict({**cfg, **kw})
 
 
@@ -36,10 +43,16 @@ def test_layouts_that_cannot_split_the_model_are_refused_naming_the_numbers():
     for tp in (1, 3):
         ParallelLayout(tp).check(smol)
     ParallelLayout(9).check(llama(intermediate_size=1152))  # more ranks than KV heads: each head on 3 ranks
-    with pytest.raises(ValueError, match=r"tensor_parallel_size 2 does not divide the model's 9 query heads.*fit this model: 1, 3\)"):
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel_size 2 does not divide the model's 9 query heads.*fit this model: 1, 3\)"
+    ):
         ParallelLayout(2).check(smol)
-    with pytest.raises(ValueError, match="tensor_parallel_size 3 is more than the model's 2 KV heads but not a multiple"):
-        ParallelLayout(3).check(llama(num_attention_heads=12, num_key_value_heads=2, num_hidden_layers=2, intermediate_size=48))
+    with pytest.raises(
+        ValueError, match="tensor_parallel_size 3 is more than the model's 2 KV heads but not a multiple"
+    ):
+        ParallelLayout(3).check(
+            llama(num_attention_heads=12, num_key_value_heads=2, num_hidden_layers=2, intermediate_size=48)
+        )
     with pytest.raises(ValueError, match="intermediate size 10"):
         ParallelLayout(4).check(llama(num_attention_heads=4, num_key_value_heads=2, intermediate_size=10))
     with pytest.raises(ValueError, match="pipeline_parallel_size 31 exceeds the model's 30 layers"):
@@ -64,16 +77,29 @@ def tiny_state(config: ModelConfig) -> dict[str, torch.Tensor]:
     state = {"model.embed_tokens.weight": torch.randn(config.vocab_size, h), "model.norm.weight": torch.randn(h)}
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        state |= {p + "self_attn.qkv_proj.weight": torch.randn(qkv, h), p + "self_attn.o_proj.weight": torch.randn(h, config.num_heads * d),
-                  p + "self_attn.o_proj.bias": torch.randn(h), p + "mlp.gate_up_proj.weight": torch.randn(2 * config.intermediate_size, h),
-                  p + "mlp.down_proj.weight": torch.randn(h, config.intermediate_size),
-                  p + "input_layernorm.weight": torch.randn(h), p + "post_attention_layernorm.weight": torch.randn(h)}
+        state |= {
+            p + "self_attn.qkv_proj.weight": torch.randn(qkv, h),
+            p + "self_attn.o_proj.weight": torch.randn(h, config.num_heads * d),
+            p + "self_attn.o_proj.bias": torch.randn(h),
+            p + "mlp.gate_up_proj.weight": torch.randn(2 * config.intermediate_size, h),
+            p + "mlp.down_proj.weight": torch.randn(h, config.intermediate_size),
+            p + "input_layernorm.weight": torch.randn(h),
+            p + "post_attention_layernorm.weight": torch.randn(h),
+        }
     return state
 
 
 def test_tensor_parallel_slices_compute_the_whole_layer():
-    config = llama(vocab_size=10, hidden_size=16, intermediate_size=12, num_hidden_layers=1, num_attention_heads=6,
-                   num_key_value_heads=3, tie_word_embeddings=True, attention_bias=True)
+    config = llama(
+        vocab_size=10,
+        hidden_size=16,
+        intermediate_size=12,
+        num_hidden_layers=1,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        tie_word_embeddings=True,
+        attention_bias=True,
+    )
     state, tp = tiny_state(config), 3
     shards = [ModelShard(ParallelLayout(tp), r, config).shard_state(state) for r in range(tp)]
     w, d = "model.layers.0.", config.head_dim
@@ -84,8 +110,10 @@ def test_tensor_parallel_slices_compute_the_whole_layer():
         assert torch.equal(v_r, v[r * d : (r + 1) * d])
     attn = torch.randn(5, 6 * d)  # row parallel: partial products (one bias) sum to the whole
     whole = attn @ state[w + "self_attn.o_proj.weight"].T + state[w + "self_attn.o_proj.bias"]
-    parts = sum(attn[:, 2 * r * d : 2 * (r + 1) * d] @ s[w + "self_attn.o_proj.weight"].T + s[w + "self_attn.o_proj.bias"]
-                for r, s in enumerate(shards))
+    parts = sum(
+        attn[:, 2 * r * d : 2 * (r + 1) * d] @ s[w + "self_attn.o_proj.weight"].T + s[w + "self_attn.o_proj.bias"]
+        for r, s in enumerate(shards)
+    )
     torch.testing.assert_close(parts, whole)
     gate, up = state[w + "mlp.gate_up_proj.weight"].chunk(2)
     for r, s in enumerate(shards):
@@ -97,8 +125,14 @@ def test_tensor_parallel_slices_compute_the_whole_layer():
 
 
 def test_pipeline_stages_take_their_layers_and_the_next_stage_norm():
-    config = llama(vocab_size=10, hidden_size=16, intermediate_size=12, num_hidden_layers=5, num_attention_heads=4,
-                   num_key_value_heads=2)
+    config = llama(
+        vocab_size=10,
+        hidden_size=16,
+        intermediate_size=12,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     state = tiny_state(config)
     first, last = (ModelShard(ParallelLayout(1, 2), r, config).shard_state(state) for r in (0, 1))
     assert {k.split(".")[2] for k in first if k.startswith("model.layers.")} == {"0", "1", "2"}
@@ -113,9 +147,14 @@ def a_batch() -> ForwardBatch:
     """Two decodes, a whole 5-token prompt and a 4-token chunk after 6 cached tokens."""
     t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
     return ForwardBatch(
-        input_ids=t(range(100, 111)), positions=t([7, 3, 0, 1, 2, 3, 4, 6, 7, 8, 9]), slot_mapping=t(range(50, 61)),
-        num_decode=2, decode_block_tables=t([[1, 2], [3, 0]]), decode_context_lens=t([8, 4]),
-        prefills=[PrefillSegment(2, 5, 5, t([4])), PrefillSegment(7, 4, 10, t([5, 6]))], logits_indices=t([0, 1, 6, 10]),
+        input_ids=t(range(100, 111)),
+        positions=t([7, 3, 0, 1, 2, 3, 4, 6, 7, 8, 9]),
+        slot_mapping=t(range(50, 61)),
+        num_decode=2,
+        decode_block_tables=t([[1, 2], [3, 0]]),
+        decode_context_lens=t([8, 4]),
+        prefills=[PrefillSegment(2, 5, 5, t([4])), PrefillSegment(7, 4, 10, t([5, 6]))],
+        logits_indices=t([0, 1, 6, 10]),
     )
 
 
@@ -127,7 +166,9 @@ def test_micro_batches_cut_through_prompts_and_keep_the_logits_order():
     first, second, third = (m.batch for m in micro)
     assert first.num_decode == 2 and first.decode_block_tables.shape == (2, 2)
     # The 5-token prompt is cut after 2 tokens: the second piece attends to the first through the cache.
-    assert [(s.query_start, s.num_query, s.context_len, s.has_prior_context) for s in first.prefills] == [(2, 2, 2, False)]
+    assert [(s.query_start, s.num_query, s.context_len, s.has_prior_context) for s in first.prefills] == [
+        (2, 2, 2, False)
+    ]
     assert [(s.query_start, s.num_query, s.context_len) for s in second.prefills] == [(0, 3, 5)]
     assert [(s.query_start, s.num_query, s.context_len) for s in third.prefills] == [(0, 4, 10)]
     assert [m.logits_rows for m in micro] == [[0, 1], [2], [3]]
@@ -136,16 +177,18 @@ def test_micro_batches_cut_through_prompts_and_keep_the_logits_order():
 
 
 def test_the_step_channel_carries_every_field_of_a_batch():
-    assert set(CARRIED_FIELDS) == {f.name for f in dataclasses.fields(ForwardBatch)}, \
+    assert set(CARRIED_FIELDS) == {f.name for f in dataclasses.fields(ForwardBatch)}, (
         "a ForwardBatch field is not broadcast to the other ranks: add it to step_channel.pack/unpack"
+    )
     batch = a_batch()
     sizes, payload = pack(batch)
     back = unpack(sizes, payload.clone(), torch.device("cpu"))
     for name in CARRIED_FIELDS:
         mine, theirs = getattr(batch, name), getattr(back, name)
         if name == "prefills":
-            assert [(s.query_start, s.num_query, s.context_len, s.block_table.tolist()) for s in theirs] == \
-                   [(s.query_start, s.num_query, s.context_len, s.block_table.tolist()) for s in mine]
+            assert [(s.query_start, s.num_query, s.context_len, s.block_table.tolist()) for s in theirs] == [
+                (s.query_start, s.num_query, s.context_len, s.block_table.tolist()) for s in mine
+            ]
         elif isinstance(mine, torch.Tensor):
             assert torch.equal(mine, theirs), name
         else:
@@ -155,7 +198,11 @@ def test_the_step_channel_carries_every_field_of_a_batch():
 def test_a_rank_that_dies_while_serving_is_reported_at_once():
     deaths = []
     supervisor = RankSupervisor(3, {}, None, on_death=lambda rank, code: deaths.append((rank, code)))
-    supervisor.command = [sys.executable, "-c", "import os, sys, time; time.sleep(0.3 if os.environ['RANK'] == '2' else 30); sys.exit(3)"]
+    supervisor.command = [
+        sys.executable,
+        "-c",
+        "import os, sys, time; time.sleep(0.3 if os.environ['RANK'] == '2' else 30); sys.exit(3)",
+    ]
     supervisor.start()
     supervisor.serving = True
     deadline = time.monotonic() + 20
@@ -209,10 +256,16 @@ def test_parallel_sizes_are_settings_of_the_roles_and_of_up(tmp_path):
         EngineConfig(pipeline_parallel_size=2, preemption_mode="swap")
     with pytest.raises(ValueError, match="decode_tp must be >= 1"):
         ClusterSettings(decode_tp=0)
-    cluster = Cluster(EngineConfig(tensor_parallel_size=3), WorkerSettings(), RouterSettings(),
-                      ClusterSettings(prefill=1, decode=1, prefill_tp=1, decode_pp=2))
+    cluster = Cluster(
+        EngineConfig(tensor_parallel_size=3),
+        WorkerSettings(),
+        RouterSettings(),
+        ClusterSettings(prefill=1, decode=1, prefill_tp=1, decode_pp=2),
+    )
     flags = [dict(zip(args, args[1:])) for _, args in cluster.worker_commands(num_gpus=0)]
-    assert "--tensor-parallel-size" not in flags[0] and "--pipeline-parallel-size" not in flags[0]  # prefill: TP 1, PP 1
+    assert (
+        "--tensor-parallel-size" not in flags[0] and "--pipeline-parallel-size" not in flags[0]
+    )  # prefill: TP 1, PP 1
     assert flags[1]["--tensor-parallel-size"] == "3" and flags[1]["--pipeline-parallel-size"] == "2"
 
 

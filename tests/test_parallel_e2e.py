@@ -39,8 +39,9 @@ def prompt_ids(hf_reference) -> list[list[int]]:
 def make_engine(model_dir, **parallel) -> LLMEngine:
     """Chunked prefill in 64-token steps and 24 KV blocks: the long prompt (21 blocks) is prefilled
     over several steps beside decodes, and decodes must preempt when outputs grow."""
-    config = EngineConfig(dtype="float32", device="cpu", kv_cache_memory=str(24 * PER_BLOCK), max_num_batched_tokens=64,
-                          **parallel)
+    config = EngineConfig(
+        dtype="float32", device="cpu", kv_cache_memory=str(24 * PER_BLOCK), max_num_batched_tokens=64, **parallel
+    )
     engine = LLMEngine(config, model_dir=str(model_dir))
     if engine.parallel is not None:  # a dead rank or failed step must fail the test, not end pytest's process
         engine.parallel.on_broken = engine.parallel.supervisor.on_death = lambda *why: None
@@ -51,8 +52,14 @@ def arrivals(prompt_ids: list[list[int]]) -> list[tuple[int, str, list[int], Sam
     """Staggered arrivals; ``b2`` and ``long2`` repeat earlier prompts (prefix cache hits)."""
     sp = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
     short, chat, story, long = prompt_ids
-    return [(0, "short", short, sp), (0, "story", story, sp), (0, "chat", chat, sp), (1, "long", long, sp),
-            (2, "story2", story, sp), (12, "long2", long, sp)]
+    return [
+        (0, "short", short, sp),
+        (0, "story", story, sp),
+        (0, "chat", chat, sp),
+        (1, "long", long, sp),
+        (2, "story2", story, sp),
+        (12, "long2", long, sp),
+    ]
 
 
 @dataclass(frozen=True)
@@ -123,8 +130,19 @@ async def test_prefill_tp3_to_decode_tp1_gives_the_tokens_of_tp1(hf_reference):
 
 
 async def test_prefill_tp1_to_decode_tp3_and_a_rank_killed_under_load(hf_reference):
-    stack = Stack.up("--prefill", "1", "--decode", "2", "--decode-tp", "3", "--policy", "round_robin",
-                     "--kv-transport", "tcp", *STACK_ARGS)
+    stack = Stack.up(
+        "--prefill",
+        "1",
+        "--decode",
+        "2",
+        "--decode-tp",
+        "3",
+        "--policy",
+        "round_robin",
+        "--kv-transport",
+        "tcp",
+        *STACK_ARGS,
+    )
     try:
         ranks, others = follower_ranks(pid_of(stack, "decode-0")), follower_ranks(pid_of(stack, "decode-1"))
         assert len(ranks) == 2 and len(others) == 2
@@ -135,7 +153,10 @@ async def test_prefill_tp1_to_decode_tp3_and_a_rank_killed_under_load(hf_referen
         prompts = [PROMPTS[i % 3] for i in range(4)]
         progress: dict[int, int] = {}
         async with grpc.aio.insecure_channel(stack.address) as channel:
-            tasks = [asyncio.create_task(stream_tokens(channel, p, progress, i, max_tokens=24)) for i, p in enumerate(prompts)]
+            tasks = [
+                asyncio.create_task(stream_tokens(channel, p, progress, i, max_tokens=24))
+                for i, p in enumerate(prompts)
+            ]
             deadline = time.monotonic() + 120
             while not all(progress.get(i, 0) >= 2 or task.done() for i, task in enumerate(tasks)):
                 assert time.monotonic() < deadline, f"streams did not get going: {progress}"

@@ -25,10 +25,13 @@ def test_one_worker_per_gpu_while_there_are_enough():
     assert all(p.kv_cache_memory == "auto" for p in placed)  # alone on its GPU: the usual 90% of free memory
 
 
-@pytest.mark.parametrize("num_gpus, expected, share", [
-    (2, ["cuda:0", "cuda:1", "cuda:0", "cuda:1"], "0.45"),
-    (1, ["cuda:0"] * 4, "0.225"),
-])
+@pytest.mark.parametrize(
+    "num_gpus, expected, share",
+    [
+        (2, ["cuda:0", "cuda:1", "cuda:0", "cuda:1"], "0.45"),
+        (1, ["cuda:0"] * 4, "0.225"),
+    ],
+)
 def test_workers_sharing_a_gpu_split_its_memory(num_gpus, expected, share):
     placed = plan(P2D2, device="cuda", kv_cache_memory="auto", num_gpus=num_gpus)
     assert devices(placed) == expected
@@ -39,15 +42,25 @@ def test_workers_sharing_a_gpu_split_its_memory(num_gpus, expected, share):
 
 
 def test_explicit_devices_per_role_are_used_round_robin():
-    placed = plan(P2D2, device="auto", kv_cache_memory="auto", num_gpus=8,
-                  role_devices={"prefill": ["cuda:0"], "decode": ["cuda:1", "cuda:2"]})
+    placed = plan(
+        P2D2,
+        device="auto",
+        kv_cache_memory="auto",
+        num_gpus=8,
+        role_devices={"prefill": ["cuda:0"], "decode": ["cuda:1", "cuda:2"]},
+    )
     assert devices(placed) == ["cuda:0", "cuda:0", "cuda:1", "cuda:2"]
     assert [p.kv_cache_memory for p in placed] == ["0.45", "0.45", "auto", "auto"]
 
 
 def test_a_list_for_one_role_only_leaves_the_other_to_round_robin():
-    placed = plan(["prefill", "decode", "decode"], device="auto", kv_cache_memory="auto", num_gpus=2,
-                  role_devices={"prefill": ["cuda:1"], "decode": []})
+    placed = plan(
+        ["prefill", "decode", "decode"],
+        device="auto",
+        kv_cache_memory="auto",
+        num_gpus=2,
+        role_devices={"prefill": ["cuda:1"], "decode": []},
+    )
     assert devices(placed) == ["cuda:1", "cuda:1", "cuda:0"]
     assert [p.kv_cache_memory for p in placed] == ["0.45", "0.45", "auto"]
 
@@ -59,7 +72,9 @@ def test_explicit_budgets_fractions_split_sizes_stay():
 
 def test_cpu_and_a_single_named_device():
     assert plan(P2D2, device="cpu", kv_cache_memory="auto", num_gpus=4) == [Placement("cpu", "auto")] * 4
-    assert plan(P2D2, device="auto", kv_cache_memory="auto", num_gpus=0) == [Placement("auto", "auto")] * 4  # no GPU here
+    assert (
+        plan(P2D2, device="auto", kv_cache_memory="auto", num_gpus=0) == [Placement("auto", "auto")] * 4
+    )  # no GPU here
     placed = plan(["prefill", "decode"], device="cuda:3", kv_cache_memory="auto", num_gpus=4)
     assert placed == [Placement("cuda:3", "0.45")] * 2  # the user chose one GPU for all: they share it
 
@@ -85,8 +100,15 @@ def test_pdserve_up_passes_each_worker_its_device_and_budget():
         {"--device": "cuda:1"},  # alone on its GPU: the default budget, so no flag
         {"--device": "cuda:0", "--kv-cache-memory": "0.45"},
     ]
-    colocated = Cluster(EngineConfig(), WorkerSettings(), RouterSettings(),
-                        ClusterSettings(decode=2, colocated=True, decode_devices="cuda:1,cuda:0"))
-    assert [_worker_flags(args)["--device"] for _, args in colocated.worker_commands(num_gpus=2)] == ["cuda:1", "cuda:0"]
+    colocated = Cluster(
+        EngineConfig(),
+        WorkerSettings(),
+        RouterSettings(),
+        ClusterSettings(decode=2, colocated=True, decode_devices="cuda:1,cuda:0"),
+    )
+    assert [_worker_flags(args)["--device"] for _, args in colocated.worker_commands(num_gpus=2)] == [
+        "cuda:1",
+        "cuda:0",
+    ]
     on_cpu = Cluster(EngineConfig(), WorkerSettings(), RouterSettings(), ClusterSettings())
     assert all(_worker_flags(args) == {} for _, args in on_cpu.worker_commands(num_gpus=0))

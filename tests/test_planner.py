@@ -26,10 +26,27 @@ MIB = 2**20
 SPAN_S = 12.0  # simulated seconds of arrivals per planner run: long enough for queues to show, short enough for a test
 
 
-def profile(cost: StepCost, *, overheads: Overheads = Overheads(), cores: int | None = None, kv_bytes: int = MIB,
-            transfer: TransferCost = TransferCost(0.0, 0.0), degrees=(1,), parallel: str = "threads") -> Profile:
-    return Profile(model="toy", device="toy", parallel=parallel, steps={d: cost for d in degrees}, kv_bytes_per_token=kv_bytes,
-                   transfers={"tcp": transfer}, transport="tcp", overheads=overheads, cores=cores)
+def profile(
+    cost: StepCost,
+    *,
+    overheads: Overheads = Overheads(),
+    cores: int | None = None,
+    kv_bytes: int = MIB,
+    transfer: TransferCost = TransferCost(0.0, 0.0),
+    degrees=(1,),
+    parallel: str = "threads",
+) -> Profile:
+    return Profile(
+        model="toy",
+        device="toy",
+        parallel=parallel,
+        steps={d: cost for d in degrees},
+        kv_bytes_per_token=kv_bytes,
+        transfers={"tcp": transfer},
+        transport="tcp",
+        overheads=overheads,
+        cores=cores,
+    )
 
 
 # A step costs 10 ms, +2 ms per decode, +1 ms per prompt token (no attention terms): easy to add up.
@@ -49,27 +66,38 @@ def times_ms(timeline) -> list[float]:
 
 def test_profile_round_trip(tmp_path):
     p = Profile(
-        model="m", device="cpu (2 cores)", parallel="threads",
+        model="m",
+        device="cpu (2 cores)",
+        parallel="threads",
         steps={1: StepCost(17.0, 0.8, 1.3, 5e-4, 2e-4), 2: StepCost(12.0, 0.5, 0.7, 3e-4, 1e-4)},
-        kv_bytes_per_token=23040, transfers={"shm": TransferCost(2.0, 0.3), "tcp": TransferCost(3.0, 0.5)},
-        transport="shm", overheads=Overheads(5.0, 20.0, 1.0, 0.1, 1.0), cores=2, kv_cache_tokens={1: 90000, 2: 90000},
-        source="test", fit_error={1: 0.05, 2: 0.07}, samples=({"label": "x", "ms": 1.0},),
+        kv_bytes_per_token=23040,
+        transfers={"shm": TransferCost(2.0, 0.3), "tcp": TransferCost(3.0, 0.5)},
+        transport="shm",
+        overheads=Overheads(5.0, 20.0, 1.0, 0.1, 1.0),
+        cores=2,
+        kv_cache_tokens={1: 90000, 2: 90000},
+        source="test",
+        fit_error={1: 0.05, 2: 0.07},
+        samples=({"label": "x", "ms": 1.0},),
     )
     path = p.save(tmp_path / "p.json")
     assert Profile.load(path) == p
     assert Profile.from_dict(json.loads(path.read_text())) == p
 
 
-@pytest.mark.parametrize("change, field", [
-    (lambda d: d.pop("steps"), "steps"),
-    (lambda d: d.update(version=99), "version"),
-    (lambda d: d.update(transport="ucx"), "transport"),
-    (lambda d: d["steps"].update({"zero": d["steps"]["1"]}), "steps"),
-    (lambda d: d["steps"]["1"].update(base_ms=float("nan")), "base_ms"),
-    (lambda d: d["overheads"].update(handoff_ms=-1), "handoff_ms"),
-    (lambda d: d.update(surprise=1), "surprise"),
-    (lambda d: d.update(parallel="pipeline"), "parallel"),
-])
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (lambda d: d.pop("steps"), "steps"),
+        (lambda d: d.update(version=99), "version"),
+        (lambda d: d.update(transport="ucx"), "transport"),
+        (lambda d: d["steps"].update({"zero": d["steps"]["1"]}), "steps"),
+        (lambda d: d["steps"]["1"].update(base_ms=float("nan")), "base_ms"),
+        (lambda d: d["overheads"].update(handoff_ms=-1), "handoff_ms"),
+        (lambda d: d.update(surprise=1), "surprise"),
+        (lambda d: d.update(parallel="pipeline"), "parallel"),
+    ],
+)
 def test_bad_profiles_are_refused_naming_the_field(tmp_path, change, field):
     data = profile(SIMPLE).to_dict()
     change(data)
@@ -146,8 +174,13 @@ def test_chunked_prefill_splits_a_long_prompt_at_the_token_budget():
     p = profile(SIMPLE)
     run = simulate(p, Topology(prefill=0, colocated=True), [req(100, 1)], [0.0], SimConfig(max_num_batched_tokens=64))
     assert times_ms(run.timelines[0]) == [(10 + 64) + (10 + 36)]
-    unchunked = simulate(p, Topology(prefill=0, colocated=True, chunked_prefill=False), [req(100, 1)], [0.0],
-                         SimConfig(max_num_batched_tokens=64))
+    unchunked = simulate(
+        p,
+        Topology(prefill=0, colocated=True, chunked_prefill=False),
+        [req(100, 1)],
+        [0.0],
+        SimConfig(max_num_batched_tokens=64),
+    )
     assert times_ms(unchunked.timelines[0]) == [10 + 100]  # too long for the budget: runs alone, whole
 
 
@@ -197,9 +230,16 @@ def test_a_reservation_waits_for_blocks_at_most_its_lease():
     a, b = run.timelines
     assert a.success and b.success and b.chunk_times[0] > a.end_time
     # Waiting longer than the request may (its timeout, under the lease) gives up, and says why.
-    short = simulate(p, Topology(prefill=1, decode=1), specs, sent, SimConfig(kv_cache_tokens=128, request_timeout_s=0.5))
+    short = simulate(
+        p, Topology(prefill=1, decode=1), specs, sent, SimConfig(kv_cache_tokens=128, request_timeout_s=0.5)
+    )
     a, b = short.timelines
-    assert len(a.chunk_times) == 60 and not b.chunk_times and "RESOURCE_EXHAUSTED" in b.error and short.counters["failed"] == 1
+    assert (
+        len(a.chunk_times) == 60
+        and not b.chunk_times
+        and "RESOURCE_EXHAUSTED" in b.error
+        and short.counters["failed"] == 1
+    )
 
 
 def test_requests_that_do_not_fit_fail_cleanly():
@@ -214,13 +254,22 @@ def test_requests_that_do_not_fit_fail_cleanly():
 
 def _mixed_run(seed: int, topology: Topology):
     specs = workloads.build(workloads.WorkloadConfig(name="mixed", num_prompts=40, seed=seed), lambda: None)
-    p = profile(StepCost(17.0, 0.8, 1.3, 5e-4, 2e-4), overheads=Overheads(5.0, 20.0, 1.0, 0.1), cores=2,
-                kv_bytes=23040, transfer=TransferCost(2.0, 0.3), degrees=(1, 2))
+    p = profile(
+        StepCost(17.0, 0.8, 1.3, 5e-4, 2e-4),
+        overheads=Overheads(5.0, 20.0, 1.0, 0.1),
+        cores=2,
+        kv_bytes=23040,
+        transfer=TransferCost(2.0, 0.3),
+        degrees=(1, 2),
+    )
     return simulate(p, topology, specs, arrivals.arrival_offsets(len(specs), 1.0, 1.0, seed), SimConfig(slo_tpot_ms=80))
 
 
-@pytest.mark.parametrize("topology", [Topology(prefill=0, colocated=True), Topology(2, 1),
-                                      Topology(1, 1, conditional=True)], ids=lambda t: t.label)
+@pytest.mark.parametrize(
+    "topology",
+    [Topology(prefill=0, colocated=True), Topology(2, 1), Topology(1, 1, conditional=True)],
+    ids=lambda t: t.label,
+)
 def test_the_simulator_is_deterministic(topology):
     a, b, c = _mixed_run(0, topology), _mixed_run(0, topology), _mixed_run(1, topology)
     key = lambda run: [(t.send_time, t.chunk_times, t.error) for t in run.timelines]  # noqa: E731
@@ -269,10 +318,20 @@ def test_planner_picks_more_prefill_when_prompts_dominate():
     # or conditional worker breaks TPOT, and one decode worker keeps up with several prefill
     # workers. The best unit within 4 devices is 3P1D.
     cost = StepCost(base_ms=10.0, decode_ms=0.1, prefill_ms=2.0, decode_ctx_ms=0.0, prefill_attn_ms=0.0)
-    fleet = plan(profile(cost, parallel="tensor_parallel"), _fixed_workload(80, 512, 32), Goodput(ttft_ms=3000, tpot_ms=25),
-                 budget=4, max_unit_devices=4, top_k=8, conditional=False, span_s=SPAN_S)
+    fleet = plan(
+        profile(cost, parallel="tensor_parallel"),
+        _fixed_workload(80, 512, 32),
+        Goodput(ttft_ms=3000, tpot_ms=25),
+        budget=4,
+        max_unit_devices=4,
+        top_k=8,
+        conditional=False,
+        span_s=SPAN_S,
+    )
     best = fleet.unit.topology
-    assert (best.colocated, best.prefill, best.decode) == (False, 3, 1), [(u.label, u.goodput) for u in fleet.candidates]
+    assert (best.colocated, best.prefill, best.decode) == (False, 3, 1), [
+        (u.label, u.goodput) for u in fleet.candidates
+    ]
     assert fleet.replicas == 1 and fleet.goodput > 0
 
 
@@ -280,15 +339,27 @@ def test_planner_keeps_prefill_on_the_decode_worker_when_prompts_are_cheap():
     # Tiny prompts (16 tokens, nearly free) and long outputs: a separate prefill worker would sit
     # idle, so one colocated instance per device serves the most.
     cost = StepCost(base_ms=10.0, decode_ms=1.0, prefill_ms=0.01, decode_ctx_ms=0.0, prefill_attn_ms=0.0)
-    fleet = plan(profile(cost, parallel="tensor_parallel"), _fixed_workload(80, 16, 128), Goodput(ttft_ms=1000, tpot_ms=40),
-                 budget=4, max_unit_devices=4, top_k=8, conditional=False, span_s=SPAN_S)
+    fleet = plan(
+        profile(cost, parallel="tensor_parallel"),
+        _fixed_workload(80, 16, 128),
+        Goodput(ttft_ms=1000, tpot_ms=40),
+        budget=4,
+        max_unit_devices=4,
+        top_k=8,
+        conditional=False,
+        span_s=SPAN_S,
+    )
     assert fleet.unit.topology.colocated, [(u.label, u.goodput) for u in fleet.candidates]
     assert fleet.replicas == 4  # one device each: the budget holds four
 
 
 def test_plan_goodput_meets_the_attainment_it_claims():
     cost = StepCost(base_ms=10.0, decode_ms=0.5, prefill_ms=1.0, decode_ctx_ms=0.0, prefill_attn_ms=0.0)
-    p, specs, slo = profile(cost, parallel="tensor_parallel"), _fixed_workload(60, 128, 32), Goodput(ttft_ms=500, tpot_ms=30)
+    p, specs, slo = (
+        profile(cost, parallel="tensor_parallel"),
+        _fixed_workload(60, 128, 32),
+        Goodput(ttft_ms=500, tpot_ms=30),
+    )
     fleet = plan(p, specs, slo, budget=2, max_unit_devices=2, top_k=4, span_s=SPAN_S)
     u = fleet.unit
     run = run_at(p, u.topology, specs, u.goodput, SimConfig(), span_s=SPAN_S)

@@ -18,31 +18,74 @@ from pdserve.planner.simulator import SimConfig, Topology, simulate
 @pytest.fixture(scope="module")
 def profile_path(tmp_path_factory):
     p = Profile(
-        model="toy", device="cpu (2 cores)", parallel="threads",
+        model="toy",
+        device="cpu (2 cores)",
+        parallel="threads",
         steps={1: StepCost(17.0, 0.8, 1.3, 5e-4, 2e-4), 2: StepCost(12.0, 0.5, 0.7, 3e-4, 1e-4)},
-        kv_bytes_per_token=23040, transfers={"shm": TransferCost(2.0, 0.3)}, transport="shm",
-        overheads=Overheads(first_token_ms=5.0, handoff_ms=20.0, step_ms=1.0, seq_ms=0.1), cores=2,
-        kv_cache_tokens={1: 90000, 2: 90000}, source="test fixture",
+        kv_bytes_per_token=23040,
+        transfers={"shm": TransferCost(2.0, 0.3)},
+        transport="shm",
+        overheads=Overheads(first_token_ms=5.0, handoff_ms=20.0, step_ms=1.0, seq_ms=0.1),
+        cores=2,
+        kv_cache_tokens={1: 90000, 2: 90000},
+        source="test fixture",
     )
     return str(p.save(tmp_path_factory.mktemp("profile") / "cpu.json"))
 
 
 def _simulate(tmp_path, profile_path, *extra: str) -> int:
-    return cli.main(["simulate", "--profile", profile_path, "--result-dir", str(tmp_path), "--no-plots", "--disable-tqdm",
-                     "--seed", "3", *extra])
+    return cli.main(
+        [
+            "simulate",
+            "--profile",
+            profile_path,
+            "--result-dir",
+            str(tmp_path),
+            "--no-plots",
+            "--disable-tqdm",
+            "--seed",
+            "3",
+            *extra,
+        ]
+    )
 
 
 def test_simulate_writes_bench_results(tmp_path, profile_path, capsys):
-    args = ("--modes", "1p1d,colocated,2p1d,1p1d-conditional", "--workload", "mixed", "--request-rates", "0.5,2",
-            "--num-prompts", "30", "--goodput", "ttft:2500", "tpot:80")
+    args = (
+        "--modes",
+        "1p1d,colocated,2p1d,1p1d-conditional",
+        "--workload",
+        "mixed",
+        "--request-rates",
+        "0.5,2",
+        "--num-prompts",
+        "30",
+        "--goodput",
+        "ttft:2500",
+        "tpot:80",
+    )
     assert _simulate(tmp_path, profile_path, *args) == 0
     files = sorted(p.name for p in tmp_path.glob("*.json"))
-    assert files == sorted(f"{m}-{r}qps.json" for m in ("1p1d", "colocated", "2p1d", "1p1d-conditional") for r in ("0.5", "2"))
+    assert files == sorted(
+        f"{m}-{r}qps.json" for m in ("1p1d", "colocated", "2p1d", "1p1d-conditional") for r in ("0.5", "2")
+    )
     out = capsys.readouterr().out
     assert "== TTFT (ms) ==" in out and "1p1d-conditional" in out
     result = json.loads((tmp_path / "1p1d-2qps.json").read_text())
-    for key in ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "mean_tpot_ms", "request_throughput",
-                "request_goodput", "completed", "input_lens", "output_lens", "ttfts", "itls"):
+    for key in (
+        "median_ttft_ms",
+        "p99_ttft_ms",
+        "median_itl_ms",
+        "p99_itl_ms",
+        "mean_tpot_ms",
+        "request_throughput",
+        "request_goodput",
+        "completed",
+        "input_lens",
+        "output_lens",
+        "ttfts",
+        "itls",
+    ):
         assert key in result, key
     assert result["simulated"] is True and result["backend"] == "pdserve-sim" and result["completed"] == 30
     # The benchmark's own requests: rate k of the sweep sends variant k of the workload.
@@ -68,21 +111,41 @@ def test_simulate_is_deterministic_and_matches_the_simulator(tmp_path, profile_p
 
 def test_simulate_reads_jsonl_traces(tmp_path, profile_path):
     trace = tmp_path / "trace.jsonl"
-    trace.write_text("\n".join(json.dumps({"prompt_token_ids": list(range(1000, 1000 + n)), "output_len": 8})
-                               for n in (20, 300, 45)) + "\n")
-    assert _simulate(tmp_path, profile_path, "--modes", "colocated", "--workload", "jsonl", "--dataset-path", str(trace),
-                     "--request-rates", "inf", "--num-prompts", "3") == 0
+    trace.write_text(
+        "\n".join(json.dumps({"prompt_token_ids": list(range(1000, 1000 + n)), "output_len": 8}) for n in (20, 300, 45))
+        + "\n"
+    )
+    assert (
+        _simulate(
+            tmp_path,
+            profile_path,
+            "--modes",
+            "colocated",
+            "--workload",
+            "jsonl",
+            "--dataset-path",
+            str(trace),
+            "--request-rates",
+            "inf",
+            "--num-prompts",
+            "3",
+        )
+        == 0
+    )
     result = json.loads((tmp_path / "colocated-infqps.json").read_text())
     assert result["input_lens"] == [20, 300, 45] and result["output_lens"] == [8, 8, 8]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--modes", "1p1d"], "--profile FILE is required"),
-    (["--profile", "/nonexistent.json", "--modes", "1p1d"], "no such file"),
-    (["--modes", "live"], "cannot be simulated"),
-    (["--modes", "colocated-conditional"], "unknown mode"),
-    (["--modes", "1p1d", "--slo-tpot-ms", "-5"], "--slo-tpot-ms"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--modes", "1p1d"], "--profile FILE is required"),
+        (["--profile", "/nonexistent.json", "--modes", "1p1d"], "no such file"),
+        (["--modes", "live"], "cannot be simulated"),
+        (["--modes", "colocated-conditional"], "unknown mode"),
+        (["--modes", "1p1d", "--slo-tpot-ms", "-5"], "--slo-tpot-ms"),
+    ],
+)
 def test_simulate_bad_input(tmp_path, profile_path, capsys, args, message):
     if "--profile" not in args and "required" not in message:
         args = ["--profile", profile_path, *args]
@@ -92,9 +155,29 @@ def test_simulate_bad_input(tmp_path, profile_path, capsys, args, message):
 
 def test_plan_prints_and_writes_a_plan(tmp_path, profile_path, capsys):
     out = tmp_path / "plan.json"
-    code = cli.main(["plan", "--profile", profile_path, "--workload", "mixed", "--slo", "ttft:4000", "tpot:80",
-                     "--devices", "2", "--num-prompts", "40", "--request-rate", "0.5", "--top-k", "3", "--json", str(out),
-                     "--disable-tqdm"])
+    code = cli.main(
+        [
+            "plan",
+            "--profile",
+            profile_path,
+            "--workload",
+            "mixed",
+            "--slo",
+            "ttft:4000",
+            "tpot:80",
+            "--devices",
+            "2",
+            "--num-prompts",
+            "40",
+            "--request-rate",
+            "0.5",
+            "--top-k",
+            "3",
+            "--json",
+            str(out),
+            "--disable-tqdm",
+        ]
+    )
     assert code == 0
     text = capsys.readouterr().out
     assert "plan for 2 cores" in text and "target 0.5 req/s" in text
@@ -103,27 +186,62 @@ def test_plan_prints_and_writes_a_plan(tmp_path, profile_path, capsys):
     assert {c["unit"] for c in plan["candidates"]} >= {"colocated x2", "1P(x1) 1D(x1)"}
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--slo", "ttft:100", "--devices", "0"], "must be >= 1"),
-    (["--slo", "speed:3", "--devices", "2"], "goodput"),
-    (["--slo", "ttft:100", "--devices", "2", "--attainment", "1.5"], "--attainment"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--slo", "ttft:100", "--devices", "0"], "must be >= 1"),
+        (["--slo", "speed:3", "--devices", "2"], "goodput"),
+        (["--slo", "ttft:100", "--devices", "2", "--attainment", "1.5"], "--attainment"),
+    ],
+)
 def test_plan_bad_input(profile_path, capsys, args, message):
     assert plan_cli.main(["--profile", profile_path, "--disable-tqdm", *args]) == 2
     assert message in capsys.readouterr().err
 
 
 def test_up_takes_the_planner_flags():
-    args = cli._parser().parse_args(["up", "--conditional", "--profile", "p.json", "--slo-tpot-ms", "50",
-                                     "--slo-ttft-ms", "2000", "--conditional-threshold-tokens", "64"])
-    assert (args.conditional, args.profile, args.slo_tpot_ms, args.conditional_threshold_tokens) == (True, "p.json", 50.0, 64)
+    args = cli._parser().parse_args(
+        [
+            "up",
+            "--conditional",
+            "--profile",
+            "p.json",
+            "--slo-tpot-ms",
+            "50",
+            "--slo-ttft-ms",
+            "2000",
+            "--conditional-threshold-tokens",
+            "64",
+        ]
+    )
+    assert (args.conditional, args.profile, args.slo_tpot_ms, args.conditional_threshold_tokens) == (
+        True,
+        "p.json",
+        50.0,
+        64,
+    )
     for role in ("prefill", "decode"):
         worker = cli._parser().parse_args([role, "--profile", "p.json", "--slo-tpot-ms", "40"])
         assert (worker.profile, worker.slo_tpot_ms) == ("p.json", 40.0)
 
 
 def test_plan_says_when_nothing_meets_the_slo(profile_path, capsys):
-    code = plan_cli.main(["--profile", profile_path, "--workload", "random", "--slo", "ttft:5", "--devices", "2",
-                          "--num-prompts", "20", "--top-k", "2", "--disable-tqdm"])
+    code = plan_cli.main(
+        [
+            "--profile",
+            profile_path,
+            "--workload",
+            "random",
+            "--slo",
+            "ttft:5",
+            "--devices",
+            "2",
+            "--num-prompts",
+            "20",
+            "--top-k",
+            "2",
+            "--disable-tqdm",
+        ]
+    )
     assert code == 0
     assert "no placement within 2 cores meets the SLOs for 90% of the requests" in capsys.readouterr().out

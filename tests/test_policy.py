@@ -20,8 +20,11 @@ def request(tail: list[int]) -> ValidatedRequest:
 
 def worker(name: str, role=Role.PREFILL, **stats) -> Worker:
     w = Worker(name, role, channel=None)
-    w.update_stats(pb.WorkerStats(**{"address": name, "block_size": 16, "blocks_total": 100, "blocks_free": 100,
-                                     "max_num_seqs": 8, **stats}))
+    w.update_stats(
+        pb.WorkerStats(
+            **{"address": name, "block_size": 16, "blocks_total": 100, "blocks_free": 100, "max_num_seqs": 8, **stats}
+        )
+    )
     return w
 
 

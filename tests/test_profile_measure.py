@@ -26,8 +26,10 @@ def test_engine_probe_measures_each_shape_at_each_degree(model_dir, monkeypatch)
     monkeypatch.setattr(measure, "DEEP_CHUNK", 64)
     monkeypatch.setattr(measure, "DECODE_SHAPES", ((1, 32), (4, 64)))
     monkeypatch.setattr(measure, "MIXED_SHAPES", ((2, 32, 24),))
-    engine = LLMEngine(EngineConfig(dtype="float32", device="cpu", kv_cache_memory="64MiB", max_num_batched_tokens=1024),
-                       model_dir=str(model_dir))
+    engine = LLMEngine(
+        EngineConfig(dtype="float32", device="cpu", kv_cache_memory="64MiB", max_num_batched_tokens=1024),
+        model_dir=str(model_dir),
+    )
     with tqdm(disable=True) as bar:
         samples = measure.EngineProbe(engine, [1, 2], repeats=1, bar=bar).run()
     shapes = {(s.label, s.degree): s.shape for s in samples}
@@ -45,8 +47,11 @@ def test_engine_probe_measures_each_shape_at_each_degree(model_dir, monkeypatch)
 
 def test_kv_part_fits_a_cost_per_transport(monkeypatch):
     monkeypatch.setattr(measure, "KV_TOKENS", (1024, 8192, 32768))  # 0.5 to 16 MiB: past the fixed costs
-    engine = SimpleNamespace(model_config=SimpleNamespace(num_layers=4, num_kv_heads=2, head_dim=16),
-                             config=SimpleNamespace(block_size=16), dtype=torch.float32)
+    engine = SimpleNamespace(
+        model_config=SimpleNamespace(num_layers=4, num_kv_heads=2, head_dim=16),
+        config=SimpleNamespace(block_size=16),
+        dtype=torch.float32,
+    )
     transports = [t for t in offered_transports("auto", torch.device("cpu")) if t != "cuda_ipc"]
     costs = measure.measure_kv(engine, 2, transports)
     assert set(costs) == set(transports) and {"tcp", "shm"} <= set(costs)

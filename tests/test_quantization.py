@@ -61,16 +61,21 @@ def test_gguf_blocks_are_kept_exactly(model_dir):
     state = load_state_dict(model_dir, torch.float32)
     assert native["model.layers.0.self_attn.q_proj.weight"].fmt is QuantFormat.INT4_GROUP
     assert native["model.embed_tokens.weight"].fmt is QuantFormat.INT8_GROUP
-    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.7.self_attn.k_proj.weight",
-                 "model.layers.29.mlp.down_proj.weight", "model.embed_tokens.weight"):
+    for name in (
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.7.self_attn.k_proj.weight",
+        "model.layers.29.mlp.down_proj.weight",
+        "model.embed_tokens.weight",
+    ):
         torch.testing.assert_close(native[name].dequantize(), state[name], atol=0, rtol=0)
 
 
 # Bounds well outside what this model measures (bench/RESULTS.md) and well inside what a broken
 # kernel gives (perplexity in the thousands, agreement near zero).
 @pytest.mark.parametrize("mode, max_ppl_ratio, min_agreement", [("int8", 1.03, 0.9), ("int4", 1.10, 0.8)])
-def test_quantized_engine_follows_bf16(model_dir, bf16_engine, prompt_ids, bf16_outputs, text_ids, mode,
-                                       max_ppl_ratio, min_agreement):
+def test_quantized_engine_follows_bf16(
+    model_dir, bf16_engine, prompt_ids, bf16_outputs, text_ids, mode, max_ppl_ratio, min_agreement
+):
     engine = make_engine(model_dir, quantization=mode)
     layers = [m for m in engine.model.modules() if isinstance(m, QuantizedLinear)]
     assert len(layers) == 4 * engine.model_config.num_layers + 1  # every linear layer and the lm_head
@@ -85,7 +90,9 @@ def test_quantized_engine_follows_bf16(model_dir, bf16_engine, prompt_ids, bf16_
     base = perplexity(bf16_engine, text_ids, window=512)
     quant = perplexity(engine, text_ids, window=512)
     assert quant.tokens == base.tokens and quant.ppl / base.ppl <= max_ppl_ratio
-    assert top1_agreement(engine, bf16_engine, [ids + out for ids, out in zip(prompt_ids, bf16_outputs)]) >= min_agreement
+    assert (
+        top1_agreement(engine, bf16_engine, [ids + out for ids, out in zip(prompt_ids, bf16_outputs)]) >= min_agreement
+    )
 
 
 def test_fallback_path_gives_the_kernels_tokens(model_dir, prompt_ids, monkeypatch):

@@ -30,7 +30,8 @@ def expected(hf_reference, prompt: str, n: int = MAX_NEW) -> list[int]:
 async def stream_tokens(channel, prompt: str, progress: dict, key: int, max_tokens: int = MAX_NEW) -> list[int]:
     ids = []
     async for msg in pdserve_pb2_grpc.RouterStub(channel).Generate(
-            build_request(prompt, max_tokens=max_tokens, temperature=0), timeout=240):
+        build_request(prompt, max_tokens=max_tokens, temperature=0), timeout=240
+    ):
         ids += msg.token_ids
         progress[key] = len(ids)
     return ids
@@ -94,7 +95,9 @@ async def test_kill_prefill_worker_under_load_loses_nothing(hf_reference):
     try:
         prompts = [PROMPTS[i % 4] for i in range(8)]
         async with grpc.aio.insecure_channel(stack.address) as channel:
-            tasks = [asyncio.create_task(stream_tokens(channel, p, {}, i, max_tokens=12)) for i, p in enumerate(prompts)]
+            tasks = [
+                asyncio.create_task(stream_tokens(channel, p, {}, i, max_tokens=12)) for i, p in enumerate(prompts)
+            ]
             await wait_until_busy(stack, "prefill-0")  # killed while it prefills
             os.kill(pid_of(stack, "prefill-0"), signal.SIGKILL)
             results = await asyncio.gather(*tasks)
@@ -108,6 +111,7 @@ async def test_kill_prefill_worker_under_load_loses_nothing(hf_reference):
 async def test_overload_gets_fast_rejections_and_admitted_requests_finish(hf_reference):
     stack = Stack.up("--prefill", "1", "--decode", "1", "--max-inflight-requests", "4", *ARGS)
     try:
+
         async def one(i: int):
             started = time.perf_counter()
             try:

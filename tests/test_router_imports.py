@@ -15,8 +15,15 @@ import pdserve.router
 pytestmark = pytest.mark.e2e  # starts a Python process
 
 ROUTER_MODULES = sorted(
-    ["pdserve.cli", "pdserve.client", "pdserve.launcher", "pdserve.settings", "pdserve.wire", "pdserve.request_rules",
-     "pdserve.prefix_hash"]
+    [
+        "pdserve.cli",
+        "pdserve.client",
+        "pdserve.launcher",
+        "pdserve.settings",
+        "pdserve.wire",
+        "pdserve.request_rules",
+        "pdserve.prefix_hash",
+    ]
     + [f"pdserve.router.{m.name}" for m in pkgutil.iter_modules(pdserve.router.__path__)]
 )
 
@@ -38,7 +45,11 @@ print(json.dumps(sorted(m for m in sys.modules if m == "torch" or m.startswith("
 
 def test_router_modules_and_tokenizer_do_not_import_torch(model_dir):
     assert "pdserve.router.main" in ROUTER_MODULES and "pdserve.router.openai_api" in ROUTER_MODULES
-    out = subprocess.run([sys.executable, "-c", PROGRAM, json.dumps(ROUTER_MODULES), str(model_dir)],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", PROGRAM, json.dumps(ROUTER_MODULES), str(model_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [], "the router imported torch"

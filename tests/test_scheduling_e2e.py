@@ -26,7 +26,9 @@ def by_role(stats, role):
 async def test_kv_aware_routes_a_shared_prefix_to_the_worker_that_caches_it(hf_reference):
     stack = Stack.up("--prefill", "2", "--decode", "1", "--policy", "kv_aware", *ARGS)
     try:
-        first, _, msgs = await collect(stack.address, build_request(SYSTEM + "Question 1: where is my parcel?", max_tokens=8, temperature=0))
+        first, _, msgs = await collect(
+            stack.address, build_request(SYSTEM + "Question 1: where is my parcel?", max_tokens=8, temperature=0)
+        )
         assert msgs[-1].usage.cached_prompt_tokens == 0
         # No waiting for fresh cache digests: the router remembers where it sent the prefix.
         for i in range(2, 6):
@@ -47,10 +49,13 @@ async def test_kv_aware_routes_a_shared_prefix_to_the_worker_that_caches_it(hf_r
 async def test_full_worker_queue_rejects_fast_and_recovers(hf_reference):
     stack = Stack.up("--colocated", "--max-queued-requests", "2", "--max-num-seqs", "2", *ARGS)
     try:
+
         async def one(i):
             started = time.perf_counter()
             try:
-                ids, _, _ = await collect(stack.address, build_request(f"Count to {i}:", max_tokens=24, temperature=0, ignore_eos=True))
+                ids, _, _ = await collect(
+                    stack.address, build_request(f"Count to {i}:", max_tokens=24, temperature=0, ignore_eos=True)
+                )
                 return "ok", time.perf_counter() - started, ids
             except grpc.aio.AioRpcError as e:
                 return e.code(), time.perf_counter() - started, None

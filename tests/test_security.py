@@ -40,9 +40,22 @@ def certs(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def stack(certs):
     s = Stack.up(
-        "--dtype", "float32", "--kv-cache-memory", "128MiB", "--kv-transport", "tcp", "--http-port", "0",
-        "--tls-cert", str(certs / "node.crt"), "--tls-key", str(certs / "node.key"), "--tls-ca", str(certs / "ca.crt"),
-        "--tls-client-auth", env={"PDSERVE_API_TOKEN": TOKEN},
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        "128MiB",
+        "--kv-transport",
+        "tcp",
+        "--http-port",
+        "0",
+        "--tls-cert",
+        str(certs / "node.crt"),
+        "--tls-key",
+        str(certs / "node.key"),
+        "--tls-ca",
+        str(certs / "ca.crt"),
+        "--tls-client-auth",
+        env={"PDSERVE_API_TOKEN": TOKEN},
     )
     yield s
     s.down()
@@ -60,8 +73,12 @@ async def generate(address, credentials, metadata=(), max_tokens=8):
     channel = grpc.aio.secure_channel(address, credentials) if credentials else grpc.aio.insecure_channel(address)
     async with channel:
         stub = pdserve_pb2_grpc.RouterStub(channel)
-        return [m async for m in stub.Generate(build_request(PROMPTS[0], max_tokens=max_tokens, temperature=0),
-                                                timeout=60, metadata=metadata)]
+        return [
+            m
+            async for m in stub.Generate(
+                build_request(PROMPTS[0], max_tokens=max_tokens, temperature=0), timeout=60, metadata=metadata
+            )
+        ]
 
 
 def process(stack: Stack, role: str) -> dict:
@@ -102,15 +119,19 @@ def test_http_api_is_https_and_requires_the_bearer_token(stack, certs):
     network in clear, and with --tls-client-auth the HTTP client needs a certificate as well."""
     http = process(stack, "router")["http"]
     body = json.dumps({"prompt": "Hello", "max_tokens": 2, "temperature": 0}).encode()
-    request = urllib.request.Request(f"https://{http}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"https://{http}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+    )
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(request, timeout=30, context=https_context(certs))
     assert err.value.code == 401 and json.loads(err.value.read())["error"]["code"] == "invalid_api_key"
     request.add_header("Authorization", f"Bearer {TOKEN}")
     reply = json.loads(urllib.request.urlopen(request, timeout=60, context=https_context(certs)).read())
     assert reply["usage"]["completion_tokens"] == 2
-    for refused in (urllib.request.Request(f"http://{http}/v1/completions", data=body, headers=dict(request.header_items())),
-                    request):
+    for refused in (
+        urllib.request.Request(f"http://{http}/v1/completions", data=body, headers=dict(request.header_items())),
+        request,
+    ):
         context = None if refused.type == "http" else https_context(certs, with_cert=False)
         with pytest.raises((OSError, http_client.HTTPException)):
             urllib.request.urlopen(refused, timeout=30, context=context)  # plain HTTP; TLS without a client cert
@@ -138,9 +159,19 @@ async def test_kv_port_refuses_an_unauthenticated_peer(stack):
     kv_address = process(stack, "decode")["kv"]
     stats = await cluster_stats_with_token(stack)
     decode = next(w for w in stats.workers if w.role == "decode")
-    fake = PeerInfo(model_fingerprint="x", dtype="float32", num_layers=30, num_kv_heads=3, head_dim=64, block_size=16,
-                    transports=("tcp",), host_id=host_id())
-    with pytest.raises(HandshakeError, match="unauthenticated"):  # refused in the handshake, before the cache is touched
+    fake = PeerInfo(
+        model_fingerprint="x",
+        dtype="float32",
+        num_layers=30,
+        num_kv_heads=3,
+        head_dim=64,
+        block_size=16,
+        transports=("tcp",),
+        host_id=host_id(),
+    )
+    with pytest.raises(
+        HandshakeError, match="unauthenticated"
+    ):  # refused in the handshake, before the cache is touched
         KVConnection(kv_address, fake, cache=None, secret=b"not-the-cluster-token")
     after = await cluster_stats_with_token(stack)
     decode_after = next(w for w in after.workers if w.role == "decode")
@@ -157,4 +188,5 @@ async def cluster_stats_with_token(stack: Stack) -> pb.ClusterStats:
     certs = Path(stack.proc.args[stack.proc.args.index("--tls-ca") + 1]).parent
     async with grpc.aio.secure_channel(stack.address, mtls(certs)) as channel:
         return await pdserve_pb2_grpc.RouterStub(channel).GetClusterStats(
-            pb.ClusterStatsRequest(), timeout=10, metadata=(("authorization", f"Bearer {TOKEN}"),))
+            pb.ClusterStatsRequest(), timeout=10, metadata=(("authorization", f"Bearer {TOKEN}"),)
+        )

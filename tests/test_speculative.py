@@ -44,8 +44,10 @@ K = 4
 DRAFT_LAYERS = 20  # of 30: fewer layers agree with the model on almost no token
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
 # The answer quotes the prompt: n-gram lookup and drafts find much to propose.
-EXTRACTIVE = ("<|im_start|>user\nRepeat this sentence exactly: The committee met on Tuesday to discuss the harbour, "
-              "the schools and the new library.<|im_end|>\n<|im_start|>assistant\n")
+EXTRACTIVE = (
+    "<|im_start|>user\nRepeat this sentence exactly: The committee met on Tuesday to discuss the harbour, "
+    "the schools and the new library.<|im_end|>\n<|im_start|>assistant\n"
+)
 
 
 def make_engine(model_dir, **overrides) -> LLMEngine:
@@ -108,7 +110,11 @@ def truncated_draft(model_dir, tmp_path_factory):
     config = json.loads((model_dir / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": DRAFT_LAYERS}))
     state = load_state_dict(model_dir, torch.float32)
-    keep = {k: v.contiguous() for k, v in state.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < DRAFT_LAYERS}
+    keep = {
+        k: v.contiguous()
+        for k, v in state.items()
+        if not k.startswith("model.layers.") or int(k.split(".")[2]) < DRAFT_LAYERS
+    }
     save_file(keep, str(folder / "model.safetensors"))
     return folder
 
@@ -159,8 +165,10 @@ def test_greedy_equals_transformers_in_a_staggered_continuous_batch(spec_engine,
 
 @pytest.mark.parametrize("proposer", ["ngram", "truncated-draft"])
 def test_seeded_sampling_gives_the_same_tokens_as_without_speculation(proposer, engines, few):
-    arrivals = [(0, "seeded-0", few[2], SamplingParams(max_tokens=16, temperature=0.8, seed=7)),
-                (1, "seeded-1", few[1], SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=40, seed=123))]
+    arrivals = [
+        (0, "seeded-0", few[2], SamplingParams(max_tokens=16, temperature=0.8, seed=7)),
+        (1, "seeded-1", few[1], SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=40, seed=123)),
+    ]
     engine = engines(proposer)
     drafts = engine.speculator.stats.drafts
     assert run(engine, arrivals) == run(engines("none"), arrivals)
@@ -181,8 +189,9 @@ def test_preemption_under_memory_pressure_keeps_greedy_output(model_dir, prompt_
     requests = [(0, f"{i}-{j}", prompt_ids[i], GREEDY) for i in (0, 4) for j in range(2)]
     admit = sum(-(-len(ids) // 16) for _, _, ids, _ in requests)
     per_block = 16 * 2 * 3 * 64 * 4 * 30  # tokens x (K, V) x kv heads x head dim x fp32 x layers
-    tight = make_engine(model_dir, speculative="ngram", kv_cache_memory=str((admit + 2) * per_block),
-                        enable_prefix_caching=False)
+    tight = make_engine(
+        model_dir, speculative="ngram", kv_cache_memory=str((admit + 2) * per_block), enable_prefix_caching=False
+    )
     got = run(tight, requests)
     assert tight.scheduler.num_preemptions > 0 and tight.speculator.stats.accepted_tokens > 0
     for _, rid, ids, _ in requests:
@@ -231,7 +240,9 @@ def test_prefix_cache_holds_only_verified_tokens(model_dir, prompt_ids, hf_refer
 
 def test_max_tokens_is_never_overshot(engines, prompt_ids):
     engine = engines("self-draft")  # every proposal kept: the most tokens per step
-    arrivals = [(0, f"m{n}", prompt_ids[-1], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)) for n in (1, 2, 3, 6)]
+    arrivals = [
+        (0, f"m{n}", prompt_ids[-1], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)) for n in (1, 2, 3, 6)
+    ]
     got = run(engine, arrivals)
     assert {rid: len(ids) for rid, ids in got.items()} == {"m1": 1, "m2": 2, "m3": 3, "m6": 6}
     assert_all_free(engine)
@@ -242,7 +253,9 @@ def test_stop_token_inside_kept_proposals_ends_the_output_there(model_dir, promp
     ids = prompt_ids[-1]
     reference = hf_reference.greedy(ids, MAX_NEW)
     stop_at = reference[7]
-    got = run(engine, [(0, "s", ids, SamplingParams(max_tokens=MAX_NEW, temperature=0, stop_token_ids=(stop_at,)))])["s"]
+    got = run(engine, [(0, "s", ids, SamplingParams(max_tokens=MAX_NEW, temperature=0, stop_token_ids=(stop_at,)))])[
+        "s"
+    ]
     assert got == reference[: reference.index(stop_at) + 1]
     assert_all_free(engine)
 
@@ -258,8 +271,11 @@ def test_abort_mid_speculation_frees_every_block(model_dir, prompt_ids):
     assert_all_free(engine)
 
 
-@pytest.mark.parametrize("proposer, sp", [("ngram", GREEDY), ("truncated-draft", SamplingParams(max_tokens=MAX_NEW, temperature=0.9, seed=42))],
-                         ids=["ngram-greedy", "draft-seeded"])
+@pytest.mark.parametrize(
+    "proposer, sp",
+    [("ngram", GREEDY), ("truncated-draft", SamplingParams(max_tokens=MAX_NEW, temperature=0.9, seed=42))],
+    ids=["ngram-greedy", "draft-seeded"],
+)
 def test_a_migrated_request_continues_with_the_same_tokens(proposer, sp, engines, prompt_ids):
     """Dynamo-style migration: the request restarts elsewhere with prompt + tokens so far; the
     new worker's proposals start at another place, the tokens are the same."""
@@ -288,12 +304,15 @@ def test_disaggregated_handoff_then_draft_decoding(model_dir, truncated_draft, p
     assert_all_free(decode)
 
 
-@pytest.mark.parametrize("overrides, field", [
-    (dict(speculative="medusa"), "speculative"),
-    (dict(speculative="ngram", num_speculative_tokens=0), "num_speculative_tokens"),
-    (dict(speculative="draft"), "draft_model"),
-    (dict(speculative="ngram", prompt_lookup_min=3, prompt_lookup_max=2), "prompt_lookup_min"),
-])
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (dict(speculative="medusa"), "speculative"),
+        (dict(speculative="ngram", num_speculative_tokens=0), "num_speculative_tokens"),
+        (dict(speculative="draft"), "draft_model"),
+        (dict(speculative="ngram", prompt_lookup_min=3, prompt_lookup_max=2), "prompt_lookup_min"),
+    ],
+)
 def test_bad_settings_raise_value_error_naming_the_setting(overrides, field):
     with pytest.raises(ValueError, match=field):
         EngineConfig(**overrides)
@@ -317,8 +336,21 @@ def test_a_draft_model_that_cannot_propose_is_refused(model_dir, tmp_path):
 @pytest.fixture(scope="module")
 def ngram_stack():
     http_port = free_port()
-    s = Stack.up("--prefill", "1", "--decode", "1", "--speculative", "ngram", "--metrics", "--http-port", str(http_port),
-                 "--dtype", "float32", "--kv-cache-memory", "128MiB")
+    s = Stack.up(
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--speculative",
+        "ngram",
+        "--metrics",
+        "--http-port",
+        str(http_port),
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        "128MiB",
+    )
     yield s, http_port
     s.down()
 
@@ -328,7 +360,9 @@ async def test_a_1p1d_stack_speculating_in_its_decode_pool(ngram_stack, prompt_i
     metrics = {p["role"]: p["metrics"] for p in stack.processes}
     ids = prompt_ids[-1]
     reference = hf_reference.greedy(ids, MAX_NEW)
-    got, text, messages = await stream(stack.address, build_request(prompt_token_ids=ids, max_tokens=MAX_NEW, temperature=0))
+    got, text, messages = await stream(
+        stack.address, build_request(prompt_token_ids=ids, max_tokens=MAX_NEW, temperature=0)
+    )
     assert got == reference
     assert max(len(m.token_ids) for m in messages) > 1  # kept proposals arrive together
     decode = scrape(metrics["decode"])
@@ -338,20 +372,24 @@ async def test_a_1p1d_stack_speculating_in_its_decode_pool(ngram_stack, prompt_i
 
     # A stop string inside a multi-token message ends the text right before it.
     stop = text[len(text) // 2 : len(text) // 2 + 4]
-    _, stopped, messages = await stream(stack.address, build_request(prompt_token_ids=ids, max_tokens=MAX_NEW, temperature=0,
-                                                                      stop=[stop]))
+    _, stopped, messages = await stream(
+        stack.address, build_request(prompt_token_ids=ids, max_tokens=MAX_NEW, temperature=0, stop=[stop])
+    )
     assert messages[-1].finish_reason == "stop" and stopped == text[: text.index(stop)]
 
     # The OpenAI API gives the same text.
     body = json.dumps({"prompt": ids, "max_tokens": MAX_NEW, "temperature": 0}).encode()
-    request = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/completions", body, {"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{http_port}/v1/completions", body, {"Content-Type": "application/json"}
+    )
     answer = await asyncio.to_thread(lambda: json.loads(urllib.request.urlopen(request, timeout=120).read()))
     assert answer["choices"][0]["text"] == text
 
     # Cancelled mid-stream: every block comes back.
     async with grpc.aio.insecure_channel(stack.address) as channel:
         call = pdserve_pb2_grpc.RouterStub(channel).Generate(
-            build_request(prompt_token_ids=ids, max_tokens=400, temperature=0, ignore_eos=True), timeout=120)
+            build_request(prompt_token_ids=ids, max_tokens=400, temperature=0, ignore_eos=True), timeout=120
+        )
         for _ in range(3):
             await call.read()
         call.cancel()

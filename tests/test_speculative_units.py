@@ -49,8 +49,13 @@ def test_a_repetition_loop_is_continued_past_the_end():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(0, 4), min_size=1, max_size=60), st.lists(st.integers(1, 12), min_size=1, max_size=6),
-       st.integers(1, 3), st.integers(0, 2), st.integers(1, 6))
+@given(
+    st.lists(st.integers(0, 4), min_size=1, max_size=60),
+    st.lists(st.integers(1, 12), min_size=1, max_size=6),
+    st.integers(1, 3),
+    st.integers(0, 2),
+    st.integers(1, 6),
+)
 def test_incremental_index_equals_a_fresh_search(tokens, cuts, min_n, extra, k):
     """Updating the index as tokens arrive gives what a brute-force search of the whole sequence gives."""
     max_n = min_n + extra
@@ -137,8 +142,13 @@ def test_matching_a_coupled_draft_emits_the_targets_own_samples():
     vocab, k, trials = 6, 3, 2_500
     p, q = _distributions(vocab, k + 1, seed=3)
     rows = trials * (k + 1)  # trial t, position i: token index t * (k + 1) + i (independent draws)
-    target = Sampler(torch.device("cpu"))(p.float().log().repeat(trials, 1), [SamplingParams(temperature=1.0, seed=11)] * rows,
-                                         list(range(rows))).view(trials, k + 1).tolist()
+    target = (
+        Sampler(torch.device("cpu"))(
+            p.float().log().repeat(trials, 1), [SamplingParams(temperature=1.0, seed=11)] * rows, list(range(rows))
+        )
+        .view(trials, k + 1)
+        .tolist()
+    )
     noise = torch.stack([_seeded_noise(11, i, vocab) for i in range(rows)]).view(trials, k + 1, vocab)
     drafts = (q.float()[None] / noise).argmax(-1)[:, :k].tolist()
     counts = torch.zeros(vocab, dtype=torch.float64)

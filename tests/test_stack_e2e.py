@@ -58,12 +58,21 @@ async def assert_blocks_all_free(address: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         stats = await cluster_stats(address)
-        busy = [(w.address, w.healthy, w.blocks_total - w.blocks_free, w.reserved_transfers) for w in stats.workers
-                if not w.healthy or w.blocks_total == 0 or w.blocks_free != w.blocks_total
-                or w.reserved_transfers or w.running or w.waiting]
+        busy = [
+            (w.address, w.healthy, w.blocks_total - w.blocks_free, w.reserved_transfers)
+            for w in stats.workers
+            if not w.healthy
+            or w.blocks_total == 0
+            or w.blocks_free != w.blocks_total
+            or w.reserved_transfers
+            or w.running
+            or w.waiting
+        ]
         if not busy:
             return
-        assert time.monotonic() < deadline, f"workers still busy or unhealthy (address, healthy, blocks, reserved): {busy}"
+        assert time.monotonic() < deadline, (
+            f"workers still busy or unhealthy (address, healthy, blocks, reserved): {busy}"
+        )
         await asyncio.sleep(0.2)
 
 
@@ -86,7 +95,9 @@ async def test_greedy_output_equals_transformers(stack, hf_reference):
 
 async def test_token_ids_and_chat_messages_inputs(stack, hf_reference):
     prompt_ids = hf_reference.tokenizer(PROMPTS[2]).input_ids
-    ids, _, _ = await collect(stack.address, build_request(prompt_token_ids=prompt_ids, max_tokens=MAX_NEW, temperature=0))
+    ids, _, _ = await collect(
+        stack.address, build_request(prompt_token_ids=prompt_ids, max_tokens=MAX_NEW, temperature=0)
+    )
     assert ids == hf_reference.greedy(prompt_ids, MAX_NEW)
     messages = [{"role": "user", "content": "What is the capital of Italy?"}]
     chat_ids = hf_reference.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -126,7 +137,8 @@ async def test_cancel_mid_stream_frees_blocks(mode, request):
     address = request.getfixturevalue(mode).address
     async with grpc.aio.insecure_channel(address) as channel:
         call = pdserve_pb2_grpc.RouterStub(channel).Generate(
-            build_request(PROMPTS[3], max_tokens=400, temperature=0, ignore_eos=True), timeout=120)
+            build_request(PROMPTS[3], max_tokens=400, temperature=0, ignore_eos=True), timeout=120
+        )
         for _ in range(3):
             await call.read()
         call.cancel()
@@ -139,7 +151,9 @@ async def test_cancel_mid_stream_frees_blocks(mode, request):
 
 async def test_expiring_deadline_frees_blocks(stack):
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await collect(stack.address, build_request(PROMPTS[3], max_tokens=400, temperature=0, ignore_eos=True), timeout=1.5)
+        await collect(
+            stack.address, build_request(PROMPTS[3], max_tokens=400, temperature=0, ignore_eos=True), timeout=1.5
+        )
     assert err.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
     await assert_blocks_all_free(stack.address)
 
@@ -184,24 +198,43 @@ async def test_bad_input_is_invalid_argument_naming_the_field(stack, fields, fie
 async def test_health_and_reflection_on_every_server(stack):
     stats = await cluster_stats(stack.address)
     targets = [(stack.address, "pdserve.v1.Router")] + [
-        (w.address, "pdserve.v1.PrefillWorker" if w.role == "prefill" else "pdserve.v1.DecodeWorker") for w in stats.workers
+        (w.address, "pdserve.v1.PrefillWorker" if w.role == "prefill" else "pdserve.v1.DecodeWorker")
+        for w in stats.workers
     ]
     assert len(targets) == 3
     for address, service in targets:
         async with grpc.aio.insecure_channel(address) as channel:
-            health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            health = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=5
+            )
             assert health.status == health_pb2.HealthCheckResponse.SERVING
             stream = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
-                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+            )
             names = {s.name async for r in stream for s in r.list_services_response.service}
             assert service in names and "grpc.health.v1.Health" in names
 
 
 def test_cli_generate_json_streams_one_object_per_message(stack, hf_reference):
     out = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "generate", "--addr", stack.address, "--json", "--max-tokens", "8",
-         "--temperature", "0", PROMPTS[0]],
-        capture_output=True, text=True, timeout=120, check=True,
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "generate",
+            "--addr",
+            stack.address,
+            "--json",
+            "--max-tokens",
+            "8",
+            "--temperature",
+            "0",
+            PROMPTS[0],
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     )
     rows = [json.loads(line) for line in out.stdout.splitlines()]
     assert all({"token_ids", "text", "finish_reason"} <= row.keys() for row in rows)

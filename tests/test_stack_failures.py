@@ -44,16 +44,22 @@ async def test_no_reachable_worker_is_unavailable_not_a_hang():
         assert router.stop() == 0
 
 
-@pytest.mark.parametrize("prefill_flags, decode_flags", [
-    (("--dtype", "float32"), ("--dtype", "bfloat16")),  # another model dtype
-    (("--dtype", "bfloat16", "--kv-cache-dtype", "int8"), ("--dtype", "bfloat16")),  # another KV cache format
-], ids=["dtype", "kv-cache-dtype"])
+@pytest.mark.parametrize(
+    "prefill_flags, decode_flags",
+    [
+        (("--dtype", "float32"), ("--dtype", "bfloat16")),  # another model dtype
+        (("--dtype", "bfloat16", "--kv-cache-dtype", "int8"), ("--dtype", "bfloat16")),  # another KV cache format
+    ],
+    ids=["dtype", "kv-cache-dtype"],
+)
 async def test_handshake_mismatch_is_refused_cleanly(prefill_flags, decode_flags):
     """A decode worker whose KV slots hold something else refuses the prefill worker's KV handshake."""
     common = ("--port", "0", "--kv-cache-memory", "64MiB", "--num-threads", "1")
     prefill, p_info = start("prefill", *common, *prefill_flags)
     decode, d_info = start("decode", *common, *decode_flags)
-    router, r_info = start("router", "--port", "0", "--prefill-workers", p_info["grpc"], "--decode-workers", d_info["grpc"])
+    router, r_info = start(
+        "router", "--port", "0", "--prefill-workers", p_info["grpc"], "--decode-workers", d_info["grpc"]
+    )
     try:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await generate(r_info["grpc"], build_request("hello there", max_tokens=4), timeout=60)

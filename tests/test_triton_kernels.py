@@ -231,10 +231,12 @@ def test_8bit_cache_write_and_attention_match_reference(cache_dtype: str, dtype)
     tables = _block_table(gen, num_blocks, 9).view(3, 3)
     lens = torch.tensor([5, 17, 24], dtype=torch.int32, device=DEVICE)
     scale = dim**-0.5
-    expected = reference.paged_decode_attention(q.float(), theirs, tables.long(), lens.long(), scale,
-                                                KVFormat(cache_dtype, heads, dim, torch.float32))
+    expected = reference.paged_decode_attention(
+        q.float(), theirs, tables.long(), lens.long(), scale, KVFormat(cache_dtype, heads, dim, torch.float32)
+    )
     _assert_close(backend.decode_attention(q, theirs, tables, lens, scale), expected.to(dtype), dtype)
     chunk = _randn(gen, 7, q_heads, dim, dtype=dtype)
-    expected = reference.paged_prefill_attention(chunk.float(), theirs, tables[1].long(), 17, scale,
-                                                 KVFormat(cache_dtype, heads, dim, torch.float32))
+    expected = reference.paged_prefill_attention(
+        chunk.float(), theirs, tables[1].long(), 17, scale, KVFormat(cache_dtype, heads, dim, torch.float32)
+    )
     _assert_close(backend.prefill_attention(chunk, theirs, tables[1], 17, scale), expected.to(dtype), dtype)

@@ -69,8 +69,10 @@ class ParallelDriver:
         store = None
         if launched_externally():
             if int(os.environ["RANK"]) != 0 or int(os.environ["WORLD_SIZE"]) != layout.world_size:
-                raise ValueError(f"the launcher's WORLD_SIZE {os.environ['WORLD_SIZE']} must equal tensor_parallel_size x "
-                                 f"pipeline_parallel_size = {layout.world_size}, and RANK 0 must be the worker")
+                raise ValueError(
+                    f"the launcher's WORLD_SIZE {os.environ['WORLD_SIZE']} must equal tensor_parallel_size x "
+                    f"pipeline_parallel_size = {layout.world_size}, and RANK 0 must be the worker"
+                )
         else:
             store = self._start_ranks(config, device)
         self.groups: RankGroups = init_groups(layout, 0, device, store)
@@ -81,26 +83,40 @@ class ParallelDriver:
         self.on_broken = stop_worker  # what a failed step does (tests replace it)
         if self.supervisor is not None:
             self.supervisor.serving = True
-        log.info("parallel worker up: tensor parallel %d x pipeline parallel %d, %d ranks%s", layout.tp, layout.pp,
-                 layout.world_size, f" (pids {self.supervisor.pids})" if self.supervisor else "")
+        log.info(
+            "parallel worker up: tensor parallel %d x pipeline parallel %d, %d ranks%s",
+            layout.tp,
+            layout.pp,
+            layout.world_size,
+            f" (pids {self.supervisor.pids})" if self.supervisor else "",
+        )
 
     def _start_ranks(self, config: EngineConfig, device: torch.device):
         world = self.layout.world_size
         cores = split_cores(sorted(os.sched_getaffinity(0)), world)
         if cores is None:
-            log.warning("%d ranks on %d cores: ranks are not pinned (they would not get disjoint cores)", world,
-                        len(os.sched_getaffinity(0)))
+            log.warning(
+                "%d ranks on %d cores: ranks are not pinned (they would not get disjoint cores)",
+                world,
+                len(os.sched_getaffinity(0)),
+            )
         else:
             pin_process(cores[0])
         threads = rank_threads(config, cores[0] if cores else None, world)
         torch.set_num_threads(threads)
-        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
+        store = dist.TCPStore(
+            "127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=STARTUP_TIMEOUT_S)
+        )
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank is on this host
-        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "PDSERVE_SPAWNED": "1",
-               "GLOO_SOCKET_IFNAME": os.environ["GLOO_SOCKET_IFNAME"],
-               "PDSERVE_RANK_LAYOUT": f"{self.layout.tp},{self.layout.pp}", "PDSERVE_RANK_DEVICE": str(device),
-               "PDSERVE_RANK_THREADS": str(threads)}
+        env = {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(store.port),
+            "PDSERVE_SPAWNED": "1",
+            "GLOO_SOCKET_IFNAME": os.environ["GLOO_SOCKET_IFNAME"],
+            "PDSERVE_RANK_LAYOUT": f"{self.layout.tp},{self.layout.pp}",
+            "PDSERVE_RANK_DEVICE": str(device),
+            "PDSERVE_RANK_THREADS": str(threads),
+        }
         self.supervisor = RankSupervisor(world, env, cores)
         self.supervisor.start()
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -114,7 +130,9 @@ class ParallelDriver:
         return store
 
     # -- the model runner's model ---------------------------------------------------------------
-    def __call__(self, batch: ForwardBatch, kv_layers: list[torch.Tensor], layer_hook: LayerHook | None = None) -> torch.Tensor:
+    def __call__(
+        self, batch: ForwardBatch, kv_layers: list[torch.Tensor], layer_hook: LayerHook | None = None
+    ) -> torch.Tensor:
         """One step on every rank; ``kv_layers`` is rank 0's cache, which the runtime holds already."""
         started, comm = time.perf_counter(), self.groups.comm.seconds
         op = Op.STEP_SAVING if layer_hook is not None else Op.STEP

@@ -103,8 +103,9 @@ def init_groups(layout: ParallelLayout, rank: int, device: torch.device, store=N
     environment, MASTER_ADDR/MASTER_PORT) and makes the sub-groups, on every rank alike."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"store": store} if store is not None else {"init_method": "env://"}
-    dist.init_process_group(backend, rank=rank, world_size=layout.world_size,
-                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S), **kwargs)
+    dist.init_process_group(
+        backend, rank=rank, world_size=layout.world_size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S), **kwargs
+    )
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     own_tp = None
     for stage in range(layout.pp):  # every rank creates every group, in the same order

@@ -90,8 +90,10 @@ def kv_split_problem(num_kv_heads: int, tp: int) -> str | None:
     if tp <= num_kv_heads and num_kv_heads % tp:
         return f"tensor_parallel_size {tp} does not divide the model's {num_kv_heads} KV heads"
     if tp > num_kv_heads and tp % num_kv_heads:
-        return (f"tensor_parallel_size {tp} is more than the model's {num_kv_heads} KV heads but not a multiple "
-                f"of them (each KV head must be replicated on the same number of ranks)")
+        return (
+            f"tensor_parallel_size {tp} is more than the model's {num_kv_heads} KV heads but not a multiple "
+            f"of them (each KV head must be replicated on the same number of ranks)"
+        )
     return None
 
 

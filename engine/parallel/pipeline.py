@@ -52,21 +52,32 @@ def split_batch(batch: ForwardBatch, parts: int) -> list[MicroBatch]:
             if a < b:  # this piece of the chunk ends (end - b) tokens before the chunk does
                 segments.append(PrefillSegment(a - lo, b - a, seg.context_len - (end - b), seg.block_table))
         rows = [j for j, row in enumerate(logits) if lo <= row < hi]
-        out.append(MicroBatch(ForwardBatch(
-            input_ids=batch.input_ids[lo:hi], positions=batch.positions[lo:hi], slot_mapping=batch.slot_mapping[lo:hi],
-            num_decode=nd,
-            decode_block_tables=batch.decode_block_tables[lo : lo + nd] if nd else None,
-            decode_context_lens=batch.decode_context_lens[lo : lo + nd] if nd else None,
-            prefills=segments,
-            logits_indices=torch.tensor([logits[j] - lo for j in rows], dtype=torch.int64, device=batch.input_ids.device),
-        ), rows))
+        out.append(
+            MicroBatch(
+                ForwardBatch(
+                    input_ids=batch.input_ids[lo:hi],
+                    positions=batch.positions[lo:hi],
+                    slot_mapping=batch.slot_mapping[lo:hi],
+                    num_decode=nd,
+                    decode_block_tables=batch.decode_block_tables[lo : lo + nd] if nd else None,
+                    decode_context_lens=batch.decode_context_lens[lo : lo + nd] if nd else None,
+                    prefills=segments,
+                    logits_indices=torch.tensor(
+                        [logits[j] - lo for j in rows], dtype=torch.int64, device=batch.input_ids.device
+                    ),
+                ),
+                rows,
+            )
+        )
     return out
 
 
 class PipelineStage:
     """Runs this rank's layers of a step; rank 0 also collects the logits."""
 
-    def __init__(self, model, shard: ModelShard, groups: RankGroups, kv_layers: list[torch.Tensor], dtype: torch.dtype) -> None:
+    def __init__(
+        self, model, shard: ModelShard, groups: RankGroups, kv_layers: list[torch.Tensor], dtype: torch.dtype
+    ) -> None:
         self.model = model
         self.shard = shard
         self.groups = groups
@@ -79,8 +90,13 @@ class PipelineStage:
         self.last_root = layout.rank_of(layout.pp - 1, 0)  # where the logits are gathered
         assert layout.pp > 1, "a single stage runs the model's own forward"
 
-    def run(self, batch: ForwardBatch, num_micro_batches: int, layer_hook: LayerHook | None = None,
-            report_layers: bool = False) -> torch.Tensor | None:
+    def run(
+        self,
+        batch: ForwardBatch,
+        num_micro_batches: int,
+        layer_hook: LayerHook | None = None,
+        report_layers: bool = False,
+    ) -> torch.Tensor | None:
         """``layer_hook`` (rank 0): called with each layer's global index once its K/V are written
         for the whole step, wherever it ran; ``report_layers`` (other ranks): tell rank 0."""
         micro = split_batch(batch, num_micro_batches)
@@ -88,10 +104,14 @@ class PipelineStage:
         for k, mb in enumerate(micro):
             last_micro = k == len(micro) - 1
             h, residual = self._input(mb.batch, k)
-            h = self._layers(h, residual, mb.batch, layer_hook if last_micro else None, report_layers and last_micro, pending)
+            h = self._layers(
+                h, residual, mb.batch, layer_hook if last_micro else None, report_layers and last_micro, pending
+            )
             if self.next is not None:
-                pending += [self.groups.send(h.contiguous(), self.next, _tag(_HIDDEN, k)),
-                            self.groups.send(residual, self.next, _tag(_RESIDUAL, k))]
+                pending += [
+                    self.groups.send(h.contiguous(), self.next, _tag(_HIDDEN, k)),
+                    self.groups.send(residual, self.next, _tag(_RESIDUAL, k)),
+                ]
             elif mb.logits_rows:
                 logits = self.model.lm_head(h[mb.batch.logits_indices]).float()
                 if self.groups.rank == self.last_root:
@@ -130,12 +150,20 @@ class PipelineStage:
         if hook is not None:
             for layer in range(self.shard.layers.stop, num_layers):
                 src = layout.rank_of(layout.stage_of_layer(layer, num_layers), 0)
-                self.groups.recv(torch.empty(1, dtype=torch.int64, device=self.groups.device), src, _tag(_LAYER_DONE, layer))
+                self.groups.recv(
+                    torch.empty(1, dtype=torch.int64, device=self.groups.device), src, _tag(_LAYER_DONE, layer)
+                )
                 hook(layer)
         vocab, device = self.shard.config.vocab_size, self.groups.device
-        parts = [self.groups.recv(torch.empty((len(mb.logits_rows), vocab), dtype=torch.float32, device=device),
-                                  self.last_root, _tag(_LOGITS, k))
-                 for k, mb in enumerate(micro) if mb.logits_rows]
+        parts = [
+            self.groups.recv(
+                torch.empty((len(mb.logits_rows), vocab), dtype=torch.float32, device=device),
+                self.last_root,
+                _tag(_LOGITS, k),
+            )
+            for k, mb in enumerate(micro)
+            if mb.logits_rows
+        ]
         order = [row for mb in micro for row in mb.logits_rows]
         logits = torch.empty((len(order), vocab), dtype=torch.float32, device=device)
         if order:

@@ -90,7 +90,9 @@ def handoff_shards(engine) -> KVShards:
     """What a worker registers with its KV transports; ValueError when this engine's ranks'
     caches are out of its reach (each GPU of a multi-GPU worker holds its own)."""
     if engine.kv_shards is None:
-        raise ValueError("tensor/pipeline parallel on GPUs: the KV handoff needs every rank's cache mapped into the "
-                         "worker (CUDA IPC), which is not implemented yet; use tensor_parallel_size and "
-                         "pipeline_parallel_size 1 on GPUs")
+        raise ValueError(
+            "tensor/pipeline parallel on GPUs: the KV handoff needs every rank's cache mapped into the "
+            "worker (CUDA IPC), which is not implemented yet; use tensor_parallel_size and "
+            "pipeline_parallel_size 1 on GPUs"
+        )
     return engine.kv_shards

@@ -29,12 +29,19 @@ def follow(layout: ParallelLayout, base_device: torch.device) -> int:
     """Runs this process as rank ``RANK`` (> 0) until rank 0 says STOP; returns the exit code."""
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
     if int(os.environ["WORLD_SIZE"]) != layout.world_size:
-        raise ValueError(f"WORLD_SIZE {os.environ['WORLD_SIZE']} must equal tensor_parallel_size x pipeline_parallel_size "
-                         f"= {layout.world_size}")
+        raise ValueError(
+            f"WORLD_SIZE {os.environ['WORLD_SIZE']} must equal tensor_parallel_size x pipeline_parallel_size "
+            f"= {layout.world_size}"
+        )
     store = None
     if os.environ.get("PDSERVE_SPAWNED"):
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), layout.world_size,
-                              is_master=False, timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            layout.world_size,
+            is_master=False,
+            timeout=timedelta(seconds=STARTUP_TIMEOUT_S),
+        )
         store.set(HELLO_KEY.format(rank), str(os.getpid()))
     device = rank_device(base_device, local_rank)
     if device.type == "cuda":
@@ -65,7 +72,9 @@ def follow_launcher(config) -> int | None:
 
     if not launched_externally() or int(os.environ["RANK"]) == 0:
         return None
-    return follow(ParallelLayout(config.tensor_parallel_size, config.pipeline_parallel_size), pick_device(config.device))
+    return follow(
+        ParallelLayout(config.tensor_parallel_size, config.pipeline_parallel_size), pick_device(config.device)
+    )
 
 
 def main() -> int:

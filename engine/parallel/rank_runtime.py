@@ -55,7 +55,9 @@ class RankRuntime:
         error = None
         try:
             backend = select_backend(groups.device, self.config.attention_backend, self.local_layout.format)
-            self.model = load_model(self.model_dir, self.dtype, groups.device, backend, self.config.quantization, self.shard)
+            self.model = load_model(
+                self.model_dir, self.dtype, groups.device, backend, self.config.quantization, self.shard
+            )
             self.shard.wrap(self.model, groups)
         except Exception as e:  # noqa: BLE001 - reported to rank 0, which raises it
             log.exception("rank %d could not load its shard", groups.rank)
@@ -76,7 +78,11 @@ class RankRuntime:
         groups, layout, device = self.groups, self.groups.layout, self.groups.device
         on_cpu = device.type == "cpu"
         if on_cpu:  # one budget for the whole worker, on the machine's memory
-            mine = num_blocks_for_budget(self.shard_layout, self.config.kv_cache_memory, device) if groups.rank == 0 else 2**62
+            mine = (
+                num_blocks_for_budget(self.shard_layout, self.config.kv_cache_memory, device)
+                if groups.rank == 0
+                else 2**62
+            )
         else:
             mine = num_blocks_for_budget(self.local_layout, self.config.kv_cache_memory, device)
         agreed = torch.tensor([mine], dtype=torch.int64)
@@ -91,7 +97,9 @@ class RankRuntime:
                     raise ValueError("a parallel worker's KV cache must be shared memory its ranks can map")
                 self.segment = None if storage is not None else SharedSegment.create(nbytes)
                 name = storage.name if storage is not None else self.segment.name
-                everything = storage.tensor if storage is not None else self.segment.tensor(self.shard_layout, num_blocks)
+                everything = (
+                    storage.tensor if storage is not None else self.segment.tensor(self.shard_layout, num_blocks)
+                )
                 _broadcast(name, groups)
             else:
                 self.segment = SharedSegment(_broadcast(None, groups), nbytes, create=False)
@@ -106,8 +114,13 @@ class RankRuntime:
         dist.barrier(group=groups.control)
 
     @torch.inference_mode()
-    def execute(self, batch: ForwardBatch, num_micro_batches: int, layer_hook: LayerHook | None = None,
-                report_layers: bool = False) -> torch.Tensor | None:
+    def execute(
+        self,
+        batch: ForwardBatch,
+        num_micro_batches: int,
+        layer_hook: LayerHook | None = None,
+        report_layers: bool = False,
+    ) -> torch.Tensor | None:
         """This rank's part of a step; the logits on rank 0."""
         if self.pipeline is not None:
             return self.pipeline.run(batch, num_micro_batches, layer_hook, report_layers)

@@ -61,8 +61,11 @@ class ModelShard:
     def local_config(self) -> ModelConfig:
         c, tp = self.config, self.layout.tp
         return dataclasses.replace(
-            c, num_heads=c.num_heads // tp, num_kv_heads=kv_heads_per_rank(c.num_kv_heads, tp),
-            intermediate_size=c.intermediate_size // tp, num_layers=len(self.layers),
+            c,
+            num_heads=c.num_heads // tp,
+            num_kv_heads=kv_heads_per_rank(c.num_kv_heads, tp),
+            intermediate_size=c.intermediate_size // tp,
+            num_layers=len(self.layers),
             vocab_size=self.layout.vocab_shard_size(c.vocab_size),
         )
 
@@ -126,8 +129,9 @@ class ModelShard:
             d = c.head_dim
             q, k, v = tensor.split((c.num_heads * d, c.num_kv_heads * d, c.num_kv_heads * d))
             qh, kvh = self.layout.q_heads(r, c.num_heads), self.layout.kv_heads(r, c.num_kv_heads)
-            return torch.cat([q[qh.start * d : qh.stop * d], k[kvh.start * d : kvh.stop * d],
-                              v[kvh.start * d : kvh.stop * d]]).contiguous()
+            return torch.cat(
+                [q[qh.start * d : qh.stop * d], k[kvh.start * d : kvh.stop * d], v[kvh.start * d : kvh.stop * d]]
+            ).contiguous()
         if rest.startswith("mlp.gate_up_proj."):
             gate, up = tensor.chunk(2)
             per = c.intermediate_size // tp

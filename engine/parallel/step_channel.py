@@ -20,8 +20,16 @@ from pdserve.engine.forward_batch import ForwardBatch, PrefillSegment
 HEADER_LEN = 8
 # Every ForwardBatch field the channel carries (a test checks this against the dataclass, so a new
 # field cannot be dropped silently between ranks).
-CARRIED_FIELDS = ("input_ids", "positions", "slot_mapping", "num_decode", "decode_block_tables", "decode_context_lens",
-                  "prefills", "logits_indices")
+CARRIED_FIELDS = (
+    "input_ids",
+    "positions",
+    "slot_mapping",
+    "num_decode",
+    "decode_block_tables",
+    "decode_context_lens",
+    "prefills",
+    "logits_indices",
+)
 
 
 class Op(enum.IntEnum):
@@ -95,4 +103,3 @@ class StepChannel:
         payload = torch.empty(sizes[-1], dtype=torch.int64)
         dist.broadcast(payload, 0, group=self.group)
         return Message(Op(op), unpack(sizes, payload, self.device), num_micro)
-

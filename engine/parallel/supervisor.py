@@ -44,8 +44,13 @@ def exit_worker(rank: int, code: int) -> None:
 
 
 class RankSupervisor:
-    def __init__(self, world_size: int, env: dict[str, str], rank_cores: list[list[int]] | None,
-                 on_death: Callable[[int, int], None] = exit_worker) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        env: dict[str, str],
+        rank_cores: list[list[int]] | None,
+        on_death: Callable[[int, int], None] = exit_worker,
+    ) -> None:
         self.world_size = world_size
         self.env = env  # MASTER_ADDR, MASTER_PORT and the rest every rank shares
         self.rank_cores = rank_cores

@@ -50,8 +50,10 @@ def load_draft(engine: LLMEngine) -> DraftModel:
     except (ValueError, FileNotFoundError) as e:
         raise ValueError(f"draft_model: {e}") from None
     if draft_config.vocab_size != engine.model_config.vocab_size:
-        raise ValueError(f"draft_model: its vocabulary of {draft_config.vocab_size} tokens is not the target's "
-                         f"{engine.model_config.vocab_size}")
+        raise ValueError(
+            f"draft_model: its vocabulary of {draft_config.vocab_size} tokens is not the target's "
+            f"{engine.model_config.vocab_size}"
+        )
     layout = KVLayout.for_model(draft_config, config.block_size, engine.dtype, config.kv_cache_dtype)
     if Path(folder).resolve() == Path(engine.model_dir).resolve():
         return DraftModel(engine.model, layout)  # its own draft: the weights are shared, the cache is not
@@ -67,7 +69,9 @@ def attach(engine: LLMEngine, draft: DraftModel | None, num_blocks: int) -> Spec
     else:
         assert draft is not None
         proposer = DraftProposer(draft.model, draft.layout, num_blocks, engine.device)
-    speculator = Speculator(proposer, config.num_speculative_tokens, engine.scheduler, engine.blocks, engine.max_model_len)
+    speculator = Speculator(
+        proposer, config.num_speculative_tokens, engine.scheduler, engine.blocks, engine.max_model_len
+    )
     engine.scheduler.lookahead = speculator.lookahead
     engine.runner.sampling.verify = speculator.verify
     return speculator

@@ -86,7 +86,11 @@ class DraftProposer:
                 continue
             if pending > budget:  # catch up part of the way; propose once the draft has seen it all
                 if budget and self._grow(state, state.cached + budget):
-                    rows.append(_Row(seq.token_ids[state.cached : state.cached + budget], state.cached, state.block_table, False))
+                    rows.append(
+                        _Row(
+                            seq.token_ids[state.cached : state.cached + budget], state.cached, state.block_table, False
+                        )
+                    )
                     state.cached += budget
                 budget = 0
                 continue
@@ -103,8 +107,9 @@ class DraftProposer:
         for step in range(max((c.lookahead for c in proposing), default=0)):
             if step:  # feed each still-proposing sequence its previous proposal
                 proposing = [c for c in proposing if c.lookahead > step]
-                logits = self._forward([_Row([c.draft[-1]], c.start + step, self.states[c.seq].block_table)
-                                        for c in proposing])
+                logits = self._forward(
+                    [_Row([c.draft[-1]], c.start + step, self.states[c.seq].block_table) for c in proposing]
+                )
             for chunk, token in zip(proposing, self._sample(logits, proposing, step)):
                 chunk.draft.append(token)
 
@@ -129,7 +134,9 @@ class DraftProposer:
                 self.states[chunk.seq].probs.append(probs)
                 tokens[i] = int(torch.multinomial(probs, 1))
             else:
-                noise = seeded_noise_(torch.empty_like(probs), self.generator, sp.seed, chunk.seq.num_output_tokens + step)
+                noise = seeded_noise_(
+                    torch.empty_like(probs), self.generator, sp.seed, chunk.seq.num_output_tokens + step
+                )
                 tokens[i] = int((probs / noise).argmax())
         return tokens
 
@@ -148,18 +155,35 @@ class DraftProposer:
             positions.extend(span)
             slots.extend(row.block_table[p // bs] * bs + p % bs for p in span)
             if len(row.tokens) > 1:
-                segments.append(PrefillSegment(query_start, len(row.tokens), span.stop,
-                                               torch.tensor(row.block_table, dtype=torch.int64, device=self.device)))
+                segments.append(
+                    PrefillSegment(
+                        query_start,
+                        len(row.tokens),
+                        span.stop,
+                        torch.tensor(row.block_table, dtype=torch.int64, device=self.device),
+                    )
+                )
             if row.wants_logits:
                 wanted[id(row)] = len(input_ids) - 1
         tables = lens = None
         if singles:
             width = max(len(r.block_table) for r in singles)
-            tables = torch.tensor([r.block_table + [0] * (width - len(r.block_table)) for r in singles],
-                                  dtype=torch.int64, device=self.device)
+            tables = torch.tensor(
+                [r.block_table + [0] * (width - len(r.block_table)) for r in singles],
+                dtype=torch.int64,
+                device=self.device,
+            )
             lens = torch.tensor([r.start + 1 for r in singles], dtype=torch.int64, device=self.device)
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=self.device)  # noqa: E731
         order = [wanted[id(r)] for r in rows if r.wants_logits]  # logits in the caller's row order
-        batch = ForwardBatch(as_tensor(input_ids), as_tensor(positions), as_tensor(slots), len(singles), tables, lens,
-                             segments, as_tensor(order))
+        batch = ForwardBatch(
+            as_tensor(input_ids),
+            as_tensor(positions),
+            as_tensor(slots),
+            len(singles),
+            tables,
+            lens,
+            segments,
+            as_tensor(order),
+        )
         return self.model(batch, self.cache.layers)

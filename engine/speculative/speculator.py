@@ -60,8 +60,14 @@ def speculates(seq: Sequence) -> bool:
 
 
 class Speculator:
-    def __init__(self, proposer: NgramProposer | DraftProposer, num_tokens: int, scheduler: Scheduler,
-                 blocks: BlockManager, max_model_len: int) -> None:
+    def __init__(
+        self,
+        proposer: NgramProposer | DraftProposer,
+        num_tokens: int,
+        scheduler: Scheduler,
+        blocks: BlockManager,
+        max_model_len: int,
+    ) -> None:
         self.proposer = proposer
         self.scheduler = scheduler
         self.blocks = blocks
@@ -124,7 +130,9 @@ class Speculator:
                 self.blocks.trim(chunk.seq, chunk.seq.num_tokens)
         if drafts:
             s = self.stats
-            self.stats = SpecStats(s.drafts + drafts, s.draft_tokens + draft_tokens, s.accepted_tokens + accepted_tokens)
+            self.stats = SpecStats(
+                s.drafts + drafts, s.draft_tokens + draft_tokens, s.accepted_tokens + accepted_tokens
+            )
 
     def _drop_finished(self) -> None:
         """Sequences that left the running batch (aborted, preempted) since the last step."""

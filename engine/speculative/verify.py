@@ -33,8 +33,13 @@ def accept_matching(draft: list[int], sampled: list[int]) -> list[int]:
     return sampled[: kept + 1]
 
 
-def rejection_sample(draft: list[int], draft_probs: torch.Tensor, target_probs: torch.Tensor, bonus: int,
-                     generator: torch.Generator | None = None) -> list[int]:
+def rejection_sample(
+    draft: list[int],
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    bonus: int,
+    generator: torch.Generator | None = None,
+) -> list[int]:
     """``draft_probs``: [k, V], the distributions the proposals were drawn from;
     ``target_probs``: [k (+ 1), V], the model's at the same positions; ``bonus``: the model's
     own sample after the last proposal. Returns the kept proposals and one more token."""

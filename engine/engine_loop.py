@@ -15,6 +15,7 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import replace
 from typing import AsyncIterator, Callable, TypeVar
 
 from pdserve.engine.llm_engine import EngineStats, LLMEngine
@@ -98,7 +99,7 @@ class EngineLoop:
                 # slow stream catches up in one message instead of one per step.
                 while _tokens_only(item) and not item.finished and not stream.empty():
                     following = stream.get_nowait()
-                    if isinstance(following, RequestOutput) and _tokens_only(following):
+                    if isinstance(following, RequestOutput) and _mergeable(item, following):
                         item = _merged(item, following)
                     else:
                         pending = following
@@ -177,17 +178,27 @@ class EngineLoop:
 
 
 def _tokens_only(out: RequestOutput) -> bool:
-    return out.kv is None and out.error is None
+    return out.kv is None and out.error is None and out.first_tokens is None
+
+
+def _mergeable(first: RequestOutput, then: RequestOutput) -> bool:
+    """Consecutive token outputs of one choice (not past its finish), with logprobs on both or neither."""
+    return (
+        _tokens_only(then)
+        and then.index == first.index
+        and first.finish_reason is None
+        and then.prompt_logprobs is None
+        and (first.logprobs is None) == (then.logprobs is None)
+    )
 
 
 def _merged(first: RequestOutput, then: RequestOutput) -> RequestOutput:
-    return RequestOutput(
-        first.request_id,
-        first.new_token_ids + then.new_token_ids,
-        then.finish_reason,
-        first.num_prompt_tokens,
-        first.num_cached_tokens,
+    return replace(
+        first,
+        new_token_ids=first.new_token_ids + then.new_token_ids,
+        finish_reason=then.finish_reason,
         finished=then.finished,
+        logprobs=first.logprobs + then.logprobs if first.logprobs is not None else None,
     )
 
 

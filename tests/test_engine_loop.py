@@ -6,6 +6,7 @@ import asyncio
 from types import SimpleNamespace
 
 from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.logprobs import TokenLogprob
 from pdserve.engine.request_output import KVReservation, RequestOutput
 from pdserve.engine.sequence import FinishReason
 
@@ -73,3 +74,44 @@ async def test_a_reservation_is_never_merged_with_tokens():
     assert isinstance(outputs[0].kv, KVReservation) and outputs[0].new_token_ids == []
     assert [t for out in outputs[1:] for t in out.new_token_ids] == [100, 101, 102, 103, 104]
     assert all(out.kv is None for out in outputs[1:])
+
+
+class TwoChoiceEngine(ScriptedEngine):
+    """n = 2 with logprobs: each step one token per choice; choice 0 ends after 6, choice 1 after ``length``."""
+
+    def step(self) -> list[RequestOutput]:
+        outputs = []
+        for rid, n in list(self.requests.items()):
+            for index, length in ((0, 6), (1, self.length)):
+                if n < length:
+                    token = 1000 * index + n
+                    ends = n + 1 == length
+                    outputs.append(
+                        RequestOutput(
+                            rid,
+                            [token],
+                            FinishReason.LENGTH if ends else None,
+                            3,
+                            0,
+                            finished=ends and index == 1,
+                            index=index,
+                            logprobs=[TokenLogprob(-float(token), 1, [], [])],
+                        )
+                    )
+            self.requests[rid] = n + 1
+            if n + 1 == self.length:
+                self.abort(rid)
+        return outputs
+
+
+async def test_choices_are_merged_each_with_its_own_tokens_logprobs_and_finish():
+    outputs = await _collect(TwoChoiceEngine(length=30), pause_s=0.05)
+    assert len(outputs) < 36  # coalesced
+    for index, length in ((0, 6), (1, 30)):
+        mine = [out for out in outputs if out.index == index]
+        tokens = [t for out in mine for t in out.new_token_ids]
+        assert tokens == [1000 * index + i for i in range(length)]
+        assert [lp.logprob for out in mine for lp in out.logprobs] == [-float(t) for t in tokens]
+        assert [out.finish_reason for out in mine].count(FinishReason.LENGTH) == 1
+        assert mine[-1].finish_reason is FinishReason.LENGTH  # nothing of a choice after its finish
+    assert outputs[-1].finished and not any(out.finished for out in outputs[:-1])

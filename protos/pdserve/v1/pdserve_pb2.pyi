@@ -1,12 +1,8 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-from typing import Optional as _Optional
-from typing import Union as _Union
-
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from google.protobuf.internal import containers as _containers
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -19,21 +15,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = (
-        "max_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "seed",
-        "stop",
-        "ignore_eos",
-        "stop_token_ids",
-        "n",
-        "best_of",
-        "logprobs",
-        "prompt_logprobs",
-        "structured_output",
-    )
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "stop_token_ids", "n", "best_of", "logprobs", "prompt_logprobs", "structured_output")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -60,22 +42,7 @@ class SamplingParams(_message.Message):
     logprobs: int
     prompt_logprobs: int
     structured_output: StructuredOutput
-    def __init__(
-        self,
-        max_tokens: _Optional[int] = ...,
-        temperature: _Optional[float] = ...,
-        top_p: _Optional[float] = ...,
-        top_k: _Optional[int] = ...,
-        seed: _Optional[int] = ...,
-        stop: _Optional[_Iterable[str]] = ...,
-        ignore_eos: _Optional[bool] = ...,
-        stop_token_ids: _Optional[_Iterable[int]] = ...,
-        n: _Optional[int] = ...,
-        best_of: _Optional[int] = ...,
-        logprobs: _Optional[int] = ...,
-        prompt_logprobs: _Optional[int] = ...,
-        structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ...,
-    ) -> None: ...
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., n: _Optional[int] = ..., best_of: _Optional[int] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ...) -> None: ...
 
 class StructuredOutput(_message.Message):
     __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -89,14 +56,7 @@ class StructuredOutput(_message.Message):
     regex: str
     choice: Choices
     grammar: str
-    def __init__(
-        self,
-        json_schema: _Optional[str] = ...,
-        json_object: _Optional[bool] = ...,
-        regex: _Optional[str] = ...,
-        choice: _Optional[_Union[Choices, _Mapping]] = ...,
-        grammar: _Optional[str] = ...,
-    ) -> None: ...
+    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class Choices(_message.Message):
     __slots__ = ("choices",)
@@ -114,13 +74,7 @@ class TokenLogprob(_message.Message):
     rank: int
     top_token_ids: _containers.RepeatedScalarFieldContainer[int]
     top_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(
-        self,
-        logprob: _Optional[float] = ...,
-        rank: _Optional[int] = ...,
-        top_token_ids: _Optional[_Iterable[int]] = ...,
-        top_logprobs: _Optional[_Iterable[float]] = ...,
-    ) -> None: ...
+    def __init__(self, logprob: _Optional[float] = ..., rank: _Optional[int] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "messages", "sampling", "priority", "ttft_budget_ms")
@@ -138,16 +92,7 @@ class GenerateRequest(_message.Message):
     sampling: SamplingParams
     priority: int
     ttft_budget_ms: float
-    def __init__(
-        self,
-        request_id: _Optional[str] = ...,
-        prompt: _Optional[str] = ...,
-        prompt_token_ids: _Optional[_Iterable[int]] = ...,
-        messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...,
-        sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...,
-        priority: _Optional[int] = ...,
-        ttft_budget_ms: _Optional[float] = ...,
-    ) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., ttft_budget_ms: _Optional[float] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "ttft_ms", "e2e_ms", "migrations")
@@ -163,28 +108,10 @@ class Usage(_message.Message):
     ttft_ms: float
     e2e_ms: float
     migrations: int
-    def __init__(
-        self,
-        prompt_tokens: _Optional[int] = ...,
-        completion_tokens: _Optional[int] = ...,
-        cached_prompt_tokens: _Optional[int] = ...,
-        ttft_ms: _Optional[float] = ...,
-        e2e_ms: _Optional[float] = ...,
-        migrations: _Optional[int] = ...,
-    ) -> None: ...
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., migrations: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = (
-        "request_id",
-        "token_ids",
-        "text",
-        "finish_reason",
-        "usage",
-        "index",
-        "logprobs",
-        "prompt_token_ids",
-        "prompt_logprobs",
-    )
+    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "index", "logprobs", "prompt_token_ids", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -203,18 +130,7 @@ class GenerateResponse(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(
-        self,
-        request_id: _Optional[str] = ...,
-        token_ids: _Optional[_Iterable[int]] = ...,
-        text: _Optional[str] = ...,
-        finish_reason: _Optional[str] = ...,
-        usage: _Optional[_Union[Usage, _Mapping]] = ...,
-        index: _Optional[int] = ...,
-        logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...,
-        prompt_token_ids: _Optional[_Iterable[int]] = ...,
-        prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...,
-    ) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class ClusterStatsRequest(_message.Message):
     __slots__ = ()
@@ -229,34 +145,14 @@ class ClusterStats(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
-
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStats]
     counters: _containers.ScalarMap[str, float]
-    def __init__(
-        self,
-        workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ...,
-        counters: _Optional[_Mapping[str, float]] = ...,
-    ) -> None: ...
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class ResolvedSampling(_message.Message):
-    __slots__ = (
-        "max_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "has_seed",
-        "seed",
-        "ignore_eos",
-        "stop_token_ids",
-        "n",
-        "has_logprobs",
-        "logprobs",
-        "has_prompt_logprobs",
-        "prompt_logprobs",
-        "structured_output",
-    )
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "has_seed", "seed", "ignore_eos", "stop_token_ids", "n", "has_logprobs", "logprobs", "has_prompt_logprobs", "prompt_logprobs", "structured_output")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -285,23 +181,7 @@ class ResolvedSampling(_message.Message):
     has_prompt_logprobs: bool
     prompt_logprobs: int
     structured_output: StructuredOutput
-    def __init__(
-        self,
-        max_tokens: _Optional[int] = ...,
-        temperature: _Optional[float] = ...,
-        top_p: _Optional[float] = ...,
-        top_k: _Optional[int] = ...,
-        has_seed: _Optional[bool] = ...,
-        seed: _Optional[int] = ...,
-        ignore_eos: _Optional[bool] = ...,
-        stop_token_ids: _Optional[_Iterable[int]] = ...,
-        n: _Optional[int] = ...,
-        has_logprobs: _Optional[bool] = ...,
-        logprobs: _Optional[int] = ...,
-        has_prompt_logprobs: _Optional[bool] = ...,
-        prompt_logprobs: _Optional[int] = ...,
-        structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ...,
-    ) -> None: ...
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., n: _Optional[int] = ..., has_logprobs: _Optional[bool] = ..., logprobs: _Optional[int] = ..., has_prompt_logprobs: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ...) -> None: ...
 
 class KvTarget(_message.Message):
     __slots__ = ("transfer_id", "kv_address", "block_ids", "block_size", "num_tokens", "skip_tokens")
@@ -317,27 +197,10 @@ class KvTarget(_message.Message):
     block_size: int
     num_tokens: int
     skip_tokens: int
-    def __init__(
-        self,
-        transfer_id: _Optional[str] = ...,
-        kv_address: _Optional[str] = ...,
-        block_ids: _Optional[_Iterable[int]] = ...,
-        block_size: _Optional[int] = ...,
-        num_tokens: _Optional[int] = ...,
-        skip_tokens: _Optional[int] = ...,
-    ) -> None: ...
+    def __init__(self, transfer_id: _Optional[str] = ..., kv_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., skip_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = (
-        "request_id",
-        "token_ids",
-        "sampling",
-        "num_prior_output_tokens",
-        "priority",
-        "target",
-        "ttft_budget_ms",
-        "client_request_id",
-    )
+    __slots__ = ("request_id", "token_ids", "sampling", "num_prior_output_tokens", "priority", "target", "ttft_budget_ms", "client_request_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -354,29 +217,10 @@ class PrefillRequest(_message.Message):
     target: KvTarget
     ttft_budget_ms: float
     client_request_id: str
-    def __init__(
-        self,
-        request_id: _Optional[str] = ...,
-        token_ids: _Optional[_Iterable[int]] = ...,
-        sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ...,
-        num_prior_output_tokens: _Optional[int] = ...,
-        priority: _Optional[int] = ...,
-        target: _Optional[_Union[KvTarget, _Mapping]] = ...,
-        ttft_budget_ms: _Optional[float] = ...,
-        client_request_id: _Optional[str] = ...,
-    ) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ..., num_prior_output_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., target: _Optional[_Union[KvTarget, _Mapping]] = ..., ttft_budget_ms: _Optional[float] = ..., client_request_id: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = (
-        "first_token_id",
-        "finish_reason",
-        "num_cached_tokens",
-        "transport",
-        "prefill_ms",
-        "transfer_ms",
-        "choices",
-        "prompt_logprobs",
-    )
+    __slots__ = ("first_token_id", "finish_reason", "num_cached_tokens", "transport", "prefill_ms", "transfer_ms", "choices", "prompt_logprobs")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -393,17 +237,7 @@ class PrefillResponse(_message.Message):
     transfer_ms: float
     choices: _containers.RepeatedCompositeFieldContainer[FirstToken]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(
-        self,
-        first_token_id: _Optional[int] = ...,
-        finish_reason: _Optional[str] = ...,
-        num_cached_tokens: _Optional[int] = ...,
-        transport: _Optional[str] = ...,
-        prefill_ms: _Optional[float] = ...,
-        transfer_ms: _Optional[float] = ...,
-        choices: _Optional[_Iterable[_Union[FirstToken, _Mapping]]] = ...,
-        prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...,
-    ) -> None: ...
+    def __init__(self, first_token_id: _Optional[int] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., transport: _Optional[str] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., choices: _Optional[_Iterable[_Union[FirstToken, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class FirstToken(_message.Message):
     __slots__ = ("token_id", "finish_reason", "logprob")
@@ -413,24 +247,10 @@ class FirstToken(_message.Message):
     token_id: int
     finish_reason: str
     logprob: TokenLogprob
-    def __init__(
-        self,
-        token_id: _Optional[int] = ...,
-        finish_reason: _Optional[str] = ...,
-        logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ...,
-    ) -> None: ...
+    def __init__(self, token_id: _Optional[int] = ..., finish_reason: _Optional[str] = ..., logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = (
-        "request_id",
-        "token_ids",
-        "sampling",
-        "num_prior_output_tokens",
-        "priority",
-        "prefill_locally",
-        "ttft_budget_ms",
-        "client_request_id",
-    )
+    __slots__ = ("request_id", "token_ids", "sampling", "num_prior_output_tokens", "priority", "prefill_locally", "ttft_budget_ms", "client_request_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -447,17 +267,7 @@ class DecodeRequest(_message.Message):
     prefill_locally: bool
     ttft_budget_ms: float
     client_request_id: str
-    def __init__(
-        self,
-        request_id: _Optional[str] = ...,
-        token_ids: _Optional[_Iterable[int]] = ...,
-        sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ...,
-        num_prior_output_tokens: _Optional[int] = ...,
-        priority: _Optional[int] = ...,
-        prefill_locally: _Optional[bool] = ...,
-        ttft_budget_ms: _Optional[float] = ...,
-        client_request_id: _Optional[str] = ...,
-    ) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ..., num_prior_output_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., prefill_locally: _Optional[bool] = ..., ttft_budget_ms: _Optional[float] = ..., client_request_id: _Optional[str] = ...) -> None: ...
 
 class Reservation(_message.Message):
     __slots__ = ("target",)
@@ -479,15 +289,7 @@ class TokenBatch(_message.Message):
     index: int
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(
-        self,
-        token_ids: _Optional[_Iterable[int]] = ...,
-        finish_reason: _Optional[str] = ...,
-        num_cached_tokens: _Optional[int] = ...,
-        index: _Optional[int] = ...,
-        logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...,
-        prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...,
-    ) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class DecodeEvent(_message.Message):
     __slots__ = ("reservation", "tokens")
@@ -495,33 +297,14 @@ class DecodeEvent(_message.Message):
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     reservation: Reservation
     tokens: TokenBatch
-    def __init__(
-        self,
-        reservation: _Optional[_Union[Reservation, _Mapping]] = ...,
-        tokens: _Optional[_Union[TokenBatch, _Mapping]] = ...,
-    ) -> None: ...
+    def __init__(self, reservation: _Optional[_Union[Reservation, _Mapping]] = ..., tokens: _Optional[_Union[TokenBatch, _Mapping]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = (
-        "address",
-        "role",
-        "healthy",
-        "blocks_total",
-        "blocks_free",
-        "running",
-        "waiting",
-        "reserved_transfers",
-        "counters",
-        "block_size",
-        "cached_block_hashes",
-        "queued_prefill_tokens",
-        "max_num_seqs",
-        "prefill_tokens_per_s",
-    )
+    __slots__ = ("address", "role", "healthy", "blocks_total", "blocks_free", "running", "waiting", "reserved_transfers", "counters", "block_size", "cached_block_hashes", "queued_prefill_tokens", "max_num_seqs", "prefill_tokens_per_s")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -529,7 +312,6 @@ class WorkerStats(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
-
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
@@ -558,20 +340,4 @@ class WorkerStats(_message.Message):
     queued_prefill_tokens: int
     max_num_seqs: int
     prefill_tokens_per_s: float
-    def __init__(
-        self,
-        address: _Optional[str] = ...,
-        role: _Optional[str] = ...,
-        healthy: _Optional[bool] = ...,
-        blocks_total: _Optional[int] = ...,
-        blocks_free: _Optional[int] = ...,
-        running: _Optional[int] = ...,
-        waiting: _Optional[int] = ...,
-        reserved_transfers: _Optional[int] = ...,
-        counters: _Optional[_Mapping[str, float]] = ...,
-        block_size: _Optional[int] = ...,
-        cached_block_hashes: _Optional[_Iterable[int]] = ...,
-        queued_prefill_tokens: _Optional[int] = ...,
-        max_num_seqs: _Optional[int] = ...,
-        prefill_tokens_per_s: _Optional[float] = ...,
-    ) -> None: ...
+    def __init__(self, address: _Optional[str] = ..., role: _Optional[str] = ..., healthy: _Optional[bool] = ..., blocks_total: _Optional[int] = ..., blocks_free: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., reserved_transfers: _Optional[int] = ..., counters: _Optional[_Mapping[str, float]] = ..., block_size: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[int]] = ..., queued_prefill_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ...) -> None: ...

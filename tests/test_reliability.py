@@ -42,13 +42,14 @@ def pid_of(stack: Stack, name: str) -> int:
 
 
 async def wait_until_busy(stack: Stack, name: str, timeout: float = 120.0) -> None:
-    """Until the worker ``name`` reports prompts queued or running (polled, bounded)."""
+    """Until the worker ``name`` reports prompts queued or running, or blocks held for a
+    transfer (a short prompt's prefill can finish between two stats snapshots; polled, bounded)."""
     address = next(p["grpc"] for p in stack.processes if p["name"] == name)
     deadline = time.monotonic() + timeout
     while True:
         stats = await cluster_stats(stack.address)
         worker = next(w for w in stats.workers if w.address == address)
-        if worker.running or worker.waiting:
+        if worker.running or worker.waiting or worker.blocks_free < worker.blocks_total:
             return
         assert time.monotonic() < deadline, f"{name} never had work in flight"
         await asyncio.sleep(0.02)

@@ -137,12 +137,14 @@ class Stack:
 
     @classmethod
     def up(cls, *extra: str, env: dict[str, str] | None = None) -> "Stack":
-        port = free_port()
-        proc = Proc(["up", "--port", str(port), *extra], env=env or {})
+        # Port 0: the router binds a port of its own choosing (a port picked here and passed on
+        # could be taken by another process meanwhile), and the cluster line says which.
+        proc = Proc(["up", "--port", "0", *extra], env=env or {})
         proc.wait_for(lambda line: "pdserve ready" in line)
         described = next(line for line in proc.output if line.startswith("pdserve cluster: "))
         processes = json.loads(described[len("pdserve cluster: ") :])
-        return cls(proc, f"127.0.0.1:{port}", descendants(proc.process.pid), processes)
+        router = next(p["grpc"] for p in processes if p["role"] == "router")
+        return cls(proc, router, descendants(proc.process.pid), processes)
 
     def down(self, sig: int = signal.SIGTERM) -> None:
         """Stops the stack and checks that no process it started (or restarted) survives."""

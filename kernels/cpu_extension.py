@@ -30,7 +30,7 @@ SOURCE_DIR = Path(__file__).parent / "csrc"
 CACHE_ENV = "PDSERVE_KERNEL_CACHE"  # where builds live; default ~/.cache/pdserve/kernels
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -48,7 +48,7 @@ def module_name() -> str:
     digest = hashlib.sha256()
     for path in [*_sources(), *sorted(SOURCE_DIR.glob("*.h"))]:
         digest.update(path.name.encode() + path.read_bytes())
-    digest.update(torch.__version__.encode() + _cpu_flags().encode())
+    digest.update(torch.__version__.encode() + cpu_flags().encode())
     # ninja rebuilds when a command line changes, and those name the source and torch folders.
     digest.update(str(SOURCE_DIR.resolve()).encode() + str(Path(torch.__file__).parent).encode())
     return f"pdserve_cpu_kernels_{digest.hexdigest()[:12]}"

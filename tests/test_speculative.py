@@ -22,7 +22,7 @@ import torch
 from conftest import PROMPTS
 from processes import Stack, free_port
 from safetensors.torch import save_file
-from test_engine import LocalHandoff
+from test_engine import LocalHandoff, run
 from test_metrics import scrape
 from test_stack_e2e import assert_blocks_all_free
 from test_stack_e2e import collect as stream
@@ -54,22 +54,6 @@ def make_engine(model_dir, **overrides) -> LLMEngine:
     settings = dict(dtype="float32", device="cpu", kv_cache_memory="128MiB", num_speculative_tokens=K)
     settings.update(overrides)
     return LLMEngine(EngineConfig(**settings), model_dir=str(model_dir))
-
-
-def run(engine: LLMEngine, arrivals: list[tuple[int, str, list[int], SamplingParams]]) -> dict[str, list[int]]:
-    """Steps the engine, adding each request at its step; returns the generated ids."""
-    outputs: dict[str, list[int]] = {rid: [] for _, rid, _, _ in arrivals}
-    pending = sorted(arrivals, key=lambda a: a[0])
-    step = 0
-    while pending or engine.has_unfinished():
-        while pending and pending[0][0] <= step:
-            _, rid, ids, sp = pending.pop(0)
-            engine.add_request(rid, ids, sp)
-        for out in engine.step():
-            outputs[out.request_id] += out.new_token_ids
-        step += 1
-        assert step < 10_000
-    return outputs
 
 
 def collect(engine: LLMEngine) -> dict[str, list[int]]:

@@ -70,3 +70,14 @@ PROMPTS = [
         for i in range(12)
     ),
 ]
+
+
+@pytest.fixture(autouse=True)
+def process_keeps_its_cores():
+    """No test may leave this process pinned to fewer cores (every later test would run
+    slower, and an OpenMP team squeezed onto one core slows by tens of times); torch's thread
+    count, which an in-process engine sets for the whole process, is put back."""
+    cores, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+    assert os.sched_getaffinity(0) == cores, "the test left this process pinned"

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from conftest import PROMPTS
 from processes import Stack, alive, descendants
 from test_engine import assert_all_free, run
@@ -83,6 +84,7 @@ def tp1(model_dir, prompt_ids) -> Outcome:
 # PP 3 (a middle stage that receives and sends) passes too (`tp, pp = 1, 3`); left out to keep the suite short.
 @pytest.mark.parametrize("tp, pp", [(3, 1), (1, 2)], ids=["tp3", "pp2"])
 def test_parallel_engine_gives_the_tokens_of_tp1_and_transformers(model_dir, prompt_ids, tp1, hf_reference, tp, pp):
+    cores, threads = os.sched_getaffinity(0), torch.get_num_threads()
     engine = make_engine(model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp)
     ranks = engine.parallel.supervisor.pids
     try:
@@ -90,6 +92,8 @@ def test_parallel_engine_gives_the_tokens_of_tp1_and_transformers(model_dir, pro
         stats = engine.parallel.rank_comm_stats()
     finally:
         engine.close()
+    # Rank 0 (this process) was pinned where there were cores enough; closing gives them back.
+    assert (os.sched_getaffinity(0), torch.get_num_threads()) == (cores, threads)
     # The scheduler on rank 0 behaves as at TP 1: same preemptions, same prefix cache hits, same tokens.
     assert tp1.preemptions > 0 and tp1.prefix_hits > 0
     assert got == tp1

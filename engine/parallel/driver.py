@@ -66,6 +66,9 @@ class ParallelDriver:
         self.layout = layout = ParallelLayout(config.tensor_parallel_size, config.pipeline_parallel_size)
         device = rank_device(base_device, 0)
         self.supervisor: RankSupervisor | None = None
+        # This process's cores and torch threads before rank 0 was pinned: close() gives them back
+        # (an engine closed in a longer-lived process must not leave it on one core).
+        self._unpinned = (sorted(os.sched_getaffinity(0)), torch.get_num_threads())
         store = None
         if launched_externally():
             if int(os.environ["RANK"]) != 0 or int(os.environ["WORLD_SIZE"]) != layout.world_size:
@@ -186,3 +189,6 @@ class ParallelDriver:
             self.supervisor.close()
         self.runtime.close()
         destroy_groups()
+        cores, threads = self._unpinned
+        pin_process(cores)
+        torch.set_num_threads(threads)

@@ -18,7 +18,8 @@ import time
 from dataclasses import replace
 from typing import AsyncIterator, Callable, TypeVar
 
-from pdserve.engine.llm_engine import EngineStats, LLMEngine
+from pdserve.engine.engine_stats import EngineStats
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request_output import RequestOutput
 
 log = logging.getLogger(__name__)

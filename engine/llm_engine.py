@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -20,6 +19,7 @@ from pdserve.engine import speculative
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.choices import Forker, request_finished
 from pdserve.engine.engine_config import EngineConfig
+from pdserve.engine.engine_stats import EngineStats, collect_stats
 from pdserve.engine.kv_cache import KVCache, KVLayout, num_blocks_for_budget, parse_memory
 from pdserve.engine.kv_connector import KVConnector, KVReceive, KVSend
 from pdserve.engine.loader import load_model, parse_dtype, pick_device
@@ -38,27 +38,6 @@ from pdserve.kernels import select_backend
 from pdserve.request_rules import check_prompt_tokens, check_sampling, check_ttft_budget_ms
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    blocks_total: int
-    blocks_free: int
-    blocks_cached: int
-    running: int
-    waiting: int
-    prefilled_held: int  # prefills whose blocks wait for the decode side's acknowledgement
-    preemptions: int
-    prefix_queries: int
-    prefix_hits: int
-    evictions: int
-    queued_prefill_tokens: int = 0
-    cached_block_hashes: tuple[int, ...] = ()
-    prefill_tokens_per_s: float = 0.0
-    rejected: int = 0
-    waiting_for_kv: int = 0  # reservations whose K/V a prefill worker is sending
-    forks: int = 0  # choices (n > 1) forked from another choice's prompt
-    spec: speculative.SpecStats | None = None  # speculative decoding's counters, when it is on
 
 
 class LLMEngine:
@@ -295,7 +274,7 @@ class LLMEngine:
             seq.num_computed_tokens = seq.num_tokens - 1  # every token but the newest is in the cache
             self.blocks.commit_full_blocks(seq)
             if reason is not None:
-                self._finish(seq, reason)
+                self.scheduler.finish(seq, reason)
             elif seq.kv_send is not None:
                 self.connector.prompt_done(seq)  # keeps its blocks until the decode side has the K/V
             outputs.append(self._output(seq, new_ids, reason, s.logprob))
@@ -337,7 +316,7 @@ class LLMEngine:
             firsts = [FirstToken(t, r, lp) for (t, lp), r in zip(first, reasons)]
             ended = all(r is not None for r in reasons)
             if ended:
-                self._finish(seq, reasons[0])
+                self.scheduler.finish(seq, reasons[0])
             else:
                 self.connector.prompt_done(seq, tuple(t for t, _ in first[1:]))
             out = self._output(seq, [first[0][0]], reasons[0], first[0][1], first_tokens=firsts)
@@ -351,7 +330,7 @@ class LLMEngine:
             else:
                 choice.status, choice.finish_reason = SequenceStatus.FINISHED, reason
         if reasons[0] is not None:
-            self._finish(seq, reasons[0])
+            self.scheduler.finish(seq, reasons[0])
         outputs = [self._output(c, [t], r, lp) for c, (t, lp), r in zip(choices, first, reasons) if emit]
         if not emit and seq.group.finished:  # nothing goes on: the request ends here
             outputs.append(
@@ -366,24 +345,11 @@ class LLMEngine:
 
     def stats(self, with_digest: bool = False) -> EngineStats:
         """``with_digest``: include the hashes of every cached block (for KV-aware routing)."""
-        b = self.blocks.stats()
-        pending = [*self.scheduler.waiting, *(s for s in self.scheduler.running if s.is_prefilling)]
-        return EngineStats(
-            blocks_total=b.num_blocks,
-            blocks_free=b.num_free,
-            blocks_cached=b.num_cached,
-            running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting),
-            prefilled_held=len(self.connector.sending),
-            preemptions=self.scheduler.num_preemptions,
-            prefix_queries=b.prefix_queries,
-            prefix_hits=b.prefix_hits,
-            evictions=b.evictions,
-            queued_prefill_tokens=sum(s.num_tokens - s.num_computed_tokens for s in pending if s.kv_receive is None),
+        return collect_stats(
+            self.scheduler,
+            self.connector,
             cached_block_hashes=self._cached_hashes() if with_digest else (),
             prefill_tokens_per_s=self.prefill_rate,
-            rejected=self.scheduler.num_rejected,
-            waiting_for_kv=len(self.scheduler.waiting_for_kv),
             forks=self.forker.num_forks,
             spec=self.speculator.stats if self.speculator is not None else None,
         )
@@ -400,10 +366,3 @@ class LLMEngine:
         if seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
-
-    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
-        if seq.kv_send is not None:
-            seq.kv_send.transfer.cancel()  # the first token ends it: the decode side is not needed
-        self.scheduler.remove(seq)
-        self.blocks.free(seq)
-        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.sequence import FinishReason, Sequence, SequenceStatus
 from pdserve.engine.swap import SwapSpace
 
 
@@ -119,6 +119,14 @@ class Scheduler:
         if seq.swapped_blocks:
             self.swap.release(seq.swapped_blocks)
             seq.swapped_blocks = []
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Ends a sequence: out of every queue, its blocks freed (full ones stay cached)."""
+        if seq.kv_send is not None:
+            seq.kv_send.transfer.cancel()  # the first token ends it: the decode side is not needed
+        self.remove(seq)
+        self.blocks.free(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
 
     @property
     def num_unfinished(self) -> int:

@@ -13,7 +13,7 @@ from pdserve.request_rules import Constraint
 from pdserve.v1 import pdserve_pb2 as pb
 
 if TYPE_CHECKING:
-    from pdserve.engine.llm_engine import EngineStats
+    from pdserve.engine.engine_stats import EngineStats
     from pdserve.engine.logprobs import TokenLogprob
 
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.engine_stats import collect_stats
 from pdserve.engine.kv_connector import KVConnector, KVReceive, KVSend, Report, TransferOutcome
-from pdserve.engine.llm_engine import EngineStats
 from pdserve.engine.request_output import RequestOutput, RequestRejected
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -203,7 +203,7 @@ class SimEngine:
             self.blocks.commit_full_blocks(seq)
             reason = self._finish_reason(seq, SAMPLED_TOKEN)
             if reason is not None:
-                self._finish(seq, reason)
+                self.scheduler.finish(seq, reason)
             elif seq.kv_send is not None:
                 self.connector.prompt_done(seq)  # keeps its blocks until the decode side has the K/V
             outputs.append(
@@ -232,33 +232,13 @@ class SimEngine:
             return FinishReason.LENGTH
         return None
 
-    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
-        if seq.kv_send is not None:
-            seq.kv_send.transfer.cancel()  # the first token ends it: the decode side is not needed
-        self.scheduler.remove(seq)
-        self.blocks.free(seq)
-        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
-
     # -- what the router sees (``LLMEngine.stats`` through the workers' ``GetStats``) ----------------
     def stats(self, address: str, role: str, prefill_tokens_per_s: float) -> pb.WorkerStats:
-        b = self.blocks.stats()
-        pending = [*self.scheduler.waiting, *(s for s in self.scheduler.running if s.is_prefilling)]
-        stats = EngineStats(
-            blocks_total=b.num_blocks,
-            blocks_free=b.num_free,
-            blocks_cached=b.num_cached,
-            running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting),
-            prefilled_held=len(self.connector.sending),
-            preemptions=self.scheduler.num_preemptions,
-            prefix_queries=b.prefix_queries,
-            prefix_hits=b.prefix_hits,
-            evictions=b.evictions,
-            queued_prefill_tokens=sum(s.num_tokens - s.num_computed_tokens for s in pending if s.kv_receive is None),
+        stats = collect_stats(
+            self.scheduler,
+            self.connector,
             cached_block_hashes=tuple(self.blocks.cached),
             prefill_tokens_per_s=prefill_tokens_per_s,
-            rejected=self.scheduler.num_rejected,
-            waiting_for_kv=len(self.scheduler.waiting_for_kv),
         )
         return worker_stats(
             stats, role, address, self.receiver.num_active, None, self.limits.block_size, self.limits.max_num_seqs

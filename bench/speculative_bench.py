@@ -45,7 +45,7 @@ import numpy as np  # noqa: E402
 from pdserve.bench import workloads  # noqa: E402
 from pdserve.engine.engine_config import EngineConfig  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
-from pdserve.engine.model_store import resolve_model  # noqa: E402
+from pdserve.engine.model_store import resolve_model, write_first_layers  # noqa: E402
 from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
 
 TARGETS = {"extractive_itl_ratio": 0.6, "self_draft_tokens_per_forward": 0.9, "random_throughput_ratio": 0.95}
@@ -75,30 +75,11 @@ class Tally:
 
 def truncated_copy(layers: int, cache: Path) -> Path:
     """The default model cut to its first ``layers`` layers (a draft), built once under ``cache``."""
-    import shutil
-
-    import torch
-    from safetensors.torch import save_file
-
-    from pdserve.engine.loader import load_state_dict
-
     source = resolve_model(None)
     folder = cache / f"{source.name}-first-{layers}-layers"
     if (folder / "model.safetensors").is_file():
         return folder
-    folder.mkdir(parents=True, exist_ok=True)
-    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(source / name, folder / name)
-    config = json.loads((source / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}))
-    state = load_state_dict(source, torch.float32)
-    keep = {
-        k: v.contiguous()
-        for k, v in state.items()
-        if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers
-    }
-    save_file(keep, str(folder / "model.safetensors"))
-    return folder
+    return write_first_layers(source, layers, folder)
 
 
 def make_engines(args: argparse.Namespace) -> dict[str, LLMEngine]:

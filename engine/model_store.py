@@ -162,3 +162,25 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     tokenizer.save_pretrained(str(out))
+
+
+def write_first_layers(source: Path, layers: int, folder: Path) -> Path:
+    """A copy of the model in ``source`` cut to its first ``layers`` layers, in ``folder``: the
+    cheapest draft for speculative decoding (same tokenizer and embedding, weaker guesses)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from pdserve.engine.loader import load_state_dict
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, folder / name)
+    config = json.loads((source / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}))
+    kept = {
+        name: tensor.contiguous()
+        for name, tensor in load_state_dict(source, torch.float32).items()
+        if not name.startswith("model.layers.") or int(name.split(".")[2]) < layers
+    }
+    save_file(kept, str(folder / "model.safetensors"))
+    return folder

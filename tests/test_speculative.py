@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import urllib.request
 
 import grpc
@@ -31,7 +30,7 @@ from pdserve.client import build_request
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.kv_connector import KVReceive, KVSend
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.loader import load_state_dict
+from pdserve.engine.model_store import write_first_layers
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.speculative import SpecStats
 from pdserve.engine.speculative import draft as draft_module
@@ -88,19 +87,7 @@ def few(prompt_ids):
 @pytest.fixture(scope="module")
 def truncated_draft(model_dir, tmp_path_factory):
     """The default model cut to its first DRAFT_LAYERS layers: a cheap, weaker draft."""
-    folder = tmp_path_factory.mktemp(f"draft-{DRAFT_LAYERS}-layers")
-    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(model_dir / name, folder / name)
-    config = json.loads((model_dir / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": DRAFT_LAYERS}))
-    state = load_state_dict(model_dir, torch.float32)
-    keep = {
-        k: v.contiguous()
-        for k, v in state.items()
-        if not k.startswith("model.layers.") or int(k.split(".")[2]) < DRAFT_LAYERS
-    }
-    save_file(keep, str(folder / "model.safetensors"))
-    return folder
+    return write_first_layers(model_dir, DRAFT_LAYERS, tmp_path_factory.mktemp(f"draft-{DRAFT_LAYERS}-layers"))
 
 
 PROPOSERS = ["ngram", "self-draft", "truncated-draft"]

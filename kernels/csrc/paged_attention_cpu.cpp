@@ -61,13 +61,14 @@ inline void load_row(const uint8_t* token, const KVFormat& fmt, int kv, int64_t 
 
 template <typename T>
 void attend_portable(const float* q, int64_t num_q_heads, const uint8_t* cache, const int64_t* table,
-                     int64_t block_size, int64_t t0, int64_t t1, const KVFormat& fmt, Partial out) {
+                     int64_t block_size, int64_t t0, int64_t t1, const KVFormat& fmt, float scale, Partial out) {
   const int64_t dim = fmt.dim, group = num_q_heads / fmt.heads, n = t1 - t0;
-  std::vector<float> scores(n), row(dim);
+  std::vector<float> scores(n), row(dim), qs(num_q_heads * dim);
+  for (int64_t i = 0; i < num_q_heads * dim; ++i) qs[i] = q[i] * scale;
   auto token = [&](int64_t t) { return cache + (table[t / block_size] * block_size + t % block_size) * fmt.token_bytes; };
   for (int64_t qh = 0; qh < num_q_heads; ++qh) {
     const int64_t h = qh / group;
-    const float* qv = q + qh * dim;
+    const float* qv = qs.data() + qh * dim;
     float mx = kNegInf;
     for (int64_t t = t0; t < t1; ++t) {
       load_row<T>(token(t), fmt, 0, h, row.data());
@@ -94,7 +95,8 @@ void attend_portable(const float* q, int64_t num_q_heads, const uint8_t* cache, 
 // ---------------------------------------------------------------------------------------------
 // The AVX-512 path for head_dim 64 or 128 (NV = head_dim / 16 vectors), one instantiation per
 // cache format. Tokens go 16 at a time (one vector of scores per query head).
-constexpr int64_t kChunk = 16;
+constexpr int64_t kChunk = 16;  // sum16 reduces exactly one vector of scores
+static_assert(kChunk == 16);
 constexpr int64_t kMaxQHeads = 64;
 
 // One K or V row of head h as fp32 vectors, unscaled; returns the row's scale (1 for plain rows).
@@ -134,9 +136,27 @@ inline float load_vecs(const uint8_t* token, const KVFormat& fmt, int kv, int64_
 
 template <typename T, int KIND, int NV>
 void attend_avx512(const float* q, int64_t num_q_heads, const uint8_t* cache, const int64_t* table,
-                   int64_t block_size, int64_t t0, int64_t t1, const KVFormat& fmt, Partial out) {
+                   int64_t block_size, int64_t t0, int64_t t1, const KVFormat& fmt, float scale, Partial out) {
   constexpr int64_t D = NV * 16;
+  // A bf16 cache's K rows go straight into bf16 dot products (AVX512-BF16: 32 products per
+  // instruction, exact, summed in fp32) against q in bf16, which is exact: q comes from a
+  // bf16 model and is scaled after the dot product, not before.
+#if defined(__AVX512BF16__)
+  constexpr bool kBf16Dots = std::is_same_v<T, c10::BFloat16> && KIND == KVFormat::kPlain;
+  __m512bh qbf[kBf16Dots ? kMaxQHeads : 1][NV / 2];
+  if constexpr (kBf16Dots) {
+    for (int64_t qh = 0; qh < num_q_heads; ++qh)
+      for (int v = 0; v < NV / 2; ++v)
+        qbf[qh][v] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + qh * D + 32 * v + 16), _mm512_loadu_ps(q + qh * D + 32 * v));
+  }
+#else
+  constexpr bool kBf16Dots = false;
+#endif
   const int64_t heads = fmt.heads, group = num_q_heads / heads, tb = fmt.token_bytes;
+  alignas(64) float qs[kBf16Dots ? 1 : kMaxQHeads * D];  // q * scale for the fp32 dot products
+  if constexpr (!kBf16Dots) {
+    for (int64_t i = 0; i < num_q_heads * D; ++i) qs[i] = q[i] * scale;
+  }
   alignas(64) float p[kMaxQHeads][kChunk];
   for (int64_t qh = 0; qh < num_q_heads; ++qh) {
     out.max[qh] = kNegInf;
@@ -146,6 +166,7 @@ void attend_avx512(const float* q, int64_t num_q_heads, const uint8_t* cache, co
   const uint8_t* tokens[kChunk];
   for (int64_t c0 = t0; c0 < t1; c0 += kChunk) {
     const int64_t n = std::min(kChunk, t1 - c0);
+    const __mmask16 valid = n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
     for (int64_t j = 0; j < n; ++j) {
       const int64_t t = c0 + j;
       tokens[j] = cache + (table[t / block_size] * block_size + t % block_size) * tb;
@@ -153,26 +174,48 @@ void attend_avx512(const float* q, int64_t num_q_heads, const uint8_t* cache, co
       const int64_t ahead = t + kChunk;
       if (ahead < t1) prefetch(cache + (table[ahead / block_size] * block_size + ahead % block_size) * tb, tb);
     }
-    // Scores of every query head for these tokens (K of each KV head loaded once for its group).
-    for (int64_t j = 0; j < n; ++j) {
-      for (int64_t h = 0; h < heads; ++h) {
-        __m512 k[NV];
-        const float ks = load_vecs<T, KIND, NV>(tokens[j], fmt, 0, h, k);
+    // Scores of every query head for these tokens.
+    for (int64_t h = 0; h < heads; ++h) {
+      if constexpr (kBf16Dots) {
+#if defined(__AVX512BF16__)
+        const __m512 scales = _mm512_set1_ps(scale);
         for (int64_t g = 0; g < group; ++g) {
-          const float* qg = q + (h * group + g) * D;
-          __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(qg), k[0]);
-          __m512 a1 = _mm512_mul_ps(_mm512_loadu_ps(qg + 16), k[1]);
-#pragma GCC unroll 8
-          for (int v = 2; v < NV; v += 2) {
-            a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * v), k[v], a0);
-            a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * (v + 1)), k[v + 1], a1);
+          const int64_t qh = h * group + g;
+          __m512 dots[kChunk];
+          for (int64_t j = 0; j < kChunk; ++j) {
+            __m512 a = _mm512_setzero_ps();
+            if (j < n) {
+              const uint8_t* row = tokens[j] + fmt.code_offset(0, h);
+#pragma GCC unroll 4
+              for (int v = 0; v < NV / 2; ++v) {
+                a = _mm512_dpbf16_ps(a, qbf[qh][v], (__m512bh)_mm512_loadu_si512(row + 64 * v));
+              }
+            }
+            dots[j] = a;
           }
-          p[h * group + g][j] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) * ks;
+          _mm512_store_ps(p[qh], _mm512_mul_ps(sum16(dots), scales));
+        }
+#endif
+      } else {
+        // K of each KV head loaded once for its group, one reduction per score.
+        for (int64_t j = 0; j < n; ++j) {
+          __m512 k[NV];
+          const float ks = load_vecs<T, KIND, NV>(tokens[j], fmt, 0, h, k);
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qg = qs + (h * group + g) * D;
+            __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(qg), k[0]);
+            __m512 a1 = _mm512_mul_ps(_mm512_loadu_ps(qg + 16), k[1]);
+#pragma GCC unroll 8
+            for (int v = 2; v < NV; v += 2) {
+              a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * v), k[v], a0);
+              a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * (v + 1)), k[v + 1], a1);
+            }
+            p[h * group + g][j] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) * ks;
+          }
         }
       }
     }
     // Online softmax over the chunk, one vector per query head.
-    const __mmask16 valid = n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
     for (int64_t qh = 0; qh < num_q_heads; ++qh) {
       const __m512 s = _mm512_mask_loadu_ps(_mm512_set1_ps(kNegInf), valid, p[qh]);
       const float new_max = std::max(out.max[qh], _mm512_reduce_max_ps(s));
@@ -227,7 +270,7 @@ auto pick_kind(const KVFormat& fmt) {
 
 template <typename T>
 using AttendFn = void (*)(const float*, int64_t, const uint8_t*, const int64_t*, int64_t, int64_t, int64_t,
-                          const KVFormat&, Partial);
+                          const KVFormat&, float, Partial);
 
 template <typename T>
 AttendFn<T> pick_attend(const KVFormat& fmt, int64_t num_q_heads) {
@@ -265,10 +308,10 @@ void decode_attention(const T* q, const uint8_t* cache, const int64_t* tables, c
       const int64_t split = item - first[b], len = lens[b], chunk = (len + splits[b] - 1) / splits[b];
       const int64_t t0 = std::min(len, split * chunk), t1 = std::min(len, t0 + chunk);
       const T* qb = q + b * num_q_heads * dim;
-      for (int64_t i = 0; i < num_q_heads * dim; ++i) qf[i] = static_cast<float>(qb[i]) * scale;
+      for (int64_t i = 0; i < num_q_heads * dim; ++i) qf[i] = static_cast<float>(qb[i]);
       Partial part{maxes.data() + item * num_q_heads, sums.data() + item * num_q_heads,
                    accs.data() + item * num_q_heads * dim};
-      attend(qf.data(), num_q_heads, cache, tables + b * max_blocks, block_size, t0, t1, fmt, part);
+      attend(qf.data(), num_q_heads, cache, tables + b * max_blocks, block_size, t0, t1, fmt, scale, part);
     }
   });
 

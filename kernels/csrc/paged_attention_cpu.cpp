@@ -164,15 +164,18 @@ void attend_avx512(const float* q, int64_t num_q_heads, const uint8_t* cache, co
   }
   std::fill(out.acc, out.acc + num_q_heads * D, 0.f);
   const uint8_t* tokens[kChunk];
+  const uint8_t* later[kChunk];
+  const int64_t lines = (tb + 63) / 64;
   for (int64_t c0 = t0; c0 < t1; c0 += kChunk) {
     const int64_t n = std::min(kChunk, t1 - c0);
     const __mmask16 valid = n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
     for (int64_t j = 0; j < n; ++j) {
-      const int64_t t = c0 + j;
+      const int64_t t = c0 + j, ahead = t + kChunk;
       tokens[j] = cache + (table[t / block_size] * block_size + t % block_size) * tb;
-      // The token read one chunk later (usually in another block): ask for it now.
-      const int64_t ahead = t + kChunk;
-      if (ahead < t1) prefetch(cache + (table[ahead / block_size] * block_size + ahead % block_size) * tb, tb);
+      // The token read one chunk later (usually in another block), prefetched a slice at a time
+      // while this chunk's values are summed: a burst of a whole block's lines would stall on
+      // the core's few outstanding-miss slots with nothing to compute meanwhile.
+      later[j] = ahead < t1 ? cache + (table[ahead / block_size] * block_size + ahead % block_size) * tb : nullptr;
     }
     // Scores of every query head for these tokens.
     for (int64_t h = 0; h < heads; ++h) {
@@ -240,7 +243,11 @@ void attend_avx512(const float* q, int64_t num_q_heads, const uint8_t* cache, co
         for (int64_t g = 0; g < 4; ++g)
 #pragma GCC unroll 8
           for (int v = 0; v < NV; ++v) acc[g][v] = g < gn ? _mm512_loadu_ps(acc_base + g * D + 16 * v) : _mm512_setzero_ps();
+        const int64_t first_line = h * lines / heads, end_line = (h + 1) * lines / heads;
         for (int64_t j = 0; j < n; ++j) {
+          if (g0 == 0 && later[j] != nullptr) {
+            for (int64_t l = first_line; l < end_line; ++l) __builtin_prefetch(later[j] + 64 * l, 0, 3);
+          }
           __m512 vr[NV];
           const float vs = load_vecs<T, KIND, NV>(tokens[j], fmt, 1, h, vr);
 #pragma GCC unroll 4

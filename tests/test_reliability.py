@@ -23,6 +23,11 @@ ARGS = ("--dtype", "float32", "--kv-cache-memory", "256MiB", "--kv-transport", "
 MAX_NEW = 32
 
 
+LONG_CONTEXT = " ".join(
+    f"Note {i}: the ferry left the harbour at {i} o'clock with {i * 7} passengers." for i in range(20)
+)
+
+
 def expected(hf_reference, prompt: str, n: int = MAX_NEW) -> list[int]:
     return hf_reference.greedy(hf_reference.tokenizer(prompt).input_ids, n)
 
@@ -94,7 +99,9 @@ async def test_kill_decode_worker_mid_stream_all_streams_complete(hf_reference):
 async def test_kill_prefill_worker_under_load_loses_nothing(hf_reference):
     stack = Stack.up("--prefill", "2", "--decode", "1", "--policy", "round_robin", *ARGS)
     try:
-        prompts = [PROMPTS[i % 4] for i in range(8)]
+        # Long prompts: their prefill spans several steps, so the kill lands while one runs (short
+        # ones finished between two stats snapshots on a loaded machine, and the test never fired).
+        prompts = [LONG_CONTEXT[i % 4 :] + PROMPTS[i % 4] for i in range(8)]
         async with grpc.aio.insecure_channel(stack.address) as channel:
             tasks = [
                 asyncio.create_task(stream_tokens(channel, p, {}, i, max_tokens=12)) for i, p in enumerate(prompts)

@@ -1,16 +1,19 @@
-"""Checksums of transferred K/V.
+"""Checksums of transferred K/V: one function of the bytes, wherever they are.
 
-Host bytes: xxh3-64 (tens of GB/s per core here: far below the cost of moving the bytes).
-GPU bytes (CUDA IPC, where copying to the host only to hash would cost more than the
-transfer): the unit is cut into ``CHUNK``-byte chunks (the last one zero-padded), a Triton
-kernel computes the standard XXH64 of every chunk in parallel, and the host folds the chunk
-digests and the length with xxh3. Both sides of a CUDA IPC transfer use the same function,
-and the kernel is checked against ``xxhash.xxh64`` under the Triton interpreter on CPU.
+A unit's bytes (tokens in order) are cut into ``CHUNK``-byte chunks, the last one
+zero-padded; each chunk gets its standard XXH64 (seed 0), and the chunk digests and the
+length are folded with xxh3. Chunks make the hash parallel: on the host the C++ kernel hashes
+eight side by side (AVX-512) in the same pass that copies the unit (``host_chunk_digests``),
+on a GPU a Triton kernel hashes every chunk at once (CUDA IPC, where copying to the host only
+to hash would cost more than the transfer). Without the C++ kernels numpy computes the same
+digests. Every implementation is checked against ``xxhash.xxh64`` (the Triton one under its
+interpreter on CPU).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 
@@ -29,8 +32,79 @@ _LAUNCH_LOCK = threading.Lock() if _INTERPRETED else contextlib.nullcontext()
 
 
 def checksum(data) -> int:
-    """xxh3-64 of a host buffer (a numpy array, memoryview, bytes)."""
-    return xxhash.xxh3_64_intdigest(data)
+    """The checksum of a contiguous host buffer (a numpy array, memoryview, bytes)."""
+    flat = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1).view(np.uint8)
+    return fold(host_chunk_digests(flat.reshape(1, -1), _ONE_ROW), flat.size)
+
+
+def fold(digests: np.ndarray, nbytes: int) -> int:
+    """The checksum of ``nbytes`` bytes from their chunk digests."""
+    return xxhash.xxh3_64_intdigest(digests.tobytes() + nbytes.to_bytes(8, "little"))
+
+
+def host_chunk_digests(
+    src: np.ndarray,
+    src_slots: np.ndarray,
+    dst: np.ndarray | None = None,
+    dst_slots: np.ndarray | None = None,
+    stream: bool = False,
+) -> np.ndarray:
+    """The chunk digests of rows ``src_slots`` of host rows ``src`` [slots, token_bytes], in
+    that order, copied into rows ``dst_slots`` of ``dst`` on the way when given (``stream``:
+    with stores that bypass this core's caches). The C++ kernel makes it one pass with the
+    GIL released; numpy takes two."""
+    native = _native()
+    if native is not None:
+        if dst is None:
+            return native.copy_rows_hashed(_tensor(src), _tensor(src_slots)).numpy()
+        tensors = _tensor(src), _tensor(src_slots), _tensor(dst), _tensor(dst_slots)
+        return native.copy_rows_hashed(*tensors, stream).numpy()
+    data = src[src_slots]
+    if dst is not None:
+        dst[dst_slots] = data
+    return numpy_chunk_digests(data)
+
+
+def numpy_chunk_digests(data: np.ndarray) -> np.ndarray:
+    """XXH64 of each zero-padded ``CHUNK``-byte chunk of ``data``, vectorized over chunks."""
+    flat = data.reshape(-1).view(np.uint8)
+    num_chunks = max(1, -(-flat.size // CHUNK))
+    padded = np.zeros(num_chunks * CHUNK, dtype=np.uint8)
+    padded[: flat.size] = flat
+    words = padded.view("<u8").reshape(num_chunks, CHUNK // 32, 4)
+    p1, p2, p3, p4 = (np.uint64(p) for p in (_P1, _P2, _P3, _P4))
+    with np.errstate(over="ignore"):
+        acc = np.tile(np.array([(_P1 + _P2) & _M64, _P2, 0, -_P1 & _M64], dtype=np.uint64), (num_chunks, 1))
+        for stripe in range(CHUNK // 32):
+            acc = _rotl(acc + words[:, stripe] * p2, 31) * p1
+        h = _rotl(acc[:, 0], 1) + _rotl(acc[:, 1], 7) + _rotl(acc[:, 2], 12) + _rotl(acc[:, 3], 18)
+        for lane in range(4):
+            h = (h ^ (_rotl(acc[:, lane] * p2, 31) * p1)) * p1 + p4
+        h = h + np.uint64(CHUNK)
+        h = (h ^ (h >> np.uint64(33))) * p2
+        h = (h ^ (h >> np.uint64(29))) * p3
+        return h ^ (h >> np.uint64(32))
+
+
+def _rotl(x: np.ndarray, r: int) -> np.ndarray:
+    return (x << np.uint64(r)) | (x >> np.uint64(64 - r))
+
+
+_ONE_ROW = np.zeros(1, dtype=np.int64)
+
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    if not array.flags.writeable:  # bytes from the wire, say: torch wants writable memory
+        array = array.copy()
+    return torch.from_numpy(array)
+
+
+@functools.cache
+def _native():
+    """The C++ kernels' module, or None (then numpy computes the same digests)."""
+    from pdserve.kernels import cpu_extension
+
+    return cpu_extension.load()
 
 
 def device_checksum(rows: torch.Tensor) -> int:
@@ -45,7 +119,7 @@ def device_checksum(rows: torch.Tensor) -> int:
     elif _INTERPRETED:
         flat = flat.clone()
     digests = chunk_digests(flat.view(torch.int64), num_chunks)
-    return xxhash.xxh3_64_intdigest(digests.cpu().numpy().tobytes() + n.to_bytes(8, "little"))
+    return fold(digests.cpu().numpy(), n)
 
 
 def chunk_digests(words: torch.Tensor, num_chunks: int) -> torch.Tensor:

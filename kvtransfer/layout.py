@@ -11,13 +11,15 @@ layer, never per block.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-import xxhash
+
+from pdserve.kvtransfer.integrity import checksum, fold, host_chunk_digests
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,30 +80,23 @@ def scatter(rows: np.ndarray, slots: Slots, data: np.ndarray) -> None:
         at += count
 
 
-PIECE_BYTES = 256 << 10  # a piece of a one-range copy that stays in a core's L2 to be hashed
-
-
-def copy_and_hash(src: np.ndarray, src_slots: Slots, dst: np.ndarray, dst_slots: Slots) -> int:
-    """Copies the tokens of ``src_slots`` to ``dst_slots`` (host rows); returns the checksum of
-    the bytes, taken once: between the gather and the scatter, or, when both sides are one
-    range, piece by piece on what landed while it is still in cache."""
-    if not (src_slots.contiguous and dst_slots.contiguous):
-        data = gather(src, src_slots)
-        digest = xxhash.xxh3_64_intdigest(data)
-        scatter(dst, dst_slots, data)
-        return digest
-    hasher, step = xxhash.xxh3_64(), max(1, PIECE_BYTES // src.shape[1])
-    for at in range(0, len(src_slots), step):
-        n = min(step, len(src_slots) - at)
-        landed = dst[dst_slots.first + at : dst_slots.first + at + n]
-        np.copyto(landed, src[src_slots.first + at : src_slots.first + at + n])
-        hasher.update(landed)
-    return hasher.intdigest()
+def copy_and_hash(src: np.ndarray, src_slots: Slots, dst: np.ndarray, dst_slots: Slots, stream: bool = False) -> int:
+    """Copies the tokens of ``src_slots`` to ``dst_slots`` (host rows); returns the checksum
+    of the bytes, taken in the same pass. ``stream``: past this core's caches (the
+    destination is another process's)."""
+    digests = host_chunk_digests(src, src_slots.array, dst, dst_slots.array, stream)
+    return fold(digests, len(src_slots) * src.shape[1])
 
 
 def hash_rows(rows: np.ndarray, slots: Slots) -> int:
     """The checksum of the tokens of ``slots`` in host ``rows``."""
-    return xxhash.xxh3_64_intdigest(gather(rows, slots))
+    return fold(host_chunk_digests(rows, slots.array), len(slots) * rows.shape[1])
+
+
+@functools.lru_cache(maxsize=8)
+def identity(n: int) -> np.ndarray:
+    """Slots 0..n-1: a staging buffer's rows, in order (shared: read it, never write it)."""
+    return np.arange(n, dtype=np.int64)
 
 
 class StagingPool:
@@ -191,6 +186,19 @@ class KVCacheView:
             self.stream.synchronize()
         return HostBytes(host[:nbytes].numpy(), self.host_staging, host)
 
+    def read_hashed(self, layer: int, slots: Slots, ready=None) -> tuple["HostBytes", int]:
+        """``read``, with the checksum of the bytes taken in the pass that gathers them."""
+        if self.device.type != "cpu":
+            data = self.read(layer, slots, ready)
+            return data, checksum(data.data)
+        rows, n = self._numpy[layer], len(slots)
+        if slots.contiguous and self.on_host:
+            return HostBytes(rows[slots.first : slots.first + n].reshape(-1)), hash_rows(rows, slots)
+        buffer = self.host_staging.take(n * self.token_bytes)
+        staged = buffer[: n * self.token_bytes].numpy().reshape(n, self.token_bytes)
+        digest = fold(host_chunk_digests(rows, slots.array, staged, identity(n)), n * self.token_bytes)
+        return HostBytes(staged.reshape(-1), self.host_staging, buffer), digest
+
     def gather_on_device(self, layer: int, slots: Slots) -> torch.Tensor:
         if slots.contiguous:
             return self.rows[layer][slots.first : slots.first + len(slots)]
@@ -262,6 +270,17 @@ class WriteTarget:
         """Scatters a staged unit into the cache (nothing to do in place)."""
         if self._buffer is not None:
             self.view.scatter(self.layer, self.slots, self.data)
+
+    def commit_hashed(self) -> int:
+        """``commit``, returning the checksum of the unit's bytes, taken in the same pass."""
+        view, n = self.view, len(self.slots)
+        if self._buffer is None or view.device.type != "cpu":
+            digest = checksum(self.data)
+            self.commit()
+            return digest
+        staged = self.data.reshape(n, view.token_bytes)
+        digests = host_chunk_digests(staged, identity(n), view.host_rows(self.layer), self.slots.array)
+        return fold(digests, n * view.token_bytes)
 
     def release(self) -> None:
         if self._buffer is not None:

@@ -18,7 +18,7 @@ import struct
 from dataclasses import dataclass
 
 MAGIC = b"PDKV"
-VERSION = 2  # 2: HMAC challenge-response (no credential in HELLO), token_bytes in the layout check, RENEW
+VERSION = 3  # 3: chunked XXH64 checksums (2: HMAC challenge-response, token_bytes in the layout check, RENEW)
 HEADER = struct.Struct("<4sBBHQIIIqQQ")
 HEADER_SIZE = HEADER.size
 # Handshake and control payloads are small; K/V payloads are bounded by the grant they target.

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from pdserve.engine.parallel.layout import kv_heads_of, kv_heads_per_rank, kv_split_problem
+from pdserve.kvtransfer.integrity import checksum
 from pdserve.kvtransfer.layout import HostBytes, KVCacheView, Slots
 
 _VALUE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "fp8": 1}
@@ -114,6 +115,10 @@ class ReshardedView:
                 out[:, dst_at : dst_at + size] = rows[:, src_at : src_at + size]
             part.release()
         return HostBytes(out.reshape(-1), self.host_staging, buffer)
+
+    def read_hashed(self, layer: int, slots: Slots, ready=None) -> tuple[HostBytes, int]:
+        data = self.read(layer, slots, ready)
+        return data, checksum(data.data)
 
     def gather_on_device(self, layer: int, slots: Slots) -> torch.Tensor:
         """The same, assembled where the cache is (device-to-device transports)."""

@@ -2,9 +2,9 @@
 segment that prefill workers on the same machine map and write into directly (the CPU
 analogue of a one-sided RDMA write); a WRITTEN frame then carries the checksum.
 
-Sender: the unit is gathered (a view when it is one range, else one vectorized copy of whole
-blocks), hashed, and scattered into its destination slots. Receiver: hashes what landed,
-gathered the same way. One pass over the bytes on each side.
+Sender: one pass of the C++ kernel copies the unit from its slots into the destination slots
+(streaming stores: the bytes are for another process) and hashes it on the way. Receiver:
+hashes what landed. One pass over the bytes on each side, the GIL released for both.
 
 The decode side creates the segment; Python's resource tracker unlinks it even if the worker
 is killed. The prefill side maps it by name with a plain ``mmap`` (not ``SharedMemory``,
@@ -22,7 +22,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pdserve.kvtransfer.integrity import checksum
 from pdserve.kvtransfer.layout import copy_and_hash, hash_rows, scatter
 from pdserve.kvtransfer.protocol import FrameHeader, FrameKind
 from pdserve.kvtransfer.transport_api import ReceiveContext, SendContext, Unit
@@ -127,10 +126,9 @@ class Sender:
     def send(self, unit: Unit) -> None:
         cache, rows = self.ctx.cache, self.pool.layers[unit.layer]
         if cache.on_host:
-            digest = copy_and_hash(cache.host_rows(unit.layer), unit.src, rows, unit.dst)
+            digest = copy_and_hash(cache.host_rows(unit.layer), unit.src, rows, unit.dst, stream=True)
         else:  # a staged copy (a GPU cache, or a test forcing that path)
-            data = cache.read(unit.layer, unit.src, unit.ready)
-            digest = checksum(data.data)
+            data, digest = cache.read_hashed(unit.layer, unit.src, unit.ready)
             scatter(rows, unit.dst, data.data)
             data.release()
         if self.ctx.faults.take("corrupt"):
@@ -167,9 +165,9 @@ class Receiver:
             if cache.on_host:
                 ok = hash_rows(cache.host_rows(h.layer), slots) == h.checksum
             else:
-                landed = cache.read(h.layer, slots)
-                ok = checksum(landed.data) == h.checksum
+                landed, digest = cache.read_hashed(h.layer, slots)
                 landed.release()
+                ok = digest == h.checksum
         finally:
             ledger.end_write(grant, h.layer, h.start, h.end, ok)
 

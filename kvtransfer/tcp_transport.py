@@ -1,17 +1,16 @@
 """TCP: the unit's bytes follow its DATA header on the control connection.
 
 Sender: one ``sendmsg`` of header + bytes, read in place from the cache when the unit is one
-contiguous range, else gathered (one vectorized copy) into a staging buffer. Receiver: one
+contiguous range, else gathered into a staging buffer, hashed in the same pass. Receiver: one
 ``recv`` (MSG_WAITALL) of the whole payload, in place when the destination is contiguous,
-else into a staging buffer scattered by one vectorized copy; the checksum is verified on the
-received bytes. Works everywhere; a GPU cache goes through pinned host buffers.
+else into a staging buffer scattered into the cache, the checksum taken in the pass that
+scatters it. Works everywhere; a GPU cache goes through pinned host buffers.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from pdserve.kvtransfer.integrity import checksum
 from pdserve.kvtransfer.protocol import FrameHeader, FrameKind, ProtocolError
 from pdserve.kvtransfer.sockets import discard, recv_exact
 from pdserve.kvtransfer.transport_api import ReceiveContext, SendContext, Unit
@@ -28,10 +27,9 @@ class Sender:
         self.ctx = ctx
 
     def send(self, unit: Unit) -> None:
-        data = self.ctx.cache.read(unit.layer, unit.src, unit.ready)
+        data, digest = self.ctx.cache.read_hashed(unit.layer, unit.src, unit.ready)
         try:
             payload = data.data
-            digest = checksum(payload)
             if self.ctx.faults.take("corrupt"):
                 payload = flipped(payload)
             header = FrameHeader(
@@ -77,8 +75,7 @@ class Receiver:
         try:
             target = cache.write_target(h.layer, grant.slots(cache, h.start, h.end))
             recv_exact(self.ctx.sock, target.data)
-            ok = checksum(target.data) == h.checksum
-            target.commit()
+            ok = target.commit_hashed() == h.checksum
         finally:
             if target is not None:
                 target.release()

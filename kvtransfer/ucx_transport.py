@@ -2,11 +2,11 @@
 (RDMA across hosts; shared memory / CMA on one host, as UCX decides).
 
 Sender: the unit's bytes (in place, or gathered into a staging buffer that lives until UCX
-is done with it), hashed, announced by a UCX_DATA header carrying the message's tag, then
+is done with it), hashed in the pass that gathers them, announced by a UCX_DATA header carrying the message's tag, then
 sent. Every send's completion is tracked per transfer: DONE leaves only after all of them
 succeeded, and a failed send fails the transfer. Receiver: one receive per unit, posted at
 the destination itself when it is contiguous (else into a staging buffer scattered on
-arrival), verified when it completes. A grant that fails while receives are posted cancels
+arrival), verified when it completes (in the scattering pass). A grant that fails while receives are posted cancels
 them, and its blocks are not reported free until UCX has completed each one.
 """
 
@@ -16,7 +16,6 @@ import secrets
 import threading
 from collections import Counter
 
-from pdserve.kvtransfer.integrity import checksum
 from pdserve.kvtransfer.protocol import FrameHeader, FrameKind, ProtocolError
 from pdserve.kvtransfer.tcp_transport import flipped
 from pdserve.kvtransfer.transport_api import IO_TIMEOUT_S, ReceiveContext, SendContext, Unit
@@ -45,10 +44,9 @@ class Sender:
         self._done = threading.Condition()
 
     def send(self, unit: Unit) -> None:
-        data = self.ctx.cache.read(unit.layer, unit.src, unit.ready)
+        data, digest = self.ctx.cache.read_hashed(unit.layer, unit.src, unit.ready)
         try:
             payload = data.data
-            digest = checksum(payload)
             if self.ctx.faults.take("corrupt"):
                 payload = flipped(payload)
             sequence, self.sequence = self.sequence, self.sequence + 1
@@ -130,8 +128,7 @@ class Receiver:
             ok = None
             try:
                 if error is None and not cancelled.is_set():
-                    ok = checksum(target.data) == h.checksum
-                    target.commit()
+                    ok = target.commit_hashed() == h.checksum
             finally:
                 target.release()
                 ledger.end_write(grant, h.layer, h.start, h.end, ok, cancel)

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-import xxhash
 from fuzzing import (
     BLOCK,
     CREDENTIAL,
@@ -56,6 +55,7 @@ from pdserve.engine.kv_cache import KVLayout
 from pdserve.engine.kv_connector import TransferOutcome
 from pdserve.kvtransfer.grants import Grant, GrantLedger, GrantState
 from pdserve.kvtransfer.handshake import HandshakeError, PeerInfo, choose
+from pdserve.kvtransfer.integrity import checksum
 from pdserve.kvtransfer.layout import KVCacheView
 from pdserve.kvtransfer.protocol import (
     HEADER,
@@ -349,9 +349,7 @@ def render(spec: FrameSpec, grant_ids: list[int]) -> bytes:
     plen = natural + spec.plen[1] if spec.plen[0] == "natural" else spec.plen[1]
     plen = min(max(plen, 0), UINT64_MAX)
     body = random.Random(spec.seed).randbytes(min(plen, SEND_CAP))
-    csum = {"correct": xxhash.xxh3_64_intdigest(body), "wrong": xxhash.xxh3_64_intdigest(body) ^ 1}.get(
-        spec.checksum, spec.checksum
-    )
+    csum = {"correct": checksum(body), "wrong": checksum(body) ^ 1}.get(spec.checksum, spec.checksum)
     if spec.send[0] == "short":
         body = body[: max(0, len(body) - spec.send[1])]
     elif spec.send[0] == "extra":

@@ -6,9 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import xxhash
 
-from pdserve.kvtransfer.integrity import CHUNK, chunk_digests, device_checksum, reference_chunk_digests
+from pdserve.kvtransfer.integrity import CHUNK, checksum, chunk_digests, device_checksum, reference_chunk_digests
 from pdserve.kvtransfer.layout import KVCacheView, StagingPool, slots_of
 
 
@@ -64,7 +63,7 @@ def test_the_device_checksum_sees_every_byte():
     flipped.view(torch.uint8)[17, 3] ^= 1
     assert device_checksum(flipped) != digest
     assert device_checksum(rows[:39]) != digest  # the length counts
-    assert xxhash.xxh3_64_intdigest(rows.numpy().tobytes()) != digest  # a different function from the host one
+    assert checksum(rows.numpy()) == digest  # one function of the bytes, wherever they are
 
 
 @pytest.mark.parametrize("block_ids", [[3, 4, 5, 6], [6, 1, 4, 0]], ids=["contiguous", "fragmented"])
@@ -91,15 +90,24 @@ def test_block_rows_copy_and_hash_like_token_rows(block_ids, start, end):
     assert hash_rows(dst, dst_slots) == whole
 
 
-def test_one_range_copies_hash_piece_by_piece(monkeypatch):
-    from pdserve.kvtransfer import layout
-    from pdserve.kvtransfer.integrity import checksum
+@pytest.mark.parametrize("native", [True, False], ids=["c++", "numpy"])
+@pytest.mark.parametrize("token_bytes, tokens", [(96, 42), (1536, 364), (100, 33), (8, 1), (64, 0)])
+def test_host_chunk_digests_are_xxh64_per_chunk_and_copy_on_the_way(monkeypatch, native, token_bytes, tokens):
+    from pdserve.kvtransfer import integrity
 
-    monkeypatch.setattr(layout, "PIECE_BYTES", 1000)  # several pieces
-    rng = np.random.default_rng(1)
-    src = rng.integers(0, 256, (128, 96), dtype=np.uint8)
+    if native and integrity._native() is None:
+        pytest.skip("the C++ kernels do not build here")
+    if not native:
+        monkeypatch.setattr(integrity, "_native", lambda: None)
+    rng = np.random.default_rng(token_bytes)
+    src = rng.integers(0, 256, (400, token_bytes), dtype=np.uint8)
     dst = np.zeros_like(src)
-    src_slots, dst_slots = slots_of([1, 2, 3], 16, 3, 45), slots_of([5, 6, 7], 16, 3, 45)
-    assert src_slots.contiguous and dst_slots.contiguous
-    assert layout.copy_and_hash(src, src_slots, dst, dst_slots) == checksum(src[19:61])
-    assert np.array_equal(dst[83:125], src[19:61]) and not dst[:83].any() and not dst[125:].any()
+    src_slots, dst_slots = rng.permutation(400)[:tokens], rng.permutation(400)[:tokens]
+    src_slots[: tokens // 2] = np.arange(tokens // 2) + 100  # runs consecutive on both sides, then scattered
+    dst_slots[: tokens // 2] = np.arange(tokens // 2) + 7
+    dst_slots[tokens // 2 :] = np.setdiff1d(np.arange(400), dst_slots[: tokens // 2])[: tokens - tokens // 2][::-1]
+    expected = reference_chunk_digests(src[src_slots].tobytes())
+    assert np.array_equal(integrity.host_chunk_digests(src, src_slots, dst, dst_slots).view(np.uint64), expected)
+    assert np.array_equal(dst[dst_slots], src[src_slots])
+    assert not np.delete(dst, dst_slots, axis=0).any()  # nothing else written
+    assert np.array_equal(integrity.host_chunk_digests(dst, dst_slots).view(np.uint64), expected)

@@ -16,6 +16,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>(), "RMSNorm");
   m.def("add_rms_norm", &add_rms_norm, py::call_guard<py::gil_scoped_release>(), "residual += x, then RMSNorm of the residual");
   m.def("silu_mul", &silu_mul, py::call_guard<py::gil_scoped_release>(), "silu(gate) * up");
+  m.def("copy_rows_hashed", &copy_rows_hashed, py::arg("src"), py::arg("src_slots"), py::arg("dst") = py::none(),
+        py::arg("dst_slots") = py::none(), py::arg("stream") = false, py::call_guard<py::gil_scoped_release>(),
+        "XXH64 of each 1 KiB chunk of token rows, copied into other rows on the way");
   m.def("rope_write_kv", &rope_write_kv, py::call_guard<py::gil_scoped_release>(), "RoPE on q and k in place, then k and v into the cache");
 
   using Stack = DecoderStack;

@@ -24,3 +24,9 @@ torch::Tensor dense_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor 
 
 bool has_prefill_attention(int64_t head_dim);
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale, int64_t q_offset);
+
+// XXH64 digests of each 1024-byte chunk of the token-ordered rows `src_slots` of `src`, copied
+// on the way into rows `dst_slots` of `dst` when given, with streaming stores if `stream`
+// (kv_copy_cpu.cpp).
+torch::Tensor copy_rows_hashed(torch::Tensor src, torch::Tensor src_slots, c10::optional<torch::Tensor> dst,
+                               c10::optional<torch::Tensor> dst_slots, bool stream);

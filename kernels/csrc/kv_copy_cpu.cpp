@@ -1,0 +1,167 @@
+// KV rows moved between caches and staging buffers, hashed on the way (the KV handoff's
+// integrity check in one pass over the bytes).
+//
+// A unit is tokens in order; token i is row src_slots[i] of `src` ([rows, token_bytes]) and
+// goes to row dst_slots[i] of `dst`. Its checksum is the XXH64 (seed 0) of every 1024-byte
+// chunk of the token-ordered bytes, the last chunk zero-padded: the digests the GPU path's
+// Triton kernel computes, folded by the caller the same way. The unit is walked one window
+// of a few chunks at a time: gathered into a buffer that stays in L1, hashed there, and
+// scattered from it with streaming stores, so the bytes cross memory once (read at the
+// source, written at the destination) and the hash never waits on memory.
+#include <cstring>
+#include <vector>
+
+#include <immintrin.h>
+
+#include "ops.h"
+
+namespace {
+
+constexpr int64_t kChunk = 1024;
+constexpr int64_t kWindowChunks = 8;
+constexpr int64_t kWindow = kChunk * kWindowChunks;
+constexpr uint64_t P1 = 0x9E3779B185EBCA87ULL, P2 = 0xC2B2AE3D27D4EB4FULL, P3 = 0x165667B19E3779F9ULL,
+                   P4 = 0x85EBCA77C2B2AE63ULL;
+
+inline uint64_t rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+inline uint64_t xxh_round(uint64_t acc, uint64_t input) { return rotl(acc + input * P2, 31) * P1; }
+
+// XXH64's end for a 1024-byte input, from its four lane accumulators.
+inline uint64_t finish_chunk(const uint64_t lanes[4]) {
+  uint64_t h = rotl(lanes[0], 1) + rotl(lanes[1], 7) + rotl(lanes[2], 12) + rotl(lanes[3], 18);
+  for (int i = 0; i < 4; ++i) h = (h ^ xxh_round(0, lanes[i])) * P1 + P4;
+  h += kChunk;
+  h = (h ^ (h >> 33)) * P2;
+  h = (h ^ (h >> 29)) * P3;
+  return h ^ (h >> 32);
+}
+
+inline void seed_lanes(uint64_t lanes[4]) {
+  lanes[0] = P1 + P2;
+  lanes[1] = P2;
+  lanes[2] = 0;
+  lanes[3] = 0 - P1;
+}
+
+// XXH64 of `count` consecutive chunks at `data`.
+void hash_chunks(const uint8_t* data, int64_t count, uint64_t* out) {
+  int64_t c = 0;
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+  // Eight chunks side by side: a register holds two chunks' four lanes, and four registers
+  // keep four independent multiply chains in flight (one chain alone waits on its latency).
+  const __m512i p1 = _mm512_set1_epi64(P1), p2 = _mm512_set1_epi64(P2);
+  const __m512i seed = _mm512_setr_epi64(P1 + P2, P2, 0, 0 - P1, P1 + P2, P2, 0, 0 - P1);
+  constexpr int kRegs = 4;
+  for (; c + 2 * kRegs <= count; c += 2 * kRegs) {
+    __m512i acc[kRegs];
+    for (int r = 0; r < kRegs; ++r) acc[r] = seed;
+    for (int64_t stripe = 0; stripe < kChunk; stripe += 32) {
+      for (int r = 0; r < kRegs; ++r) {
+        const uint8_t* a = data + (c + 2 * r) * kChunk + stripe;
+        __m512i x = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)a)),
+                                       _mm256_loadu_si256((const __m256i*)(a + kChunk)), 1);
+        acc[r] = _mm512_mullo_epi64(_mm512_rol_epi64(_mm512_add_epi64(acc[r], _mm512_mullo_epi64(x, p2)), 31), p1);
+      }
+    }
+    alignas(64) uint64_t lanes[8 * kRegs];
+    for (int r = 0; r < kRegs; ++r) _mm512_store_si512((__m512i*)(lanes + 8 * r), acc[r]);
+    for (int k = 0; k < 2 * kRegs; ++k) out[c + k] = finish_chunk(lanes + 4 * k);
+  }
+#endif
+  for (; c < count; ++c) {
+    uint64_t lanes[4];
+    seed_lanes(lanes);
+    const uint8_t* p = data + c * kChunk;
+    for (int64_t stripe = 0; stripe < kChunk; stripe += 32) {
+      for (int i = 0; i < 4; ++i) {
+        uint64_t word;
+        std::memcpy(&word, p + stripe + 8 * i, 8);
+        lanes[i] = xxh_round(lanes[i], word);
+      }
+    }
+    out[c] = finish_chunk(lanes);
+  }
+}
+
+// Writes a piece of the window to its destination; `stream`: bypassing the cache where it can
+// (the destination is another process's cache, which nothing here reads again, and a cached
+// store would first read every line it overwrites).
+inline void write_out(uint8_t* dst, const uint8_t* window_piece, int64_t n, bool stream) {
+#if defined(__AVX512F__)
+  if (stream && (((uintptr_t)dst | (uintptr_t)window_piece | (uintptr_t)n) & 63) == 0) {
+    for (int64_t i = 0; i < n; i += 64)
+      _mm512_stream_si512((__m512i*)(dst + i), _mm512_load_si512((const __m512i*)(window_piece + i)));
+    return;
+  }
+#endif
+  std::memcpy(dst, window_piece, n);
+}
+
+// Runs of tokens consecutive on both sides: one memcpy each, however the unit is split.
+struct Run {
+  int64_t src_row, dst_row, tokens;
+};
+
+std::vector<Run> runs_of(const int64_t* src, const int64_t* dst, int64_t n) {
+  std::vector<Run> runs;
+  for (int64_t i = 0; i < n;) {
+    int64_t j = i + 1;
+    while (j < n && src[j] == src[j - 1] + 1 && (!dst || dst[j] == dst[j - 1] + 1)) ++j;
+    runs.push_back({src[i], dst ? dst[i] : 0, j - i});
+    i = j;
+  }
+  return runs;
+}
+
+void check_rows(const torch::Tensor& rows, const torch::Tensor& slots, const char* what) {
+  TORCH_CHECK(rows.device().is_cpu() && rows.dtype() == torch::kUInt8 && rows.dim() == 2 && rows.is_contiguous(),
+              what, ": expected contiguous uint8 CPU rows [slots, token_bytes]");
+  TORCH_CHECK(slots.device().is_cpu() && slots.dtype() == torch::kInt64 && slots.dim() == 1 && slots.is_contiguous(),
+              what, ": expected contiguous int64 CPU slots");
+  if (slots.numel()) {
+    TORCH_CHECK(slots.min().item<int64_t>() >= 0 && slots.max().item<int64_t>() < rows.size(0), what,
+                ": a slot is outside the rows");
+  }
+}
+
+}  // namespace
+
+torch::Tensor copy_rows_hashed(torch::Tensor src, torch::Tensor src_slots, c10::optional<torch::Tensor> dst,
+                               c10::optional<torch::Tensor> dst_slots, bool stream) {
+  check_rows(src, src_slots, "src");
+  const bool copying = dst.has_value();
+  TORCH_CHECK(copying == dst_slots.has_value(), "dst and dst_slots come together");
+  const int64_t token_bytes = src.size(1), n = src_slots.numel();
+  if (copying) {
+    check_rows(*dst, *dst_slots, "dst");
+    TORCH_CHECK(dst->size(1) == token_bytes && dst_slots->numel() == n, "dst: another token size or token count");
+  }
+  const int64_t total = n * token_bytes;
+  const int64_t num_chunks = std::max<int64_t>(1, (total + kChunk - 1) / kChunk);
+  auto digests = torch::empty({num_chunks}, torch::kInt64);
+  auto* out = reinterpret_cast<uint64_t*>(digests.data_ptr<int64_t>());
+  const uint8_t* src_base = src.data_ptr<uint8_t>();
+  uint8_t* dst_base = copying ? dst->data_ptr<uint8_t>() : nullptr;
+  const auto runs = runs_of(src_slots.data_ptr<int64_t>(), copying ? dst_slots->data_ptr<int64_t>() : nullptr, n);
+
+  alignas(64) uint8_t window[kWindow];
+  size_t run = 0;
+  int64_t run_offset = 0;  // bytes of the current run already taken
+  for (int64_t at = 0, chunk = 0; chunk < num_chunks; at += kWindow, chunk += kWindowChunks) {
+    const int64_t take = std::min(kWindow, total - at);
+    for (int64_t filled = 0; filled < take;) {
+      const Run& r = runs[run];
+      const int64_t piece = std::min(take - filled, r.tokens * token_bytes - run_offset);
+      std::memcpy(window + filled, src_base + r.src_row * token_bytes + run_offset, piece);
+      if (copying) write_out(dst_base + r.dst_row * token_bytes + run_offset, window + filled, piece, stream);
+      filled += piece;
+      run_offset += piece;
+      if (run_offset == r.tokens * token_bytes) ++run, run_offset = 0;
+    }
+    const int64_t chunks = std::min(kWindowChunks, num_chunks - chunk);
+    std::memset(window + std::max<int64_t>(take, 0), 0, chunks * kChunk - std::max<int64_t>(take, 0));
+    hash_chunks(window, chunks, out + chunk);
+  }
+  if (stream) _mm_sfence();  // the streamed stores are visible before the caller announces them
+  return digests;
+}

@@ -137,9 +137,16 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.model_config.max_position
 
-    def validate(self, prompt_token_ids: list[int], sampling: SamplingParams, num_prior_output_tokens: int = 0) -> None:
+    def validate(
+        self,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        num_prior_output_tokens: int = 0,
+        generates: bool = True,
+    ) -> None:
         """The router's rules (pdserve/request_rules.py) on what reached this worker, plus what
-        only the worker knows. ``num_prior_output_tokens``: trailing prompt tokens generated earlier."""
+        only the worker knows. ``num_prior_output_tokens``: trailing prompt tokens generated
+        earlier. ``generates``: the request decodes here (not only its prompt, for another worker)."""
         vocab = self.model_config.vocab_size
         check_prompt_tokens(prompt_token_ids, vocab_size=vocab, max_model_len=self.max_model_len)
         if not 0 <= num_prior_output_tokens < sampling.max_tokens:
@@ -152,6 +159,17 @@ class LLMEngine:
         )
         if self.blocks.blocks_needed(len(prompt_token_ids) + 1) > self.blocks.num_blocks:
             raise ValueError(f"prompt_token_ids: {len(prompt_token_ids)} tokens do not fit this worker's KV cache")
+        if generates:  # a sequence that outgrew the whole cache could never run again
+            new_tokens = sampling.max_tokens - num_prior_output_tokens
+            needed = self.blocks.blocks_needed(len(prompt_token_ids) + new_tokens) + (sampling.n - 1) * (
+                self.blocks.blocks_needed(new_tokens) + 1  # each further choice: its own tail
+            )
+            if needed > self.blocks.num_blocks:
+                raise ValueError(
+                    f"sampling.max_tokens: {new_tokens} new tokens after a {len(prompt_token_ids)}-token prompt"
+                    f"{f' for {sampling.n} choices' if sampling.n > 1 else ''} need {needed} KV blocks; this "
+                    f"worker's cache has {self.blocks.num_blocks} of {self.blocks.block_size} tokens"
+                )
 
     def compile_constraint(self, sampling: SamplingParams) -> None:
         """Compiles the request's structured-output constraint (cached), raising ``InvalidRequest``
@@ -182,7 +200,7 @@ class LLMEngine:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         if kv_send is not None and kv_receive is not None:
             raise ValueError("a request either sends its KV or receives it, not both")
-        self.validate(prompt_token_ids, sampling, num_prior_output_tokens)
+        self.validate(prompt_token_ids, sampling, num_prior_output_tokens, generates=kv_send is None)
         seq = Sequence(
             request_id,
             list(prompt_token_ids),

@@ -78,7 +78,8 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     p = torch.tensor(top_p, device=device, dtype=sorted_logits.dtype)
     probs = sorted_logits.softmax(dim=-1)
-    # Keep a token while the mass before it is below p: the most likely token always stays.
+    # Keep a token while the mass before it is below p; the most likely token always stays
+    # (a top_p that rounds to 0 in the logits' dtype would drop every token).
     mass_before = probs.cumsum(dim=-1) - probs
-    sorted_logits = sorted_logits.masked_fill(mass_before >= p[:, None], float("-inf"))
+    sorted_logits = sorted_logits.masked_fill((mass_before >= p[:, None]) & (ranks > 0), float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)

@@ -9,6 +9,7 @@ from pdserve.request_rules import (
     DEFAULT_TEMPERATURE,
     DEFAULT_TOP_K,
     DEFAULT_TOP_P,
+    GREEDY_BELOW,
     Constraint,
     check_sampling,
 )
@@ -18,7 +19,7 @@ from pdserve.request_rules import (
 class SamplingParams:
     """Defaults follow vLLM/OpenAI: temperature 1, top_p 1, top_k 0 (off), 256 new tokens.
 
-    temperature 0 means greedy. ``seed`` makes sampling reproducible: the random draw for the
+    temperature 0 (below ``GREEDY_BELOW``) means greedy. ``seed`` makes sampling reproducible: the random draw for the
     n-th generated token depends only on (seed, n), wherever that token is computed.
     ``n``: choices sampled from the one prompt (forked after its prefill; choice i > 0 draws
     its noise from ``choice_seed(seed, i)``). ``logprobs``/``prompt_logprobs``: report that
@@ -45,7 +46,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     def check_vocab(self, vocab_size: int) -> None:
         """The rules that need the model's vocabulary (``top_k``, ``stop_token_ids``)."""

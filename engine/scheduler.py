@@ -106,8 +106,10 @@ class Scheduler:
         bisect.insort(self.waiting, seq, key=lambda s: (s.priority, s.arrival_time))
 
     def admit_landed(self, seq: Sequence) -> None:
-        """A sequence waiting for remote KV has its blocks filled: it joins the running batch."""
+        """A sequence waiting for remote KV has its blocks filled: it joins the running batch.
+        Its K/V are local from now on: preempted by recompute, it prefills here."""
         self.waiting_for_kv.remove(seq)
+        seq.kv_receive = None
         seq.status = SequenceStatus.RUNNING
         seq.admitted_at = self._step
         self.running.append(seq)

@@ -120,18 +120,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         file = load_file(args.config)
         return _run(args, file)
-    except (ValueError, FileNotFoundError, TimeoutError, RuntimeError) as e:
+    except (ValueError, OSError, TimeoutError, RuntimeError) as e:  # OSError: a port in use, a missing file
         print(f"pdserve {args.command}: error: {e}", file=sys.stderr)
         return 2
 
 
+SETTINGS_CLASSES = (EngineConfig, WorkerSettings, RouterSettings, ClusterSettings, SecuritySettings)
+
+
 def _run(args: argparse.Namespace, file: dict) -> int:
+    unknown = unknown_file_keys(file, *SETTINGS_CLASSES)  # one file serves every role: a typo is a typo anywhere
+    if unknown:
+        raise ValueError(f"unknown settings in {args.config}: {', '.join(unknown)}")
     if args.command == "config":
-        classes = (EngineConfig, WorkerSettings, RouterSettings, ClusterSettings, SecuritySettings)
-        unknown = unknown_file_keys(file, *classes)
-        if unknown:
-            raise ValueError(f"unknown settings in {args.config}: {', '.join(unknown)}")
-        settings = [resolve(cls, None, file=file) for cls in classes]
+        settings = [resolve(cls, None, file=file) for cls in SETTINGS_CLASSES]
         shown = {k: ("***" if "token" in k and v else v) for k, v in as_dict(*settings).items()}  # never print secrets
         print(json.dumps(shown, indent=2))
         return 0

@@ -81,7 +81,12 @@ def _coerce(kind: type, value: Any, source: str) -> Any:
 def load_file(path: str | Path | None) -> dict[str, Any]:
     if not path:
         return {}
-    data = yaml.safe_load(Path(path).read_text()) or {}
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as e:
+        raise ValueError(f"config file {path}: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"config file {path} is not valid YAML: {e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"config file {path} must hold a mapping of settings")
     return data

@@ -12,22 +12,11 @@ from pdserve.client import Client, build_request
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    sampling = dict(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        stop=args.stop,
-    )
-    if args.chat:
-        request = build_request(messages=[{"role": "user", "content": args.prompt}], **sampling)
-    else:
-        request = build_request(args.prompt, **sampling)
-    credentials = None
-    if args.tls_ca:
-        read = lambda path: open(path, "rb").read() if path else None  # noqa: E731
-        credentials = grpc.ssl_channel_credentials(read(args.tls_ca), read(args.tls_key), read(args.tls_cert))
+    try:
+        request, credentials = _request_and_credentials(args)
+    except (ValueError, TypeError, OSError) as e:  # a seed past 64 bits, a missing TLS file
+        print(f"pdserve generate: error: {e}", file=sys.stderr)
+        return 2
     metadata = (("authorization", f"Bearer {args.api_token}"),) if args.api_token else ()
     with Client(args.addr, credentials=credentials, metadata=metadata) as client:
         try:
@@ -48,6 +37,26 @@ def run_generate(args: argparse.Namespace) -> int:
             print(f"pdserve generate: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
     return 0
+
+
+def _request_and_credentials(args: argparse.Namespace):
+    sampling = dict(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
+    )
+    if args.chat:
+        request = build_request(messages=[{"role": "user", "content": args.prompt}], **sampling)
+    else:
+        request = build_request(args.prompt, **sampling)
+    credentials = None
+    if args.tls_ca:
+        read = lambda path: open(path, "rb").read() if path else None  # noqa: E731
+        credentials = grpc.ssl_channel_credentials(read(args.tls_ca), read(args.tls_key), read(args.tls_cert))
+    return request, credentials
 
 
 def _as_json(msg) -> dict:

@@ -27,6 +27,7 @@ DEFAULT_MAX_TOKENS = 256
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
 DEFAULT_TOP_K = 0
+GREEDY_BELOW = 1e-5  # a temperature below this samples greedily (dividing logits by it overflows)
 MAX_TEMPERATURE = 100.0
 MAX_SEED = 2**63 - 1
 MAX_STOP_STRINGS = 16
@@ -35,6 +36,7 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20  # alternatives per position (OpenAI's top_logprobs limit)
 MAX_N = 16  # choices per request (n, and best_of)
 MAX_CONSTRAINT_CHARS = 100_000  # a JSON schema, regex or grammar
+MAX_SCHEMA_DEPTH = 64  # nesting of a JSON schema (deeper ones take grammar compilers minutes)
 MAX_CHOICES = 256  # strings of a choice constraint
 CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
@@ -221,6 +223,10 @@ def check_constraint(c: Constraint) -> None:
             schema = json.loads(c.value)
         except ValueError as e:
             raise InvalidRequest(field, f"is not valid JSON: {e}") from None
+        except RecursionError:
+            schema = None  # nested past the parser's limit: refused just below
+        if schema is None or nesting_depth(schema) > MAX_SCHEMA_DEPTH:
+            raise InvalidRequest(field, f"is nested more than {MAX_SCHEMA_DEPTH} levels deep")
         if not isinstance(schema, (dict, bool)):
             raise InvalidRequest(field, f"must be a JSON object (a schema), got {type(schema).__name__}")
         from jsonschema import SchemaError, validators  # imported on first use: most requests have no schema
@@ -232,3 +238,16 @@ def check_constraint(c: Constraint) -> None:
             raise InvalidRequest(
                 field, f"is not a valid JSON Schema{f' at {where}' if where else ''}: {e.message}"
             ) from None
+
+
+def nesting_depth(value) -> int:
+    """How deeply JSON containers nest in ``value`` (a scalar is 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest

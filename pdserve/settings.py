@@ -6,6 +6,7 @@ an argument instead of keeping a default of their own.
 
 from __future__ import annotations
 
+import math
 import socket
 from dataclasses import dataclass
 
@@ -42,8 +43,8 @@ class WorkerSettings:
 
     def __post_init__(self) -> None:
         _check_slo("slo_tpot_ms", self.slo_tpot_ms)
-        if self.kv_lease_s <= 0:
-            raise ValueError(f"kv_lease_s must be > 0, got {self.kv_lease_s}")
+        _check_ports(self, "port", "kv_port", "metrics_port")
+        _check_seconds("kv_lease_s", self.kv_lease_s)
         if self.max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         self.cpu_set()  # validates
@@ -110,18 +111,17 @@ class RouterSettings:
         _check_slo("slo_tpot_ms", self.slo_tpot_ms)
         if self.conditional_threshold_tokens is not None and self.conditional_threshold_tokens < 0:
             raise ValueError(f"conditional_threshold_tokens must be >= 0, got {self.conditional_threshold_tokens}")
-        if not (self.autoscale_interval_s > 0 and self.autoscale_window_s > 0):
-            raise ValueError("autoscale_interval_s and autoscale_window_s must be > 0")
-        if self.request_timeout_s <= 0:
-            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        _check_ports(self, "port", "http_port", "metrics_port")
+        _check_seconds("autoscale_interval_s", self.autoscale_interval_s)
+        _check_seconds("autoscale_window_s", self.autoscale_window_s)
+        _check_seconds("request_timeout_s", self.request_timeout_s)
+        _check_seconds("worker_wait_s", self.worker_wait_s, zero_ok=True)
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
         if self.max_inflight_requests < 1:
             raise ValueError(f"max_inflight_requests must be >= 1, got {self.max_inflight_requests}")
         if self.worker_failure_threshold < 1:
             raise ValueError(f"worker_failure_threshold must be >= 1, got {self.worker_failure_threshold}")
-        if self.worker_wait_s < 0:
-            raise ValueError(f"worker_wait_s must be >= 0, got {self.worker_wait_s}")
 
     @staticmethod
     def split(addresses: str) -> list[str]:
@@ -159,6 +159,9 @@ class ClusterSettings:
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 1:
             raise ValueError(f"need --decode >= 1 and --prefill >= 0, got prefill={self.prefill} decode={self.decode}")
+        _check_seconds("startup_timeout_s", self.startup_timeout_s)
+        if self.max_worker_restarts < 0:
+            raise ValueError(f"max_worker_restarts must be >= 0, got {self.max_worker_restarts}")
         for name in ("prefill_tp", "decode_tp", "prefill_pp", "decode_pp"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -180,3 +183,15 @@ class ClusterSettings:
 def _check_slo(name: str, value: float | None) -> None:
     if value is not None and not (value > 0 and value != float("inf")):
         raise ValueError(f"{name} must be a positive number of milliseconds, got {value}")
+
+
+def _check_seconds(name: str, value: float, zero_ok: bool = False) -> None:
+    if not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):  # NaN fails both
+        raise ValueError(f"{name} must be a finite number of seconds {'>= 0' if zero_ok else '> 0'}, got {value}")
+
+
+def _check_ports(settings, *names: str) -> None:
+    for name in names:
+        value = getattr(settings, name)
+        if value is not None and not 0 <= value <= 65535:
+            raise ValueError(f"{name} must be a TCP port in [0, 65535], got {value}")

@@ -56,7 +56,7 @@ class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
             if not request.request_id:
                 raise ValueError("request_id: the router's key for the request is missing")
             sampling = sampling_from_proto(request.sampling)
-            self.engine.validate(token_ids, sampling, request.num_prior_output_tokens)
+            self.engine.validate(token_ids, sampling, request.num_prior_output_tokens, generates=False)
             transfer_id = parse_transfer_key(target.transfer_id)
             if target.num_tokens != len(token_ids):
                 raise ValueError(

@@ -79,8 +79,11 @@ class ClientGone(Exception):
 # ---------------------------------------------------------------------------------------------
 # Request bodies
 # ---------------------------------------------------------------------------------------------
+MAX_BODY_BYTES = 64 << 20  # a request body (a prompt of millions of tokens fits)
+
+
 async def json_body(request: Request) -> "Params":
-    raw = await request.body()
+    raw = await read_body(request)
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
@@ -89,9 +92,26 @@ async def json_body(request: Request) -> "Params":
             f"We could not parse the JSON body of your request: {e}. "
             "The body must be a JSON object (Content-Type: application/json).",
         ) from None
+    except RecursionError:
+        raise APIError(400, "The JSON body of your request is nested too deeply.") from None
     if not isinstance(data, dict):
         raise APIError(400, f"The request body must be a JSON object, got {type(data).__name__}.")
     return Params(data)
+
+
+async def read_body(request: Request) -> bytes:
+    """The body, refused with 413 past ``MAX_BODY_BYTES`` before more of it is held."""
+    too_large = APIError(413, f"The request body exceeds {MAX_BODY_BYTES} bytes.")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_large
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > MAX_BODY_BYTES:
+            raise too_large
+        parts.append(part)
+    return b"".join(parts)
 
 
 class Params:
@@ -124,7 +144,10 @@ class Params:
             return None
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise invalid(name, f"must be a number, got {json.dumps(value)}")
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer past any float
+            raise invalid(name, "is out of range") from None
 
     def get_bool(self, name: str, default: bool = False) -> bool:
         value = self.data.get(name)

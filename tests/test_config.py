@@ -11,7 +11,7 @@ import pytest
 
 from pdserve.config import add_arguments, load_file, resolve, to_args
 from pdserve.engine.engine_config import EngineConfig
-from pdserve.settings import RouterSettings, WorkerSettings
+from pdserve.settings import ClusterSettings, RouterSettings, WorkerSettings
 
 
 def parse(cls, argv):
@@ -44,6 +44,34 @@ def test_booleans_optionals_and_bad_values():
         resolve(RouterSettings, None, env={"PDSERVE_POLICY": "random"})
     with pytest.raises(ValueError, match="block_size"):
         resolve(EngineConfig, None, env={}, file={"block_size": 0})
+
+
+@pytest.mark.parametrize(
+    "cls, values, words",
+    [
+        (RouterSettings, {"port": 70000}, "port must be a TCP port"),
+        (RouterSettings, {"http_port": -1}, "http_port must be a TCP port"),
+        (WorkerSettings, {"metrics_port": 65536}, "metrics_port must be a TCP port"),
+        (RouterSettings, {"request_timeout_s": float("nan")}, "request_timeout_s must be a finite"),
+        (RouterSettings, {"worker_wait_s": float("inf")}, "worker_wait_s must be a finite"),
+        (WorkerSettings, {"kv_lease_s": float("nan")}, "kv_lease_s must be a finite"),
+        (ClusterSettings, {"startup_timeout_s": -5.0}, "startup_timeout_s must be a finite"),
+        (ClusterSettings, {"max_worker_restarts": -1}, "max_worker_restarts must be >= 0"),
+    ],
+)
+def test_ports_and_durations_out_of_range_are_refused_by_name(cls, values, words):
+    with pytest.raises(ValueError, match=words):
+        cls(**values)
+
+
+def test_config_files_that_cannot_be_read_are_clear_errors(tmp_path):
+    (tmp_path / "bad.yaml").write_text("a: [\n")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        load_file(tmp_path / "bad.yaml")
+    with pytest.raises(ValueError, match="Is a directory"):
+        load_file(tmp_path)
+    with pytest.raises(ValueError, match="No such file"):
+        load_file(tmp_path / "missing.yaml")
 
 
 def test_to_args_round_trips():

@@ -133,6 +133,22 @@ def test_preemption_under_memory_pressure_keeps_greedy_output(model_dir, prompt_
     assert_all_free(tight)
 
 
+def test_a_request_that_could_outgrow_the_whole_cache_is_refused(model_dir, prompt_ids):
+    """It would preempt itself once it filled the cache and then wait forever at the head of
+    the queue, with every later request behind it."""
+    per_block = 16 * 2 * 3 * 64 * 4 * 30
+    small = make_engine(model_dir, kv_cache_memory=str(4 * per_block))
+    prompt = prompt_ids[0]
+    fits = 4 * 16 - len(prompt)
+    small.validate(prompt, SamplingParams(max_tokens=fits))
+    with pytest.raises(ValueError, match="sampling.max_tokens: .* need 5 KV blocks; .* has 4"):
+        small.add_request("too-long", prompt, SamplingParams(max_tokens=fits + 1))
+    with pytest.raises(ValueError, match="for 2 choices"):
+        small.validate(prompt, SamplingParams(max_tokens=fits, n=2, temperature=1.0))
+    small.validate(prompt, SamplingParams(max_tokens=fits + 100), generates=False)  # a prefill worker's part fits
+    assert not small.has_unfinished()
+
+
 def test_abort_frees_blocks_and_others_continue(engine, prompt_ids, hf_reference):
     engine.add_request("victim", prompt_ids[-1], GREEDY)
     engine.add_request("keeper", prompt_ids[0], GREEDY)

@@ -237,3 +237,29 @@ async def test_worker_failures_map_to_http_statuses(tokenizer):
     finally:
         server.should_exit = True
         await task
+
+
+async def test_hostile_bodies_get_4xx_naming_the_problem(tokenizer, monkeypatch):
+    """Deep nesting, numbers past any float and oversized bodies: clear 4xx answers, never a 500."""
+    from pdserve.router import openai_protocol
+
+    monkeypatch.setattr(openai_protocol, "MAX_BODY_BYTES", 1 << 16)
+    dispatcher = EchoDispatcher()
+    completions = Completions(tokenizer, dispatcher, 600, max_inflight=MAX_INFLIGHT)
+    server, task, base = await _http(create_app(completions, "m"))
+    deep_schema = '{"type": "array", "items": ' * 200 + "{}" + "}" * 200
+    try:
+        async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+            answer = await http.post("/v1/completions", content=b"[" * 100_000)
+            assert answer.status_code == 413  # past the (lowered) body limit before any parsing
+            answer = await http.post("/v1/completions", content=b"[" * 20_000)
+            assert answer.status_code == 400 and "nested too deeply" in answer.json()["error"]["message"]
+            body = b'{"model": "m", "prompt": "Hi", "temperature": 1' + b"0" * 400 + b"}"
+            assert_openai_error(await http.post("/v1/completions", content=body), 400, "temperature")
+            nested = {"model": "m", "prompt": "Hi", "max_tokens": 2, "guided_json": deep_schema}
+            error = assert_openai_error(await http.post("/v1/completions", json=nested), 400, "guided_json")
+            assert "nested more than" in error["message"]
+        assert not dispatcher.seen
+    finally:
+        await _stop(server, task)
+        completions.close()

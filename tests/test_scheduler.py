@@ -127,6 +127,35 @@ def test_swap_preemption_of_a_handed_off_request_with_a_block_aligned_prompt():
     assert sched.blocks.num_free == 6 and sched.swap.num_free == 8
 
 
+def test_a_handed_off_request_preempted_by_recompute_prefills_here():
+    """Its K/V landed once; dropped, they are recomputed locally, not awaited again from a
+    prefill worker (none would send them: the request waited out its lease, then migrated)."""
+    sched = make(num_blocks=6, budget=64)
+    old = seq("old", 8)
+    sched.add(old)
+    complete(sched.schedule())
+    complete(sched.schedule())  # old: 3 blocks
+    handed = seq("handed-off", 8, remote=True)
+    sched.add(handed)
+    out = sched.schedule()
+    assert out.reserved == [handed]
+    handed.token_ids.append(7)
+    handed.num_computed_tokens = 8
+    sched.admit_landed(handed)
+    while True:  # old grows until it needs handed's blocks
+        out = sched.schedule()
+        if out.preempted:
+            break
+        complete(out)
+    assert out.preempted == [handed] and handed.status is SequenceStatus.WAITING and handed.kv_receive is None
+    complete(out)
+    sched.remove(old)
+    sched.blocks.free(old)
+    out = sched.schedule()
+    assert not out.reserved and [c.seq for c in out.prefills] == [handed]
+    assert out.prefills[0].num_tokens == handed.num_tokens  # prompt and the first token, recomputed here
+
+
 def test_a_failed_swap_in_leaks_nothing(monkeypatch):
     sched = make(num_blocks=4, swap_blocks=4)
     s = seq("s", 5)

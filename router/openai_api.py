@@ -13,8 +13,9 @@ non-streaming answer, cancels the generation and with it the workers' RPCs.
 Beyond OpenAI's parameters, the vLLM extensions ``top_k`` (-1 or 0: off), ``ignore_eos``,
 ``stop_token_ids``, ``priority``, ``prompt_logprobs`` and ``guided_*`` are understood
 (choices, logprobs, echo and structured output: ``router.openai_params``). Parameters that
-would change the answer but are not implemented (penalties, ``logit_bias``, tools,
-``suffix``) are rejected with a 400 rather than silently ignored; unknown parameters are
+would change the answer but are not implemented (penalties, ``logit_bias``, tools, vLLM's
+``min_p``, ``repetition_penalty`` and ``min_tokens``, ``suffix``) are rejected with a 400 rather
+than silently ignored, unless they have their no-op value; unknown parameters are
 ignored, as vLLM does.
 """
 

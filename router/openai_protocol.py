@@ -261,6 +261,11 @@ def reject_unsupported(p: Params, chat: bool) -> None:
             raise invalid(name, "penalties are not supported (only 0)")
     if p.raw("logit_bias"):
         raise invalid("logit_bias", "logit_bias is not supported")
+    # vLLM's extensions that change the answer: refused unless they are their no-op value.
+    for name, no_op in (("min_p", 0.0), ("repetition_penalty", 1.0), ("min_tokens", 0)):
+        value = p.get_number(name)
+        if value is not None and value != no_op:
+            raise invalid(name, f"is not supported (only {no_op:g})")
 
 
 def stream_options(p: Params, stream: bool) -> bool:

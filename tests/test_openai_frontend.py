@@ -256,10 +256,15 @@ async def test_hostile_bodies_get_4xx_naming_the_problem(tokenizer, monkeypatch)
             assert answer.status_code == 400 and "nested too deeply" in answer.json()["error"]["message"]
             body = b'{"model": "m", "prompt": "Hi", "temperature": 1' + b"0" * 400 + b"}"
             assert_openai_error(await http.post("/v1/completions", content=body), 400, "temperature")
+            for name, value in (("min_p", 0.1), ("repetition_penalty", 1.3), ("min_tokens", 5)):
+                unsupported = {"model": "m", "prompt": "Hi", "max_tokens": 2, name: value}
+                assert_openai_error(await http.post("/v1/completions", json=unsupported), 400, name)
+            no_ops = {"model": "m", "prompt": "Hi", "max_tokens": 2, "min_p": 0, "repetition_penalty": 1.0}
+            assert (await http.post("/v1/completions", json=no_ops)).status_code == 200
             nested = {"model": "m", "prompt": "Hi", "max_tokens": 2, "guided_json": deep_schema}
             error = assert_openai_error(await http.post("/v1/completions", json=nested), 400, "guided_json")
             assert "nested more than" in error["message"]
-        assert not dispatcher.seen
+        assert len(dispatcher.seen) == 1  # only the request with no-op settings reached a worker
     finally:
         await _stop(server, task)
         completions.close()

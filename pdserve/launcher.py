@@ -198,6 +198,8 @@ class Cluster:
             kv_cache_memory=placement.kv_cache_memory,
             tensor_parallel_size=tp,
             pipeline_parallel_size=pp,
+            # Speculation is a decode-side setting: a prefill pool (parallel or not) runs without it.
+            speculative="none" if role == "prefill" else self.engine.speculative,
         )
         worker = dataclasses.replace(
             self.worker,

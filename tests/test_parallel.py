@@ -267,6 +267,13 @@ def test_parallel_sizes_are_settings_of_the_roles_and_of_up(tmp_path):
         "--tensor-parallel-size" not in flags[0] and "--pipeline-parallel-size" not in flags[0]
     )  # prefill: TP 1, PP 1
     assert flags[1]["--tensor-parallel-size"] == "3" and flags[1]["--pipeline-parallel-size"] == "2"
+    # Speculation belongs to the decode pool: a tensor-parallel prefill pool beside it is fine.
+    speculating = Cluster(
+        EngineConfig(speculative="ngram"), WorkerSettings(), RouterSettings(), ClusterSettings(prefill_tp=2)
+    )
+    flags = [dict(zip(args, args[1:])) for _, args in speculating.worker_commands(num_gpus=0)]
+    assert "--speculative" not in flags[0] and flags[0]["--tensor-parallel-size"] == "2"
+    assert flags[1]["--speculative"] == "ngram"
 
 
 def test_the_paper_projection_counts_bytes_from_the_shapes():

@@ -6,6 +6,7 @@ variable and a YAML key (pdserve/config.py).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, fields
 
 from pdserve.config import setting
@@ -83,6 +84,14 @@ class EngineConfig:
                 raise ValueError(f"{f.name} must be one of {', '.join(choices)}, got {getattr(self, f.name)!r}")
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
             raise ValueError(f"block_size must be an integer in [1, 1024], got {self.block_size!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.kv_cache_memory != "auto":
+            parse_memory(self.kv_cache_memory)
+        if parse_memory(self.swap_space, "swap_space")[1] is not None:
+            raise ValueError(f"swap_space must be a size such as '4GiB', got {self.swap_space!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
@@ -118,3 +127,23 @@ class EngineConfig:
     def world_size(self) -> int:
         """Processes of one worker: tensor_parallel_size x pipeline_parallel_size."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_memory(value: str | int | float, name: str = "kv_cache_memory") -> tuple[int | None, float | None]:
+    """'2GiB' / '512MiB' / '1e9' / 123 -> (bytes, None); '0.3' (a fraction of free memory) -> (None, 0.3)."""
+    text = str(value).strip().lower().replace(" ", "")
+    match = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[0-9]+)?)([a-z]*)", text)
+    if not match or match.group(2) not in _UNITS:
+        raise ValueError(
+            f"{name} must look like '2GiB', '512MiB', a byte count, or a fraction in (0, 1]; got {value!r}"
+        )
+    number, unit = float(match.group(1)), match.group(2)
+    if not unit and 0 < number <= 1 and "." in match.group(1):
+        return None, number
+    size = int(number * _UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"{name} must be positive, got {value!r}")
+    return size, None

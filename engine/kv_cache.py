@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.engine_config import parse_memory
 from pdserve.engine.model_config import ModelConfig
 from pdserve.kernels.kv_format import KVFormat
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,23 +73,6 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
-
-
-def parse_memory(value: str | int | float) -> tuple[int | None, float | None]:
-    """'2GiB' / '512MiB' / '1e9' / 123 -> (bytes, None); '0.3' (a fraction of free memory) -> (None, 0.3)."""
-    text = str(value).strip().lower().replace(" ", "")
-    match = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[0-9]+)?)([a-z]*)", text)
-    if not match or match.group(2) not in _UNITS:
-        raise ValueError(
-            f"kv cache memory must look like '2GiB', '512MiB', a byte count, or a fraction in (0, 1]; got {value!r}"
-        )
-    number, unit = float(match.group(1)), match.group(2)
-    if not unit and 0 < number <= 1 and "." in match.group(1):
-        return None, number
-    size = int(number * _UNITS[unit])
-    if size <= 0:
-        raise ValueError(f"kv cache memory must be positive, got {value!r}")
-    return size, None
 
 
 def free_memory(device: torch.device) -> int:

@@ -120,9 +120,7 @@ class LLMEngine:
         mode = self.config.preemption_mode
         if mode == "recompute" or (mode == "auto" and self.device.type != "cuda") or self.parallel is not None:
             return None
-        nbytes, fraction = parse_memory(self.config.swap_space)
-        if fraction is not None:
-            raise ValueError("swap_space must be a size such as '4GiB'")
+        nbytes, _ = parse_memory(self.config.swap_space, "swap_space")  # a size: EngineConfig checked
         host_blocks = min(num_blocks * 4, nbytes // (self.kv_layout.block_bytes * self.kv_layout.num_layers))
         return SwapSpace(self.kv_cache, host_blocks) if host_blocks else None
 

@@ -57,9 +57,14 @@ def test_booleans_optionals_and_bad_values():
         (WorkerSettings, {"kv_lease_s": float("nan")}, "kv_lease_s must be a finite"),
         (ClusterSettings, {"startup_timeout_s": -5.0}, "startup_timeout_s must be a finite"),
         (ClusterSettings, {"max_worker_restarts": -1}, "max_worker_restarts must be >= 0"),
+        # Engine settings a worker used to refuse only after loading its model:
+        (EngineConfig, {"max_num_seqs": 0}, "max_num_seqs must be an integer >= 1"),
+        (EngineConfig, {"max_num_batched_tokens": -3}, "max_num_batched_tokens must be"),
+        (EngineConfig, {"kv_cache_memory": "lots"}, "kv_cache_memory must look like"),
+        (EngineConfig, {"swap_space": "0.5"}, "swap_space must be a size"),
     ],
 )
-def test_ports_and_durations_out_of_range_are_refused_by_name(cls, values, words):
+def test_settings_out_of_range_are_refused_by_name_before_anything_starts(cls, values, words):
     with pytest.raises(ValueError, match=words):
         cls(**values)
 

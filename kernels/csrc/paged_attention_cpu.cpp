@@ -16,7 +16,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -135,67 +134,6 @@ inline float load_vecs(const uint8_t* token, const KVFormat& fmt, int kv, int64_
   }
 }
 
-#if defined(__AVX512BF16__)
-// The values of a bf16 cache, two tokens per bf16 dot product: the weights of tokens j and j+1
-// as one bf16 pair against their value rows interleaved, so each instruction adds both tokens'
-// terms to 16 outputs (transformers rounds the weights to bf16 before this product as well).
-template <int NV>
-void attend_values_bf16(const float (*p)[kChunk], int64_t num_q_heads, const uint8_t* const* tokens,
-                        const uint8_t* const* later, int64_t n, const KVFormat& fmt, float* acc_out) {
-  constexpr int64_t D = NV * 16;
-  const int64_t heads = fmt.heads, group = num_q_heads / heads, lines = (fmt.token_bytes + 63) / 64;
-  alignas(64) uint16_t weights[kMaxQHeads][kChunk];  // p as bf16; p is zero past n
-  for (int64_t qh = 0; qh < num_q_heads; ++qh)
-    _mm256_store_si256(reinterpret_cast<__m256i*>(weights[qh]), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(p[qh])));
-  // Element 2i of the first (second) interleave is row a's element i (16 + i), element 2i + 1 row b's.
-  alignas(64) int16_t first_half[32], second_half[32];
-  for (int i = 0; i < 16; ++i) {
-    first_half[2 * i] = i, first_half[2 * i + 1] = 32 + i;
-    second_half[2 * i] = 16 + i, second_half[2 * i + 1] = 48 + i;
-  }
-  const __m512i lo = _mm512_load_si512(first_half), hi = _mm512_load_si512(second_half);
-  for (int64_t h = 0; h < heads; ++h) {
-    const int64_t first_line = h * lines / heads, end_line = (h + 1) * lines / heads;
-    for (int64_t g0 = 0; g0 < group; g0 += 4) {
-      const int64_t gn = std::min<int64_t>(4, group - g0);
-      float* acc_base = acc_out + (h * group + g0) * D;
-      __m512 acc[4][NV];
-#pragma GCC unroll 4
-      for (int64_t g = 0; g < 4; ++g)
-#pragma GCC unroll 8
-        for (int v = 0; v < NV; ++v) acc[g][v] = g < gn ? _mm512_loadu_ps(acc_base + g * D + 16 * v) : _mm512_setzero_ps();
-      for (int64_t j = 0; j < n; j += 2) {
-        if (g0 == 0) {
-          for (int64_t k = j; k < std::min(j + 2, n); ++k)
-            if (later[k] != nullptr)
-              for (int64_t l = first_line; l < end_line; ++l) __builtin_prefetch(later[k] + 64 * l, 0, 3);
-        }
-        const uint8_t* a = tokens[j] + fmt.code_offset(1, h);
-        const uint8_t* b = j + 1 < n ? tokens[j + 1] + fmt.code_offset(1, h) : a;  // its weight is 0
-        __m512bh pairs[NV];
-#pragma GCC unroll 4
-        for (int v = 0; v < NV / 2; ++v) {
-          const __m512i ra = _mm512_loadu_si512(a + 64 * v), rb = _mm512_loadu_si512(b + 64 * v);
-          pairs[2 * v] = (__m512bh)_mm512_permutex2var_epi16(ra, lo, rb);
-          pairs[2 * v + 1] = (__m512bh)_mm512_permutex2var_epi16(ra, hi, rb);
-        }
-#pragma GCC unroll 4
-        for (int64_t g = 0; g < 4; ++g) {
-          if (g >= gn) break;
-          uint32_t both;
-          std::memcpy(&both, &weights[h * group + g0 + g][j], 4);
-          const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(both));
-#pragma GCC unroll 8
-          for (int v = 0; v < NV; ++v) acc[g][v] = _mm512_dpbf16_ps(acc[g][v], w, pairs[v]);
-        }
-      }
-      for (int64_t g = 0; g < gn; ++g)
-        for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc_base + g * D + 16 * v, acc[g][v]);
-    }
-  }
-}
-#endif
-
 template <typename T, int KIND, int NV>
 void attend_avx512(const float* q, int64_t num_q_heads, const uint8_t* cache, const int64_t* table,
                    int64_t block_size, int64_t t0, int64_t t1, const KVFormat& fmt, float scale, Partial out) {
@@ -296,12 +234,6 @@ void attend_avx512(const float* q, int64_t num_q_heads, const uint8_t* cache, co
       }
     }
     // Values: per KV head, its query heads' accumulators in registers (up to 4 at a time).
-#if defined(__AVX512BF16__)
-    if constexpr (kBf16Dots) {
-      attend_values_bf16<NV>(p, num_q_heads, tokens, later, n, fmt, out.acc);
-      continue;
-    }
-#endif
     for (int64_t h = 0; h < heads; ++h) {
       for (int64_t g0 = 0; g0 < group; g0 += 4) {
         const int64_t gn = std::min<int64_t>(4, group - g0);

@@ -196,7 +196,11 @@ class KVCacheView:
             return HostBytes(rows[slots.first : slots.first + n].reshape(-1)), hash_rows(rows, slots)
         buffer = self.host_staging.take(n * self.token_bytes)
         staged = buffer[: n * self.token_bytes].numpy().reshape(n, self.token_bytes)
-        digest = fold(host_chunk_digests(rows, slots.array, staged, identity(n)), n * self.token_bytes)
+        try:
+            digest = fold(host_chunk_digests(rows, slots.array, staged, identity(n)), n * self.token_bytes)
+        except BaseException:
+            self.host_staging.give(buffer)
+            raise
         return HostBytes(staged.reshape(-1), self.host_staging, buffer), digest
 
     def gather_on_device(self, layer: int, slots: Slots) -> torch.Tensor:

@@ -14,7 +14,7 @@ from pdserve.client import Client, build_request
 def run_generate(args: argparse.Namespace) -> int:
     try:
         request, credentials = _request_and_credentials(args)
-    except (ValueError, TypeError, OSError) as e:  # a seed past 64 bits, a missing TLS file
+    except (ValueError, OSError) as e:  # a seed past 64 bits, a missing TLS file
         print(f"pdserve generate: error: {e}", file=sys.stderr)
         return 2
     metadata = (("authorization", f"Bearer {args.api_token}"),) if args.api_token else ()

@@ -113,3 +113,6 @@ def test_host_chunk_digests_are_xxh64_per_chunk_and_copy_on_the_way(monkeypatch,
     assert np.array_equal(dst[dst_slots], src[src_slots])
     assert not np.delete(dst, dst_slots, axis=0).any()  # nothing else written
     assert np.array_equal(integrity.host_chunk_digests(dst, dst_slots).view(np.uint64), expected)
+    if tokens:  # a slot outside the rows is this unit's IndexError, as the senders expect
+        with pytest.raises(IndexError):
+            integrity.host_chunk_digests(src, src_slots, dst, np.where(dst_slots == dst_slots[0], 400, dst_slots))

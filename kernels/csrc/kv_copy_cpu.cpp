@@ -102,7 +102,13 @@ struct Run {
   int64_t src_row, dst_row, tokens;
 };
 
-std::vector<Run> runs_of(const int64_t* src, const int64_t* dst, int64_t n) {
+// Also checks every slot against its side's rows (IndexError in Python: the unit's problem).
+std::vector<Run> runs_of(const int64_t* src, int64_t src_rows, const int64_t* dst, int64_t dst_rows, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK_INDEX(src[i] >= 0 && src[i] < src_rows, "src slot ", src[i], " is outside ", src_rows, " rows");
+    TORCH_CHECK_INDEX(!dst || (dst[i] >= 0 && dst[i] < dst_rows), "dst slot ", dst ? dst[i] : 0, " is outside ",
+                      dst_rows, " rows");
+  }
   std::vector<Run> runs;
   for (int64_t i = 0; i < n;) {
     int64_t j = i + 1;
@@ -118,10 +124,6 @@ void check_rows(const torch::Tensor& rows, const torch::Tensor& slots, const cha
               what, ": expected contiguous uint8 CPU rows [slots, token_bytes]");
   TORCH_CHECK(slots.device().is_cpu() && slots.dtype() == torch::kInt64 && slots.dim() == 1 && slots.is_contiguous(),
               what, ": expected contiguous int64 CPU slots");
-  if (slots.numel()) {
-    TORCH_CHECK(slots.min().item<int64_t>() >= 0 && slots.max().item<int64_t>() < rows.size(0), what,
-                ": a slot is outside the rows");
-  }
 }
 
 }  // namespace
@@ -142,7 +144,8 @@ torch::Tensor copy_rows_hashed(torch::Tensor src, torch::Tensor src_slots, c10::
   auto* out = reinterpret_cast<uint64_t*>(digests.data_ptr<int64_t>());
   const uint8_t* src_base = src.data_ptr<uint8_t>();
   uint8_t* dst_base = copying ? dst->data_ptr<uint8_t>() : nullptr;
-  const auto runs = runs_of(src_slots.data_ptr<int64_t>(), copying ? dst_slots->data_ptr<int64_t>() : nullptr, n);
+  const auto runs = runs_of(src_slots.data_ptr<int64_t>(), src.size(0),
+                            copying ? dst_slots->data_ptr<int64_t>() : nullptr, copying ? dst->size(0) : 0, n);
 
   alignas(64) uint8_t window[kWindow];
   size_t run = 0;
@@ -159,7 +162,7 @@ torch::Tensor copy_rows_hashed(torch::Tensor src, torch::Tensor src_slots, c10::
       if (run_offset == r.tokens * token_bytes) ++run, run_offset = 0;
     }
     const int64_t chunks = std::min(kWindowChunks, num_chunks - chunk);
-    std::memset(window + std::max<int64_t>(take, 0), 0, chunks * kChunk - std::max<int64_t>(take, 0));
+    std::memset(window + take, 0, chunks * kChunk - take);  // the last chunk's zero padding
     hash_chunks(window, chunks, out + chunk);
   }
   if (stream) _mm_sfence();  // the streamed stores are visible before the caller announces them

@@ -10,11 +10,30 @@
 #include "kv_format.h"
 #include "ops.h"
 
+#include "vec_math.h"
+
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <type_traits>
 
 namespace {
+
+#if defined(__AVX512BF16__)
+// bf16 rows, 16 values at a time. Conversions round to nearest even, as c10::BFloat16 does
+// (the instruction reads fp32 denormals as zero, which activations never are).
+constexpr bool kBf16Vectors = true;
+inline __m512 load_bf16(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m256i to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+inline void store_bf16(c10::BFloat16* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(v)); }
+inline __m512 widen(__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); }
+inline __m512 round_bf16(__m512 v) { return widen(to_bf16(v)); }  // float(bf16(v))
+#else
+constexpr bool kBf16Vectors = false;
+#endif
 
 template <typename T>
 inline float ld(const T* p, int64_t i) { return static_cast<float>(p[i]); }
@@ -22,12 +41,51 @@ inline float ld(const T* p, int64_t i) { return static_cast<float>(p[i]); }
 template <typename T>
 inline void st(T* p, int64_t i, float v) { p[i] = static_cast<T>(v); }
 
+#if defined(__AVX512BF16__)
+// One row of (add_)rms_norm in bf16, with the scalar loop's roundings: the residual sum and the
+// normalized value are rounded to bf16 before their next use.
+void bf16_rms_norm_row(const c10::BFloat16* x, c10::BFloat16* residual, const c10::BFloat16* w, c10::BFloat16* out,
+                       int64_t dim, float eps, float* buf) {
+  __m512 ss = _mm512_setzero_ps();
+  for (int64_t i = 0; i < dim; i += 16) {
+    __m512 v = load_bf16(x + i);
+    if (residual != nullptr) {
+      const __m256i sum = to_bf16(_mm512_add_ps(load_bf16(residual + i), v));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(residual + i), sum);
+      v = widen(sum);
+    }
+    _mm512_storeu_ps(buf + i, v);
+    ss = _mm512_fmadd_ps(v, v, ss);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(dim) + eps));
+  for (int64_t i = 0; i < dim; i += 16) {
+    store_bf16(out + i, _mm512_mul_ps(load_bf16(w + i), round_bf16(_mm512_mul_ps(_mm512_loadu_ps(buf + i), inv))));
+  }
+}
+
+// silu(gate) * up for one bf16 row: silu rounded to bf16 first, as torch computes it.
+void bf16_silu_mul_row(const c10::BFloat16* g, const c10::BFloat16* u, c10::BFloat16* out, int64_t inter) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int64_t i = 0; i < inter; i += 16) {
+    const __m512 a = load_bf16(g + i);
+    const __m512 silu = _mm512_div_ps(a, _mm512_add_ps(one, exp_neg(_mm512_sub_ps(_mm512_setzero_ps(), a))));
+    store_bf16(out + i, _mm512_mul_ps(round_bf16(silu), load_bf16(u + i)));
+  }
+}
+#endif
+
 template <typename T>
 void rms_norm_rows(const T* x, T* residual, const T* w, T* out, int64_t rows, int64_t dim, float eps) {
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(dim, 1)), [&](int64_t r0, int64_t r1) {
     std::vector<float> buf(dim);
     for (int64_t r = r0; r < r1; ++r) {
       const T* xr = x + r * dim;
+      if constexpr (kBf16Vectors && std::is_same_v<T, c10::BFloat16>) {
+        if (dim % 16 == 0) {
+          bf16_rms_norm_row(xr, residual ? residual + r * dim : nullptr, w, out + r * dim, dim, eps, buf.data());
+          continue;
+        }
+      }
       float ss = 0.f;
       if (residual != nullptr) {
         T* rr = residual + r * dim;
@@ -57,6 +115,12 @@ void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter) {
       const T* g = gu + r * 2 * inter;
       const T* u = g + inter;
       T* o = out + r * inter;
+      if constexpr (kBf16Vectors && std::is_same_v<T, c10::BFloat16>) {
+        if (inter % 16 == 0) {
+          bf16_silu_mul_row(g, u, o, inter);
+          continue;
+        }
+      }
 #pragma omp simd
       for (int64_t i = 0; i < inter; ++i) {
         const float a = ld(g, i);

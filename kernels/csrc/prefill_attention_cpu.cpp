@@ -15,6 +15,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -31,60 +33,107 @@ constexpr int64_t kQueries = 16;  // query positions per work item
 template <typename T>
 inline float ld(const T* p) { return static_cast<float>(*p); }
 
-// K of one head transposed per block of 16 keys ([block][d][16]) and V as fp32 rows, the tail
-// padded with zeros: done once per head, shared by every query block.
+// fp32 operands: K of one head transposed per block of 16 keys ([block][d][16]) and V as fp32
+// rows, the tail padded with zeros. Done once per head, shared by every query block.
 template <typename T>
 void pack_head(const T* k, int64_t k_stride, const T* v, int64_t v_stride, int64_t h, int64_t d_size,
                int64_t num_keys, float* kt, float* vf) {
   const int64_t blocks = (num_keys + kKeys - 1) / kKeys;
   std::fill(kt, kt + blocks * d_size * kKeys, 0.f);
   std::fill(vf, vf + blocks * kKeys * d_size, 0.f);
-  for (int64_t b = 0; b < blocks; ++b) {
-    float* kb = kt + b * d_size * kKeys;
-    for (int64_t j = b * kKeys; j < std::min(num_keys, (b + 1) * kKeys); ++j) {
-      const T* kr = k + j * k_stride + h * d_size;
-      for (int64_t d = 0; d < d_size; ++d) kb[d * kKeys + (j % kKeys)] = ld(kr + d);
-      const T* vr = v + j * v_stride + h * d_size;
-      for (int64_t d = 0; d < d_size; ++d) vf[j * d_size + d] = ld(vr + d);
-    }
+  for (int64_t j = 0; j < num_keys; ++j) {
+    float* kb = kt + (j / kKeys) * d_size * kKeys + j % kKeys;
+    const T* kr = k + j * k_stride + h * d_size;
+    for (int64_t d = 0; d < d_size; ++d) kb[d * kKeys] = ld(kr + d);
+    const T* vr = v + j * v_stride + h * d_size;
+    for (int64_t d = 0; d < d_size; ++d) vf[j * d_size + d] = ld(vr + d);
   }
 }
 
-template <int NV, typename T>
-void attend_block(const T* q, int64_t q_stride, const float* kt, const float* vf, T* out, int64_t out_stride,
+// bf16 operands, for AVX512-BF16 dot products (two products per fp32 lane): per block of 16
+// keys, K as pairs of dimensions ([d / 2][16 keys][2]) and V as pairs of keys ([8][d][2]), so a
+// 64-byte row is one operand. The bits are copied as stored, nothing is rounded.
+void pack_head_bf16(const uint16_t* k, int64_t k_stride, const uint16_t* v, int64_t v_stride, int64_t h,
+                    int64_t d_size, int64_t num_keys, uint16_t* kt, uint16_t* vt) {
+  const int64_t blocks = (num_keys + kKeys - 1) / kKeys;
+  std::fill(kt, kt + blocks * d_size * kKeys, uint16_t{0});
+  std::fill(vt, vt + blocks * d_size * kKeys, uint16_t{0});
+  for (int64_t j = 0; j < num_keys; ++j) {
+    const uint16_t* kr = k + j * k_stride + h * d_size;
+    const uint16_t* vr = v + j * v_stride + h * d_size;
+    uint16_t* kb = kt + (j / kKeys) * d_size * kKeys + (j % kKeys) * 2;
+    uint16_t* vb = vt + (j / 2) * d_size * 2 + j % 2;
+    for (int64_t d = 0; d < d_size; d += 2) {
+      kb[d * kKeys] = kr[d];
+      kb[d * kKeys + 1] = kr[d + 1];
+    }
+    for (int64_t d = 0; d < d_size; ++d) vb[d * 2] = vr[d];
+  }
+}
+
+// One work item: the queries [q0, q1) of every head sharing KV head h. BF16 (bf16 models): the
+// scores are bf16 dot products of q as it is (exact) against K, scaled after; P is rounded to
+// bf16 for its product with V, as flash attention does on GPUs, while the softmax's running
+// max and sum stay fp32. Otherwise fp32 throughout, q scaled before.
+template <int NV, bool BF16, typename T>
+void attend_block(const T* q, int64_t q_stride, const void* kt, const void* vt, T* out, int64_t out_stride,
                   int64_t group, int64_t h, int64_t q0, int64_t q1, int64_t q_offset, float scale,
                   std::vector<float>& qf, std::vector<float>& of) {
   constexpr int64_t D = NV * 16;
+  constexpr int64_t kQWidth = BF16 ? D / 2 : D;  // floats per query row (bf16: its bits, in pairs)
   const int64_t rows = (q1 - q0) * group;
   // Rows are (query, head) pairs: row r is query q0 + r / group of head h * group + r % group.
   // Padded with zero rows to whole tiles, so every tile loop has a fixed trip count (and its
   // accumulators stay in registers); the padding rows are computed and dropped.
   const int64_t padded_rows = (rows + kRows - 1) / kRows * kRows;
-  qf.assign(padded_rows * D, 0.f);
+  qf.assign(padded_rows * kQWidth, 0.f);
   of.assign(padded_rows * D, 0.f);
   for (int64_t r = 0; r < rows; ++r) {
     const T* qr = q + (q0 + r / group) * q_stride + (h * group + r % group) * D;
-    for (int64_t d = 0; d < D; ++d) qf[r * D + d] = ld(qr + d) * scale;
+    if constexpr (BF16) {
+      std::memcpy(qf.data() + r * kQWidth, qr, D * sizeof(T));
+    } else {
+      for (int64_t d = 0; d < D; ++d) qf[r * D + d] = ld(qr + d) * scale;
+    }
   }
   std::vector<float> row_max(padded_rows, -std::numeric_limits<float>::infinity()), row_sum(padded_rows, 0.f);
   alignas(64) float p[kRows][kKeys];
+  alignas(64) uint32_t pairs[kRows][kKeys / 2];  // BF16: p rounded to bf16, two keys per word
 
   for (int64_t r0 = 0; r0 < padded_rows; r0 += kRows) {
     const int64_t last_query = q0 + (std::min(rows, r0 + kRows) - 1) / group;
     const int64_t tile_blocks = (q_offset + last_query + 1 + kKeys - 1) / kKeys;
-    const float* qt = qf.data() + r0 * D;
+    const float* qt = qf.data() + r0 * kQWidth;
     float* ot = of.data() + r0 * D;
     for (int64_t b = 0; b < tile_blocks; ++b) {
       // Scores: 8 rows x 16 keys.
       __m512 s[kRows];
 #pragma GCC unroll 8
       for (int64_t i = 0; i < kRows; ++i) s[i] = _mm512_setzero_ps();
-      const float* kb = kt + b * D * kKeys;
+      if constexpr (BF16) {
+#if defined(__AVX512BF16__)
+        const auto* kb = static_cast<const uint16_t*>(kt) + b * D * kKeys;
+        using word = int __attribute__((__may_alias__));  // two bf16 of q, read as one 32-bit word
+        const auto* qw = reinterpret_cast<const word*>(qt);
 #pragma GCC unroll 4
-      for (int64_t d = 0; d < D; ++d) {
-        const __m512 kv = _mm512_loadu_ps(kb + d * kKeys);
+        for (int64_t dp = 0; dp < D / 2; ++dp) {
+          const __m512bh kv = (__m512bh)_mm512_loadu_si512(kb + dp * 2 * kKeys);
 #pragma GCC unroll 8
-        for (int64_t i = 0; i < kRows; ++i) s[i] = _mm512_fmadd_ps(_mm512_set1_ps(qt[i * D + d]), kv, s[i]);
+          for (int64_t i = 0; i < kRows; ++i)
+            s[i] = _mm512_dpbf16_ps(s[i], (__m512bh)_mm512_set1_epi32(qw[i * kQWidth + dp]), kv);
+        }
+        const __m512 scales = _mm512_set1_ps(scale);
+#pragma GCC unroll 8
+        for (int64_t i = 0; i < kRows; ++i) s[i] = _mm512_mul_ps(s[i], scales);
+#endif
+      } else {
+        const float* kb = static_cast<const float*>(kt) + b * D * kKeys;
+#pragma GCC unroll 4
+        for (int64_t d = 0; d < D; ++d) {
+          const __m512 kv = _mm512_loadu_ps(kb + d * kKeys);
+#pragma GCC unroll 8
+          for (int64_t i = 0; i < kRows; ++i) s[i] = _mm512_fmadd_ps(_mm512_set1_ps(qt[i * D + d]), kv, s[i]);
+        }
       }
       // Mask keys past each row's query position, then the online softmax update.
 #pragma GCC unroll 8
@@ -99,7 +148,13 @@ void attend_block(const T* q, int64_t q_stride, const float* kt, const float* vf
         const float alpha = std::exp(row_max[r] - new_max);
         row_sum[r] = row_sum[r] * alpha + _mm512_reduce_add_ps(pi);
         row_max[r] = new_max;
-        _mm512_store_ps(p[i], pi);
+        if constexpr (BF16) {
+#if defined(__AVX512BF16__)
+          _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[i]), (__m256i)_mm512_cvtneps_pbh(pi));
+#endif
+        } else {
+          _mm512_store_ps(p[i], pi);
+        }
         if (alpha != 1.f) {
           const __m512 a = _mm512_set1_ps(alpha);
 #pragma GCC unroll 8
@@ -107,7 +162,6 @@ void attend_block(const T* q, int64_t q_stride, const float* kt, const float* vf
         }
       }
       // Output += P V, four rows at a time (their accumulators stay in registers).
-      const float* vb = vf + b * kKeys * D;
 #pragma GCC unroll 2
       for (int64_t i0 = 0; i0 < kRows; i0 += 4) {
         __m512 acc[4][NV];
@@ -115,15 +169,33 @@ void attend_block(const T* q, int64_t q_stride, const float* kt, const float* vf
         for (int64_t i = 0; i < 4; ++i)
 #pragma GCC unroll 8
           for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_loadu_ps(ot + (i0 + i) * D + 16 * v);
-        for (int64_t j = 0; j < kKeys; ++j) {
-          __m512 vr[NV];
+        if constexpr (BF16) {
+#if defined(__AVX512BF16__)
+          const auto* vb = static_cast<const uint16_t*>(vt) + b * kKeys * D;
+          for (int64_t jp = 0; jp < kKeys / 2; ++jp) {  // two keys per dot product
+            __m512bh vr[NV];
 #pragma GCC unroll 8
-          for (int v = 0; v < NV; ++v) vr[v] = _mm512_loadu_ps(vb + j * D + 16 * v);
+            for (int v = 0; v < NV; ++v) vr[v] = (__m512bh)_mm512_loadu_si512(vb + (jp * D + 16 * v) * 2);
 #pragma GCC unroll 4
-          for (int64_t i = 0; i < 4; ++i) {
-            const __m512 pj = _mm512_set1_ps(p[i0 + i][j]);
+            for (int64_t i = 0; i < 4; ++i) {
+              const __m512bh pj = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[i0 + i][jp]));
 #pragma GCC unroll 8
-            for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(pj, vr[v], acc[i][v]);
+              for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], pj, vr[v]);
+            }
+          }
+#endif
+        } else {
+          const float* vb = static_cast<const float*>(vt) + b * kKeys * D;
+          for (int64_t j = 0; j < kKeys; ++j) {
+            __m512 vr[NV];
+#pragma GCC unroll 8
+            for (int v = 0; v < NV; ++v) vr[v] = _mm512_loadu_ps(vb + j * D + 16 * v);
+#pragma GCC unroll 4
+            for (int64_t i = 0; i < 4; ++i) {
+              const __m512 pj = _mm512_set1_ps(p[i0 + i][j]);
+#pragma GCC unroll 8
+              for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(pj, vr[v], acc[i][v]);
+            }
           }
         }
 #pragma GCC unroll 4
@@ -169,29 +241,48 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
   const int64_t qblocks = (tq + kQueries - 1) / kQueries;
 #if defined(__AVX512F__)
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "prefill_attention", [&] {
+#if defined(__AVX512BF16__)
+    constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+#else
+    constexpr bool kBf16 = false;
+#endif
     const auto* qp = q.data_ptr<scalar_t>();
     const auto* kp = k.data_ptr<scalar_t>();
     const auto* vp = v.data_ptr<scalar_t>();
     auto* op = out.data_ptr<scalar_t>();
-    const int64_t padded = (tk + kKeys - 1) / kKeys * kKeys;
-    std::vector<float> kt(hkv * padded * d), vf(hkv * padded * d);
+    const int64_t per_head = (tk + kKeys - 1) / kKeys * kKeys * d;  // elements of K (or V) per head
+    // The packed operands of every head: fp32, or bf16 bits (then half the bytes).
+    std::vector<float> kt(hkv * per_head / (kBf16 ? 2 : 1)), vt(hkv * per_head / (kBf16 ? 2 : 1));
     at::parallel_for(0, hkv, 1, [&](int64_t h0, int64_t h1) {
       for (int64_t h = h0; h < h1; ++h) {
-        pack_head(kp, k.stride(0), vp, v.stride(0), h, d, tk, kt.data() + h * padded * d, vf.data() + h * padded * d);
+        if constexpr (kBf16) {
+          const auto* kb = reinterpret_cast<const uint16_t*>(kp);
+          const auto* vb = reinterpret_cast<const uint16_t*>(vp);
+          pack_head_bf16(kb, k.stride(0), vb, v.stride(0), h, d, tk, reinterpret_cast<uint16_t*>(kt.data()) + h * per_head,
+                         reinterpret_cast<uint16_t*>(vt.data()) + h * per_head);
+        } else {
+          pack_head(kp, k.stride(0), vp, v.stride(0), h, d, tk, kt.data() + h * per_head, vt.data() + h * per_head);
+        }
       }
     });
-    // Later query blocks see more keys: hand them out first so the threads finish together.
-    at::parallel_for(0, hkv * qblocks, 1, [&](int64_t i0, int64_t i1) {
+    // Later query blocks see more keys: they go first, dealt round-robin to the threads (a
+    // contiguous split would give one thread the long rows and the other the short ones).
+    const int64_t items = hkv * qblocks, workers = std::min<int64_t>(at::get_num_threads(), items);
+    at::parallel_for(0, workers, 1, [&](int64_t w0, int64_t w1) {
       std::vector<float> qf, of;
-      for (int64_t item = i0; item < i1; ++item) {
-        const int64_t h = item % hkv, qb = qblocks - 1 - item / hkv;
-        const int64_t q0 = qb * kQueries, q1 = std::min(tq, q0 + kQueries);
-        const float* kh = kt.data() + h * padded * d;
-        const float* vh = vf.data() + h * padded * d;
-        if (d == 64) {
-          attend_block<4>(qp, q.stride(0), kh, vh, op, hq * d, group, h, q0, q1, q_offset, static_cast<float>(scale), qf, of);
-        } else {
-          attend_block<8>(qp, q.stride(0), kh, vh, op, hq * d, group, h, q0, q1, q_offset, static_cast<float>(scale), qf, of);
+      for (int64_t w = w0; w < w1; ++w) {
+        for (int64_t item = w; item < items; item += workers) {
+          const int64_t h = item % hkv, qb = qblocks - 1 - item / hkv;
+          const int64_t q0 = qb * kQueries, q1 = std::min(tq, q0 + kQueries);
+          const int64_t offset = h * per_head / (kBf16 ? 2 : 1);  // in floats
+          const float* kh = kt.data() + offset;
+          const float* vh = vt.data() + offset;
+          const float sc = static_cast<float>(scale);
+          if (d == 64) {
+            attend_block<4, kBf16>(qp, q.stride(0), kh, vh, op, hq * d, group, h, q0, q1, q_offset, sc, qf, of);
+          } else {
+            attend_block<8, kBf16>(qp, q.stride(0), kh, vh, op, hq * d, group, h, q0, q1, q_offset, sc, qf, of);
+          }
         }
       }
     });

@@ -6,8 +6,9 @@
 
 namespace {
 
-// e^x for x <= 0 (softmax arguments): 2^(x log2 e) split into 2^n * 2^f, f in [-0.5, 0.5], with a
-// degree-6 polynomial for 2^f (relative error ~2e-7).
+// e^x for softmax arguments (x <= 0; below -87 it gives e^-87), and as well for positive x up to
+// ~88 (beyond, +inf): 2^(x log2 e) split into 2^n * 2^f, f in [-0.5, 0.5], with a degree-6
+// polynomial for 2^f (relative error ~2e-7).
 inline __m512 exp_neg(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));

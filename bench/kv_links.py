@@ -1,10 +1,12 @@
 """What ``kv_transfer_bench`` measures side by side: one payload moved by memcpy, a raw TCP
-socket, raw UCX, and each pdserve transport (the real sender and receiver, in this process).
+socket, raw UCX, and each pdserve transport (the real sender here, the real receiver in a
+child process as a decode worker runs it, or in this process).
 Every ``sample()`` moves the whole payload into zeroed memory, checks what landed, and returns
 the seconds it took."""
 
 from __future__ import annotations
 
+import multiprocessing
 import socket
 import threading
 import time
@@ -69,14 +71,115 @@ class DecodeSide:
         self.receiver.start()
         self.address = f"127.0.0.1:{self.receiver.port}"
 
+    def zero(self) -> None:
+        self.tensor.view(torch.uint8).numpy().fill(0)  # numpy: no torch worker threads left spinning
+
     def grant(self, blocks: list[int], num_tokens: int) -> tuple[int, Waiter]:
         waiter = Waiter()
         return self.ledger.grant(blocks, num_tokens, 0, waiter), waiter
+
+    def checksums(self, blocks: list[int], num_tokens: int) -> list[int]:
+        return layer_checksums(self.cache, blocks, num_tokens)
 
     def close(self) -> None:
         self.receiver.stop()
         if self.pool:
             self.pool.close()
+
+
+class RemoteDecodeSide:
+    """A ``DecodeSide`` in a child process, as pdserve deploys a decode worker: its receiving
+    threads (and UCX's) do not share the prefill side's interpreter lock. Same methods."""
+
+    def __init__(self, transport: str, layout: KVLayout, num_blocks: int, info: PeerInfo) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._pipe, child = context.Pipe()
+        self._process = context.Process(
+            target=_serve_decode_side, args=(child, transport, layout, num_blocks, info), daemon=True
+        )
+        self._process.start()
+        child.close()
+        try:
+            self.address = self._call("address")
+        except BaseException:
+            self.close()
+            raise
+
+    def _call(self, *command):
+        self._pipe.send(command)
+        if not self._pipe.poll(IO_TIMEOUT_S):
+            raise RuntimeError(f"decode side: no answer to {command[0]} within {IO_TIMEOUT_S} s")
+        ok, value = self._pipe.recv()
+        if not ok:
+            raise RuntimeError(f"decode side: {value}")
+        return value
+
+    def zero(self) -> None:
+        self._call("zero")
+
+    def grant(self, blocks: list[int], num_tokens: int) -> tuple[int, "_RemoteWaiter"]:
+        transfer_id = self._call("grant", blocks, num_tokens)
+        return transfer_id, _RemoteWaiter(self, transfer_id)
+
+    def checksums(self, blocks: list[int], num_tokens: int) -> list[int]:
+        return self._call("checksums", blocks, num_tokens)
+
+    def close(self) -> None:
+        if self._process.is_alive():
+            try:
+                self._call("close")
+            except (OSError, EOFError, RuntimeError):
+                pass
+        self._process.join(5)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(5)
+
+
+class _RemoteWaiter:
+    def __init__(self, side: RemoteDecodeSide, transfer_id: int) -> None:
+        self.side, self.transfer_id = side, transfer_id
+
+    def wait(self, what: str) -> TransferOutcome:
+        return self.side._call("wait", self.transfer_id, what)
+
+
+def _serve_decode_side(pipe, transport: str, layout: KVLayout, num_blocks: int, info: PeerInfo) -> None:
+    """The child's loop: builds the decode side, then answers the parent's calls in order."""
+    from pdserve.kvtransfer.ucx_worker import UcxWorker
+
+    side = DecodeSide(transport, layout, num_blocks, info, UcxWorker() if transport == "ucx" else None)
+    waiters: dict[int, Waiter] = {}
+    while True:
+        command, *args = pipe.recv()
+        try:
+            if command == "close":
+                side.close()
+                pipe.send((True, None))
+                return
+            if command == "address":
+                value = side.address
+            elif command == "zero":
+                value = side.zero()
+            elif command == "grant":
+                value, waiters[value] = side.grant(*args)
+            elif command == "wait":
+                value = waiters.pop(args[0]).wait(args[1])
+            elif command == "checksums":
+                value = side.checksums(*args)
+            else:
+                raise ValueError(f"unknown command {command!r}")
+        except Exception as e:  # noqa: BLE001 - the parent reports it
+            pipe.send((False, f"{type(e).__name__}: {e}"))
+        else:
+            pipe.send((True, value))
+
+
+def decode_side(transport: str, layout: KVLayout, num_blocks: int, info: PeerInfo, ucx, in_process: bool):
+    """The decode side of a link: in a child process (how pdserve runs), or in this one."""
+    if in_process:
+        return DecodeSide(transport, layout, num_blocks, info, ucx)
+    return RemoteDecodeSide(transport, layout, num_blocks, info)
 
 
 def connect(address: str, info: PeerInfo, cache: KVCacheView, transport: str, ucx) -> KVConnection:
@@ -102,12 +205,13 @@ class TransportLink:
         decode_info: PeerInfo,
         prefill_info: PeerInfo,
         ucx_pair,
+        in_process: bool = False,
     ) -> None:
         self.name = transport
         self.layout, self.src, self.src_blocks = layout, src, src_blocks
         self.dst_blocks, self.num_tokens, self.src_sums = dst_blocks, num_tokens, src_sums
         ucx_decode, ucx_prefill = ucx_pair if transport == "ucx" else (None, None)
-        self.decode = DecodeSide(transport, layout, len(dst_blocks), decode_info, ucx_decode)
+        self.decode = decode_side(transport, layout, len(dst_blocks), decode_info, ucx_decode, in_process)
         try:
             self.conn = connect(self.decode.address, prefill_info, src, transport, ucx_prefill)
         except BaseException:
@@ -115,9 +219,7 @@ class TransportLink:
             raise
 
     def sample(self) -> float:
-        self.decode.tensor.view(torch.uint8).numpy().fill(
-            0
-        )  # numpy: no torch worker threads left spinning into the timed part
+        self.decode.zero()
         transfer_id, landed = self.decode.grant(self.dst_blocks, self.num_tokens)
         acked = Waiter()
         started = time.perf_counter()
@@ -130,7 +232,7 @@ class TransportLink:
         result = landed.wait(self.name)
         if result.nbytes != self.num_tokens * self.layout.num_layers * self.layout.token_bytes:
             raise RuntimeError(f"{self.name}: {result.nbytes} bytes landed")
-        if layer_checksums(self.decode.cache, self.dst_blocks, self.num_tokens) != self.src_sums:
+        if self.decode.checksums(self.dst_blocks, self.num_tokens) != self.src_sums:
             raise RuntimeError(f"{self.name}: the bytes that landed differ from the source")
         return elapsed
 

@@ -14,12 +14,13 @@ Parts:
   from one buffer, a thread doing recv_into into another, then a 1-byte ack), ``raw_ucx`` (the
   payload as one UCX tagged message between two workers; with ucx), and each pdserve transport
   (``tcp``, ``shm``, ``ucx``): one transfer of all layers of all tokens, the real sender and
-  receiver, timed from the first ``send_layer`` to the ACK. Every method writes into zeroed
+  receiver, timed from the first ``send_layer`` to the ACK. The receiver runs in a child
+  process, as a decode worker does (``--decode-in-process``: in this one, sharing its GIL). Every method writes into zeroed
   memory and every copy is checked (xxh3 of what landed == xxh3 of the source).
 * ``real``: the same for the KV of a ``--prompt-tokens`` prompt on the default model's layout,
   in fp32 and bf16.
 * ``ttft``: a real ``LLMEngine`` (default model, fp32) as the prefill side, its KV connector
-  shipping to an in-process decode side per transport. Per repeat and transport, a triple run
+  shipping to a decode side per transport (a child process, as above). Per repeat and transport, a triple run
   back to back in a rotating order: (a) prefill alone (to the first token), (b) pipelined
   (layers leave as they are computed) and (c) send-after-prefill, each timed from add_request
   to the decode side's ACK. Differences are taken within a triple, then the median; the tails
@@ -55,12 +56,12 @@ import torch  # noqa: E402
 
 from pdserve.bench.kv_links import (  # noqa: E402
     IO_TIMEOUT_S,
-    DecodeSide,
     MemcpyLink,
     RawSocketLink,
     RawUcxLink,
     TransportLink,
     connect,
+    decode_side,
     layer_checksums,
 )
 from pdserve.engine.kv_cache import KVLayout  # noqa: E402
@@ -106,8 +107,11 @@ def steal_seconds() -> float | None:
 
 
 def own_cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+    """This process's CPU time and its finished children's (the decode sides)."""
+    return sum(
+        usage.ru_utime + usage.ru_stime
+        for usage in (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN))
+    )
 
 
 class LoadProbe:
@@ -223,6 +227,7 @@ def measure_payload(
     arrangement: str,
     seed: int,
     ucx_pair,
+    in_process: bool = False,
 ) -> dict:
     layout = geometry.layout()
     nblocks = -(-num_tokens // geometry.block_size)
@@ -258,6 +263,7 @@ def measure_payload(
                     synthetic_peer(geometry, transport, "decode"),
                     synthetic_peer(geometry, transport, "prefill"),
                     ucx_pair,
+                    in_process,
                 )
             )
         for link in links:  # warm-up: connection, page tables, caches; not timed
@@ -340,7 +346,7 @@ def measure_ttft(args, transports: list[str], ucx_pair) -> dict:
         kv = landed = acked = None
         if t is not None:
             decode = decodes[t]
-            decode.tensor.view(torch.uint8).numpy().fill(0)
+            decode.zero()
             transfer_id, landed = decode.grant(dst_blocks, n)
             kv = KVSend(conns[t].open(transfer_id, dst_blocks, block_size, n), ack_timeout_s=IO_TIMEOUT_S)
             engine.connector.pipelined = mode == "pipelined"
@@ -366,17 +372,18 @@ def measure_ttft(args, transports: list[str], ucx_pair) -> dict:
             raise RuntimeError(f"ttft {mode} over {t}: no answer within {IO_TIMEOUT_S} s")
         if t is not None:
             landed.wait(f"ttft {mode} over {t}")
-            if layer_checksums(decodes[t].cache, dst_blocks, n) != layer_checksums(src, src_blocks, n):
+            if decodes[t].checksums(dst_blocks, n) != layer_checksums(src, src_blocks, n):
                 raise RuntimeError(f"ttft {mode} over {t}: the KV that landed differs from the engine's")
         return first_s, acked
 
-    decodes: dict[str, DecodeSide] = {}
+    decodes: dict = {}
     conns: dict = {}
     triples: dict[str, list[dict[str, tuple[float, float]]]] = {t: [] for t in transports}
     try:
         for t in transports:
             ucx_decode, ucx_prefill = ucx_pair if t == "ucx" else (None, None)
-            decodes[t] = DecodeSide(t, layout, len(dst_blocks), synthetic_peer(geometry, t, "decode"), ucx_decode)
+            peer = synthetic_peer(geometry, t, "decode")
+            decodes[t] = decode_side(t, layout, len(dst_blocks), peer, ucx_decode, args.decode_in_process)
             conns[t] = connect(decodes[t].address, synthetic_peer(geometry, t, "prefill"), src, t, ucx_prefill)
         prefill("none", None)  # the first forward pays one-time costs
         for t in transports:
@@ -551,6 +558,7 @@ def run(args) -> dict:
             "blocks": args.blocks,
             "prompt_tokens": args.prompt_tokens,
             "ttft_repeats": args.ttft_repeats,
+            "decode_in_process": args.decode_in_process,
             "seed": args.seed,
         },
     }
@@ -571,6 +579,7 @@ def run(args) -> dict:
                         args.blocks,
                         args.seed + 10 * i,
                         ucx_pair,
+                        args.decode_in_process,
                     )
                 )
                 print(f"  measured {size:g} MiB", file=sys.stderr, flush=True)
@@ -590,6 +599,7 @@ def run(args) -> dict:
                         args.blocks,
                         args.seed + 1000 + j,
                         ucx_pair,
+                        args.decode_in_process,
                     )
                 )
             print("  measured the real-request payloads", file=sys.stderr, flush=True)
@@ -654,6 +664,11 @@ def main(argv: list[str] | None = None) -> int:
         "--prompt-tokens", type=int, default=1024, help="prompt length of the real request and the TTFT runs"
     )
     parser.add_argument("--ttft-repeats", type=int, default=3, help="TTFT runs per mode and transport (default 3)")
+    parser.add_argument(
+        "--decode-in-process",
+        action="store_true",
+        help="run each transport's decode side in this process (default: a child process, as deployed)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write every figure here")
     args = parser.parse_args(argv)

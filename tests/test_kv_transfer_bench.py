@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from pdserve.bench.kv_transfer_bench import main
 
 
-def test_micro_part_reports_positive_throughput(tmp_path, capsys):
+@pytest.mark.parametrize("where", [[], ["--decode-in-process"]], ids=["decode-process", "in-process"])
+def test_micro_part_reports_positive_throughput(tmp_path, capsys, where):
     out = tmp_path / "kv.json"
-    assert (
-        main(["--sizes-mib", "1", "--repeats", "1", "--transports", "tcp,shm", "--parts", "micro", "--json", str(out)])
-        == 0
-    )
+    argv = ["--sizes-mib", "1", "--repeats", "1", "--transports", "tcp,shm", "--parts", "micro", "--json", str(out)]
+    assert main(argv + where) == 0
     result = json.loads(out.read_text())
+    assert result["config"]["decode_in_process"] is bool(where)
 
     machine = result["machine"]
     assert machine["cpu_count"] >= 1 and len(machine["loadavg_start"]) == 3 and len(machine["loadavg_end"]) == 3

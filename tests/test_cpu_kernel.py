@@ -56,6 +56,28 @@ def test_decode_attention_matches_reference(
     torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=0)
 
 
+@pytest.mark.parametrize("threads", [1, 3, 8])
+@pytest.mark.parametrize("lens", [[2000] + [20] * 15, [20] * 15 + [2000], [300], [5, 1, 7]])
+def test_decode_attention_splits_work_by_tokens(kernel, threads, lens):
+    """However the tokens fall (one long context among short ones, more threads than work),
+    every split is computed once and merges to the reference."""
+    fmt = KVFormat("auto", 3, 64, torch.float32)
+    block_size, batch = 16, len(lens)
+    max_blocks = max(1, -(-max(lens) // block_size))
+    kv = _filled_cache(fmt, batch * max_blocks, block_size, seed=threads)
+    tables = torch.randperm(batch * max_blocks).view(batch, max_blocks)
+    q = torch.randn(batch, 9, 64)
+    lens = torch.tensor(lens)
+    expected = reference.paged_decode_attention(q, kv, tables, lens, 0.125, fmt)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = kernel.paged_decode_attention(q, kv, tables, lens, 0.125, fmt.kind, 3)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=0)
+
+
 def test_decode_attention_refuses_bad_tables(kernel):
     fmt = KVFormat("auto", 2, 64, torch.float32)
     kv = _filled_cache(fmt, 4, 8, seed=0)

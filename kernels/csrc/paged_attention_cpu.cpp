@@ -296,29 +296,49 @@ void decode_attention(const T* q, const uint8_t* cache, const int64_t* tables, c
                       int64_t batch, int64_t num_q_heads, int64_t max_blocks, int64_t block_size, float scale,
                       const KVFormat& fmt) {
   const int64_t dim = fmt.dim;
-  // Split contexts so that every thread has work; never below ~128 tokens per split.
+  // Work is tokens. A context longer than a thread's fair share is split (flash-decoding: the
+  // splits' softmaxes are merged below), never below ~128 tokens per split; then each thread
+  // takes a run of items holding about 1/threads of the tokens, so one long sequence in a batch
+  // of short ones does not leave a core idle.
   const int64_t threads = at::get_num_threads();
-  const int64_t wanted = std::max<int64_t>(1, (2 * threads + batch - 1) / batch);
+  int64_t total = 0;
+  for (int64_t b = 0; b < batch; ++b) total += lens[b];
+  const int64_t share = std::max<int64_t>(128, (total + 4 * threads - 1) / (4 * threads));
   std::vector<int64_t> splits(batch), first(batch + 1, 0);
   for (int64_t b = 0; b < batch; ++b) {
-    splits[b] = std::clamp<int64_t>((lens[b] + 127) / 128, 1, wanted);
+    splits[b] = std::max<int64_t>(1, (lens[b] + share - 1) / share);
     first[b + 1] = first[b] + splits[b];
   }
   const int64_t items = first[batch];
   std::vector<float> maxes(items * num_q_heads), sums(items * num_q_heads), accs(items * num_q_heads * dim);
   const AttendFn<T> attend = pick_attend<T>(fmt, num_q_heads);
+  // Each item's token range, and where each thread's run of items starts (an item goes to the
+  // thread whose share of the tokens holds its middle).
+  std::vector<int64_t> begin(items), end(items), owner_start(threads + 1, items);
+  for (int64_t b = 0, done = 0; b < batch; ++b) {
+    const int64_t chunk = (lens[b] + splits[b] - 1) / splits[b];
+    for (int64_t item = first[b]; item < first[b + 1]; ++item) {
+      begin[item] = std::min(lens[b], (item - first[b]) * chunk);
+      end[item] = std::min(lens[b], begin[item] + chunk);
+      const int64_t middle = done + (end[item] - begin[item]) / 2;
+      const int64_t owner = total > 0 ? std::min(threads - 1, middle * threads / total) : 0;
+      owner_start[owner] = std::min(owner_start[owner], item);
+      done += end[item] - begin[item];
+    }
+  }
+  owner_start[0] = 0;
+  for (int64_t w = threads - 1; w >= 0; --w) owner_start[w] = std::min(owner_start[w], owner_start[w + 1]);
 
-  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, threads, 1, [&](int64_t w0, int64_t w1) {
     std::vector<float> qf(num_q_heads * dim);
-    for (int64_t item = i0; item < i1; ++item) {
+    for (int64_t item = owner_start[w0]; item < owner_start[w1]; ++item) {
       const int64_t b = std::upper_bound(first.begin(), first.end(), item) - first.begin() - 1;
-      const int64_t split = item - first[b], len = lens[b], chunk = (len + splits[b] - 1) / splits[b];
-      const int64_t t0 = std::min(len, split * chunk), t1 = std::min(len, t0 + chunk);
       const T* qb = q + b * num_q_heads * dim;
       for (int64_t i = 0; i < num_q_heads * dim; ++i) qf[i] = static_cast<float>(qb[i]);
       Partial part{maxes.data() + item * num_q_heads, sums.data() + item * num_q_heads,
                    accs.data() + item * num_q_heads * dim};
-      attend(qf.data(), num_q_heads, cache, tables + b * max_blocks, block_size, t0, t1, fmt, scale, part);
+      attend(qf.data(), num_q_heads, cache, tables + b * max_blocks, block_size, begin[item], end[item], fmt, scale,
+             part);
     }
   });
 

@@ -11,6 +11,7 @@ matmul peak.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 
@@ -24,6 +25,7 @@ from pdserve.engine.sampling_params import SamplingParams
 
 PROMPT_TOKENS = 512
 ATTENTION_BATCH, ATTENTION_CONTEXT = 32, 400  # the batched decode shape the issue names
+MIXED_LENS = [4000] + [100] * 31  # a long conversation batched with short ones
 
 
 def streamed_bytes(layer: nn.Module) -> int:
@@ -84,20 +86,28 @@ def decode_attention_s(
     batch: int = ATTENTION_BATCH,
     context: int = ATTENTION_CONTEXT,
     resident: bool = False,
+    lens: list[int] | None = None,
 ) -> tuple[float, int]:
     """Median time of one decode step's attention over every layer (``batch`` sequences of
     ``context`` tokens in shuffled blocks, as a long-running cache holds them), and the K/V bytes it reads.
     ``resident``: every table points into the same few blocks of one layer's cache, which stay in
-    the CPU's caches: the kernel's compute alone, without the memory traffic."""
+    the CPU's caches: the kernel's compute alone, without the memory traffic. ``lens``: these
+    context lengths instead (a mixed batch)."""
     layout, cfg = engine.kv_layout, engine.model_config
-    blocks_per_seq = -(-context // layout.block_size)
+    lens = lens or [context] * batch
+    batch = len(lens)
+    seq_blocks = [-(-n // layout.block_size) for n in lens]
+    max_blocks = max(seq_blocks)
     generator = torch.Generator().manual_seed(0)
-    num_blocks = RESIDENT_BLOCKS if resident else batch * blocks_per_seq
+    num_blocks = RESIDENT_BLOCKS if resident else sum(seq_blocks)
     if resident:
-        block_tables = torch.randint(0, num_blocks, (batch, blocks_per_seq), generator=generator, dtype=torch.int32)
+        block_tables = torch.randint(0, num_blocks, (batch, max_blocks), generator=generator, dtype=torch.int32)
     else:
-        block_tables = torch.randperm(num_blocks, generator=generator).view(batch, blocks_per_seq).to(torch.int32)
-    context_lens = torch.full((batch,), context, dtype=torch.int32)
+        ids = torch.randperm(num_blocks, generator=generator).to(torch.int32)
+        block_tables = torch.zeros(batch, max_blocks, dtype=torch.int32)
+        for row, (start, n) in enumerate(zip([0, *itertools.accumulate(seq_blocks)], seq_blocks)):
+            block_tables[row, :n] = ids[start : start + n]
+    context_lens = torch.tensor(lens, dtype=torch.int32)
     shape = (num_blocks, *engine.kv_cache.layers[0].shape[1:])
     distinct = 1 if resident else cfg.num_layers
     if layout.storage_dtype.is_floating_point:
@@ -116,7 +126,7 @@ def decode_attention_s(
 
     step()
     seconds = statistics.median(timed(step) for _ in range(repeats))
-    kv_bytes = sum(kv[0].numel() * kv.element_size() for kv in caches) * context // layout.block_size * batch
+    kv_bytes = sum(kv[0].numel() * kv.element_size() for kv in caches) * sum(lens) // layout.block_size
     return seconds, kv_bytes
 
 
@@ -131,6 +141,7 @@ def run(args: argparse.Namespace) -> dict:
     prefill = prefill_s(engine, max(3, args.repeats // 5))
     attention, attention_bytes = decode_attention_s(engine, max(5, args.repeats // 4))
     resident, _ = decode_attention_s(engine, max(5, args.repeats // 4), resident=True)
+    mixed, mixed_bytes = decode_attention_s(engine, max(5, args.repeats // 4), lens=MIXED_LENS)
     compiled = {}
     if args.compile:
         # Python dispatch between the small ops is what torch.compile could remove: compile the
@@ -168,6 +179,9 @@ def run(args: argparse.Namespace) -> dict:
         "attention_gb_s": round(attention_bytes / attention / 1e9, 1),
         "attention_fraction_of_bandwidth": round(attention_bytes / attention / bandwidth, 3),
         "attention_resident_ms": round(resident * 1e3, 2),  # the same step on cache-resident blocks
+        "attention_mixed_shape": f"one context of {MIXED_LENS[0]}, {len(MIXED_LENS) - 1} of {MIXED_LENS[1]}",
+        "attention_mixed_ms": round(mixed * 1e3, 2),
+        "attention_mixed_gb_s": round(mixed_bytes / mixed / 1e9, 1),
         **compiled,
     }
 

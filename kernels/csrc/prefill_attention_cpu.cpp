@@ -4,9 +4,9 @@
 // torch's CPU SDPA spends most of a short prompt's attention on memory traffic for the score
 // matrix (head_dim 64 makes its GEMMs thin). Here a work item is (KV head, block of queries): its
 // queries of every head sharing that KV head (GQA) form the rows; keys are visited in blocks of
-// 16, transposed once per item so a score tile is 8 rows x 16 keys of fp32 FMAs in registers,
-// with an online softmax, and the output accumulates in a small per-item buffer. Masked key
-// blocks are never computed.
+// 16, packed once per head so a score tile is 8 rows x 16 keys in registers (fp32 FMAs, or
+// AVX512-BF16 dot products on a bf16 model), with an online softmax, and the output accumulates
+// in a small per-item buffer. Masked key blocks are never computed.
 #include "ops.h"
 #include "vec_math.h"
 

@@ -256,10 +256,10 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
     at::parallel_for(0, hkv, 1, [&](int64_t h0, int64_t h1) {
       for (int64_t h = h0; h < h1; ++h) {
         if constexpr (kBf16) {
-          const auto* kb = reinterpret_cast<const uint16_t*>(kp);
-          const auto* vb = reinterpret_cast<const uint16_t*>(vp);
-          pack_head_bf16(kb, k.stride(0), vb, v.stride(0), h, d, tk, reinterpret_cast<uint16_t*>(kt.data()) + h * per_head,
-                         reinterpret_cast<uint16_t*>(vt.data()) + h * per_head);
+          auto* kh = reinterpret_cast<uint16_t*>(kt.data()) + h * per_head;
+          auto* vh = reinterpret_cast<uint16_t*>(vt.data()) + h * per_head;
+          pack_head_bf16(reinterpret_cast<const uint16_t*>(kp), k.stride(0), reinterpret_cast<const uint16_t*>(vp),
+                         v.stride(0), h, d, tk, kh, vh);
         } else {
           pack_head(kp, k.stride(0), vp, v.stride(0), h, d, tk, kt.data() + h * per_head, vt.data() + h * per_head);
         }

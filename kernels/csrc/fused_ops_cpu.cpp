@@ -20,17 +20,11 @@
 namespace {
 
 #if defined(__AVX512BF16__)
-// bf16 rows, 16 values at a time. Conversions round to nearest even, as c10::BFloat16 does
-// (the instruction reads fp32 denormals as zero, which activations never are).
+// bf16 rows, 16 values at a time (vec_math.h's conversions: round to nearest even, as
+// c10::BFloat16 does; the instruction reads fp32 denormals as zero, which activations never are).
 constexpr bool kBf16Vectors = true;
-inline __m512 load_bf16(const c10::BFloat16* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-inline __m256i to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
 inline void store_bf16(c10::BFloat16* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(v)); }
-inline __m512 widen(__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); }
-inline __m512 round_bf16(__m512 v) { return widen(to_bf16(v)); }  // float(bf16(v))
+inline __m512 round_bf16(__m512 v) { return widen_bf16(to_bf16(v)); }  // float(bf16(v))
 #else
 constexpr bool kBf16Vectors = false;
 #endif
@@ -52,7 +46,7 @@ void bf16_rms_norm_row(const c10::BFloat16* x, c10::BFloat16* residual, const c1
     if (residual != nullptr) {
       const __m256i sum = to_bf16(_mm512_add_ps(load_bf16(residual + i), v));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(residual + i), sum);
-      v = widen(sum);
+      v = widen_bf16(sum);
     }
     _mm512_storeu_ps(buf + i, v);
     ss = _mm512_fmadd_ps(v, v, ss);

@@ -107,8 +107,7 @@ inline float load_vecs(const uint8_t* token, const KVFormat& fmt, int kv, int64_
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
 #pragma GCC unroll 8
       for (int i = 0; i < NV; ++i) {
-        const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src) + i);
-        out[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+        out[i] = load_bf16(src + 32 * i);
       }
     } else {
 #pragma GCC unroll 8

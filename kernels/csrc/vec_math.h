@@ -1,4 +1,4 @@
-// Vector math shared by the CPU attention kernels.
+// Vector math shared by the CPU kernels: exp, horizontal sums, bf16 conversions.
 #pragma once
 
 #if defined(__AVX512F__)
@@ -43,6 +43,26 @@ inline __m512 sum16(const __m512* v) {
   for (int i = 0; i < 4; ++i) q[i] = quads(pairs(v[4 * i], v[4 * i + 1]), pairs(v[4 * i + 2], v[4 * i + 3]));
   return lanes(lanes(q[0], q[1]), lanes(q[2], q[3]));
 }
+
+#if defined(__AVX512BW__)
+// bf16 bits -> fp32 (exact: the bits are the top half of the float).
+inline __m512 widen_bf16(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 load_bf16(const void* p) { return widen_bf16(_mm256_loadu_si256(static_cast<const __m256i*>(p))); }
+
+// fp32 -> bf16, round to nearest even (the instruction where the CPU has it).
+inline __m256i to_bf16(__m512 v) {
+#if defined(__AVX512BF16__)
+  return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+#else
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+#endif
+}
+#endif
 
 }  // namespace
 #endif

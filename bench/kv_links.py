@@ -100,16 +100,27 @@ class RemoteDecodeSide:
         self._process.start()
         child.close()
         try:
-            self.address = self._call("address")
+            self.address = self._answer("start")  # the child's first word: its address, or why it failed
         except BaseException:
             self.close()
             raise
 
     def _call(self, *command):
-        self._pipe.send(command)
-        if not self._pipe.poll(IO_TIMEOUT_S):
-            raise RuntimeError(f"decode side: no answer to {command[0]} within {IO_TIMEOUT_S} s")
-        ok, value = self._pipe.recv()
+        try:
+            self._pipe.send(command)
+        except OSError:
+            raise RuntimeError(f"decode side exited (code {self._process.exitcode})") from None
+        return self._answer(command[0])
+
+    def _answer(self, what: str):
+        # Longer than any wait the child makes itself, so its own timeout is what gets reported.
+        try:
+            if not self._pipe.poll(2 * IO_TIMEOUT_S):
+                raise RuntimeError(f"decode side: no answer to {what} within {2 * IO_TIMEOUT_S} s")
+            ok, value = self._pipe.recv()
+        except (EOFError, OSError):
+            self._process.join(5)
+            raise RuntimeError(f"decode side exited during {what} (code {self._process.exitcode})") from None
         if not ok:
             raise RuntimeError(f"decode side: {value}")
         return value
@@ -148,18 +159,27 @@ def _serve_decode_side(pipe, transport: str, layout: KVLayout, num_blocks: int, 
     """The child's loop: builds the decode side, then answers the parent's calls in order."""
     from pdserve.kvtransfer.ucx_worker import UcxWorker
 
-    side = DecodeSide(transport, layout, num_blocks, info, UcxWorker() if transport == "ucx" else None)
+    ucx = side = None
+    try:
+        ucx = UcxWorker() if transport == "ucx" else None
+        side = DecodeSide(transport, layout, num_blocks, info, ucx)
+    except Exception as e:  # noqa: BLE001 - the parent reports it
+        pipe.send((False, f"{type(e).__name__}: {e}"))
+        if ucx is not None:
+            ucx.close()
+        return
+    pipe.send((True, side.address))
     waiters: dict[int, Waiter] = {}
     while True:
         command, *args = pipe.recv()
         try:
             if command == "close":
                 side.close()
+                if ucx is not None:
+                    ucx.close()
                 pipe.send((True, None))
                 return
-            if command == "address":
-                value = side.address
-            elif command == "zero":
+            if command == "zero":
                 value = side.zero()
             elif command == "grant":
                 value, waiters[value] = side.grant(*args)

@@ -15,16 +15,17 @@ Parts:
   payload as one UCX tagged message between two workers; with ucx), and each pdserve transport
   (``tcp``, ``shm``, ``ucx``): one transfer of all layers of all tokens, the real sender and
   receiver, timed from the first ``send_layer`` to the ACK. The receiver runs in a child
-  process, as a decode worker does (``--decode-in-process``: in this one, sharing its GIL). Every method writes into zeroed
-  memory and every copy is checked (xxh3 of what landed == xxh3 of the source).
+  process, as a decode worker does (``--decode-in-process``: in this one, sharing its GIL).
+  Every method writes into zeroed memory and every copy is checked (xxh3 of what landed ==
+  xxh3 of the source).
 * ``real``: the same for the KV of a ``--prompt-tokens`` prompt on the default model's layout,
   in fp32 and bf16.
 * ``ttft``: a real ``LLMEngine`` (default model, fp32) as the prefill side, its KV connector
-  shipping to a decode side per transport (a child process, as above). Per repeat and transport, a triple run
-  back to back in a rotating order: (a) prefill alone (to the first token), (b) pipelined
-  (layers leave as they are computed) and (c) send-after-prefill, each timed from add_request
-  to the decode side's ACK. Differences are taken within a triple, then the median; the tails
-  are the ACK time minus the time the first token came out.
+  shipping to a decode side per transport (a child process, as above). Per repeat and
+  transport, a triple run back to back in a rotating order: (a) prefill alone (to the first
+  token), (b) pipelined (layers leave as they are computed) and (c) send-after-prefill, each
+  timed from add_request to the decode side's ACK. Differences are taken within a triple,
+  then the median; the tails are the ACK time minus the time the first token came out.
 
 GB/s are decimal (1e9 bytes/s); figures are medians over samples.
 """

@@ -31,3 +31,12 @@ def test_micro_part_reports_positive_throughput(tmp_path, capsys, where):
     assert set(row["ratios"]) == {"tcp_vs_raw_socket", "shm_vs_memcpy"} and all(v > 0 for v in row["ratios"].values())
     assert {c["target"] for c in result["targets"]} == {"shm_vs_memcpy >= 0.5", "tcp_vs_raw_socket >= 0.9"}
     assert "GB/s" in capsys.readouterr().out
+
+
+def test_a_decode_side_that_cannot_start_says_why():
+    from pdserve.bench.kv_links import RemoteDecodeSide
+    from pdserve.bench.kv_transfer_bench import Geometry, synthetic_peer
+
+    geometry = Geometry()
+    with pytest.raises(RuntimeError, match="decode side: .*no-such-transport"):
+        RemoteDecodeSide("no-such-transport", geometry.layout(), 4, synthetic_peer(geometry, "tcp", "decode"))

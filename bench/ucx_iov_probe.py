@@ -138,7 +138,8 @@ def run_side(role: str, pipe, mode: str, mib: int, block_bytes: int, repeats: in
             pipe.send(outcome)
             pipe.send(payload_crc() if outcome == "ok" else None)  # after the timed part
         else:
-            assert pipe.recv() == "posted"
+            if pipe.recv() != "posted":
+                raise RuntimeError("the receiving side is out of step")
             started = time.perf_counter()
             request = ucp.ucp_tag_send_nbx(endpoint.handle, buffer, count, TAG, param_ptr)
             outcome = wait(ucp, worker.handle, request, time.monotonic() + deadline_s)
@@ -170,6 +171,8 @@ def probe(mode: str, mib: int, args: argparse.Namespace) -> dict:
     ]
     for side in sides:
         side.start()
+    send_end.close()  # the sides hold the pipe now: one that dies leaves the other an EOF, not a hang
+    recv_end.close()
     try:
         return results.get(timeout=args.deadline_s * (args.repeats + 2) + 30)
     except Exception:  # noqa: BLE001 - a side died or hung past every deadline

@@ -21,7 +21,8 @@ Parts:
 * ``real``: the same for the KV of a ``--prompt-tokens`` prompt on the default model's layout,
   in fp32 and bf16.
 * ``ttft``: a real ``LLMEngine`` (default model, fp32) as the prefill side, its KV connector
-  shipping to a decode side per transport (a child process, as above). Per repeat and
+  shipping to a decode side per transport (a child process, as above). The engine gets the
+  torch threads ``pdserve up`` gives a 1P1D prefill worker here (``--prefill-threads``). Per repeat and
   transport, a triple run back to back in a rotating order: (a) prefill alone (to the first
   token), (b) pipelined (layers leave as they are computed) and (c) send-after-prefill, each
   timed from add_request to the decode side's ACK. Differences are taken within a triple,
@@ -71,6 +72,7 @@ from pdserve.kvtransfer.handshake import PeerInfo, host_id  # noqa: E402
 from pdserve.kvtransfer.integrity import checksum  # noqa: E402
 from pdserve.kvtransfer.layout import KVCacheView  # noqa: E402
 from pdserve.kvtransfer.ucx_worker import UcxWorker, ucx_available  # noqa: E402
+from pdserve.placement import threads_per_worker  # noqa: E402
 
 MIB = 1 << 20
 ALL_TRANSPORTS = tuple(name for name in registry.TRANSPORT_NAMES if name != "cuda_ipc")  # CPU caches here
@@ -327,7 +329,10 @@ def measure_ttft(args, transports: list[str], ucx_pair) -> dict:
     from pdserve.engine.sampling_params import SamplingParams
 
     # No prefix caching: every run must compute its whole prompt (prompts also differ).
-    engine = LLMEngine(EngineConfig(dtype="float32", kv_cache_memory="512MiB", enable_prefix_caching=False))
+    config = EngineConfig(
+        dtype="float32", kv_cache_memory="512MiB", enable_prefix_caching=False, num_threads=args.prefill_threads
+    )
+    engine = LLMEngine(config)
     woken = threading.Event()
     engine.connector.wake = woken.set
     layout, block_size = engine.kv_layout, engine.config.block_size
@@ -513,7 +518,8 @@ def render(result: dict) -> str:
         lines.append("")
         lines.append(
             f"TTFT, {ttft['prompt_tokens']}-token prompt, default model fp32, KV {ttft['transfer_bytes'] / 1e6:.1f} MB, "
-            f"{ttft['repeats']} triples per transport; medians, differences taken within each triple"
+            f"{ttft['torch_threads']} prefill thread(s), {ttft['repeats']} triples per transport; "
+            "medians, differences taken within each triple"
         )
         lines.append(
             f"{'transport':<10}{'(a) alone':>10}{'(b) pipe':>10}{'(c) after':>10}{'b-a':>8}{'c-a':>8}{'b-c':>8}"
@@ -666,6 +672,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--ttft-repeats", type=int, default=3, help="TTFT runs per mode and transport (default 3)")
     parser.add_argument(
+        "--prefill-threads",
+        type=int,
+        default=threads_per_worker(2),
+        help="torch threads of the TTFT part's prefill engine (default: what pdserve up gives a 1P1D prefill worker here, %(default)s)",
+    )
+    parser.add_argument(
         "--decode-in-process",
         action="store_true",
         help="run each transport's decode side in this process (default: a child process, as deployed)",
@@ -680,6 +692,7 @@ def main(argv: list[str] | None = None) -> int:
         bad
         or args.repeats < 1
         or args.ttft_repeats < 1
+        or args.prefill_threads < 1
         or args.prompt_tokens < 1
         or any(s <= 0 for s in args.sizes_mib)
     ):

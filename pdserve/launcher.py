@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from pdserve.config import to_args
 from pdserve.engine.engine_config import EngineConfig
-from pdserve.placement import Placement, count_visible_gpus, plan
+from pdserve.placement import Placement, count_visible_gpus, plan, threads_per_worker
 from pdserve.process import parse_ready
 from pdserve.security import SecuritySettings
 from pdserve.settings import ClusterSettings, RouterSettings, WorkerSettings
@@ -185,7 +185,7 @@ class Cluster:
         return [",".join(str(cores[(n * per + k) % len(cores)]) for k in range(per)) for n in range(num_workers)]
 
     def _worker_args(self, role: str, cpus: str, placement: Placement) -> list[str]:
-        threads = self.engine.num_threads or max(1, (os.cpu_count() or 1) // len(self._worker_roles()))
+        threads = self.engine.num_threads or threads_per_worker(len(self._worker_roles()))
         if cpus:
             threads = self.engine.num_threads or len(cpus.split(","))
         tp, pp = self.cluster.role_parallelism(

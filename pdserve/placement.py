@@ -90,6 +90,11 @@ def plan(
     ]
 
 
+def threads_per_worker(num_workers: int) -> int:
+    """Torch threads for each of ``num_workers`` CPU workers of one machine, unpinned: its cores split evenly."""
+    return max(1, (os.cpu_count() or 1) // max(1, num_workers))
+
+
 def count_visible_gpus() -> int:
     """The GPUs a worker started from here will see. torch answers in a short-lived child
     process, so the launcher neither loads torch nor holds a CUDA context on any GPU; a

@@ -67,3 +67,8 @@ def test_ucx_iov_probe_refuses_bad_arguments():
         probe(["--sizes-mib", "16,lots"])
     with pytest.raises(SystemExit):
         probe(["--sizes-mib", "1", "--block-bytes", str(2 << 20)])
+
+
+def test_bad_thread_counts_are_refused():
+    with pytest.raises(SystemExit):
+        main(["--parts", "ttft", "--prefill-threads", "0"])

@@ -9,7 +9,7 @@ from pdserve.config import resolve
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.kv_cache import parse_memory
 from pdserve.launcher import Cluster
-from pdserve.placement import Placement, parse_devices, plan
+from pdserve.placement import Placement, parse_devices, plan, threads_per_worker
 from pdserve.settings import ClusterSettings, RouterSettings, WorkerSettings
 
 P2D2 = ["prefill", "prefill", "decode", "decode"]
@@ -112,3 +112,15 @@ def test_pdserve_up_passes_each_worker_its_device_and_budget():
     ]
     on_cpu = Cluster(EngineConfig(), WorkerSettings(), RouterSettings(), ClusterSettings())
     assert all(_worker_flags(args) == {} for _, args in on_cpu.worker_commands(num_gpus=0))
+
+
+def test_unpinned_cpu_workers_split_the_cores_evenly(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    assert [threads_per_worker(n) for n in (1, 2, 3, 8, 16)] == [8, 4, 2, 1, 1]
+    cluster = Cluster(EngineConfig(), WorkerSettings(), RouterSettings(), ClusterSettings(prefill=1, decode=1))
+    threads = [dict(zip(args, args[1:]))["--num-threads"] for _, args in cluster.worker_commands(num_gpus=0)]
+    assert threads == ["4", "4"]
+    set_by_hand = Cluster(EngineConfig(num_threads=3), WorkerSettings(), RouterSettings(), ClusterSettings())
+    assert {dict(zip(args, args[1:]))["--num-threads"] for _, args in set_by_hand.worker_commands(num_gpus=0)} == {
+        "3"
+    }

@@ -121,6 +121,4 @@ def test_unpinned_cpu_workers_split_the_cores_evenly(monkeypatch):
     threads = [dict(zip(args, args[1:]))["--num-threads"] for _, args in cluster.worker_commands(num_gpus=0)]
     assert threads == ["4", "4"]
     set_by_hand = Cluster(EngineConfig(num_threads=3), WorkerSettings(), RouterSettings(), ClusterSettings())
-    assert {dict(zip(args, args[1:]))["--num-threads"] for _, args in set_by_hand.worker_commands(num_gpus=0)} == {
-        "3"
-    }
+    assert {dict(zip(args, args[1:]))["--num-threads"] for _, args in set_by_hand.worker_commands(num_gpus=0)} == {"3"}

@@ -31,10 +31,13 @@ import zlib
 
 import numpy as np
 
+from pdserve.kvtransfer.ucx_worker import ucx_available, ucx_unavailable_reason  # also quiets UCX's env warnings
+
 MODES = ("contiguous", "recv-iov", "send-iov")
 UCP_DATATYPE_IOV = 2  # ucp_dt_make_iov()
 UCP_OP_ATTR_FIELD_DATATYPE = 1 << 3
 UCS_INPROGRESS = 1
+UCS_ERR_LAST = -100  # a returned pointer at or above (uintptr_t)UCS_ERR_LAST is an error status
 TAG = 7
 
 
@@ -60,7 +63,10 @@ class Iov(ctypes.Structure):  # ucp_dt_iov_t
 def load_ucp() -> ctypes.CDLL:
     import libucx  # the wheel ucxx loads its libucp from
 
-    ucp = ctypes.CDLL(glob.glob(os.path.join(os.path.dirname(libucx.__file__), "lib", "libucp.so.0"))[0])
+    found = glob.glob(os.path.join(os.path.dirname(libucx.__file__), "lib", "libucp.so.0"))
+    if not found:
+        raise RuntimeError(f"no libucp.so.0 in the libucx wheel at {os.path.dirname(libucx.__file__)}")
+    ucp = ctypes.CDLL(found[0])
     ptr, size, tag = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64
     ucp.ucp_tag_send_nbx.restype = ucp.ucp_tag_recv_nbx.restype = ptr  # a request, an error or NULL
     ucp.ucp_tag_send_nbx.argtypes = [ptr, ptr, size, tag, ptr]  # endpoint, buffer, count, tag, param
@@ -73,10 +79,9 @@ def load_ucp() -> ctypes.CDLL:
     return ucp
 
 
-def payload_order(num_blocks: int, shuffled: bool) -> np.ndarray:
-    """Which block of a cache twice the payload's size holds each payload block."""
-    rng = np.random.default_rng(num_blocks)
-    return rng.permutation(2 * num_blocks)[:num_blocks] if shuffled else np.arange(num_blocks)
+def shuffled_blocks(num_blocks: int) -> np.ndarray:
+    """Which block of a cache twice the payload's size holds each payload block (the same on both sides)."""
+    return np.random.default_rng(num_blocks).permutation(2 * num_blocks)[:num_blocks]
 
 
 def iov_list(cache: np.ndarray, order: np.ndarray, block_bytes: int):
@@ -90,7 +95,7 @@ def wait(ucp, worker: int, request, deadline: float) -> str:
     """Progresses until the request completes: 'ok', 'error <status>' or 'timed out'."""
     if request is None:
         return "ok"  # completed at once
-    if request >= 2**64 - 100:
+    if request >= 2**64 + UCS_ERR_LAST:
         return f"error {request - 2**64}"
     while (status := ucp.ucp_request_check_status(request)) == UCS_INPROGRESS:
         ucp.ucp_worker_progress(worker)
@@ -112,7 +117,7 @@ def run_side(role: str, pipe, mode: str, mib: int, block_bytes: int, repeats: in
     num_blocks = (mib << 20) // block_bytes
     nbytes = num_blocks * block_bytes
     scattered = mode == ("send-iov" if role == "send" else "recv-iov")
-    order = payload_order(num_blocks, shuffled=True)
+    order = shuffled_blocks(num_blocks)
     cache = np.zeros(2 * nbytes if scattered else nbytes, dtype=np.uint8)
     if role == "send":
         cache[:] = np.random.default_rng(1).integers(0, 256, cache.size, dtype=np.uint8)
@@ -214,7 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--modes: unknown {sorted(unknown)}; choose from {', '.join(MODES)}")
     if not 0 < args.block_bytes <= min(args.sizes_mib) << 20 or args.repeats <= 0 or args.deadline_s <= 0:
         parser.error("--repeats and --deadline-s must be positive, --block-bytes positive and at most a payload")
-    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    if not ucx_available():
+        print(ucx_unavailable_reason(), file=sys.stderr)
+        return 1
     for mib in args.sizes_mib:
         for mode in modes:
             print(json.dumps({**probe(mode, mib, args), "ucx_tls": os.environ.get("UCX_TLS", "default")}), flush=True)

@@ -185,9 +185,8 @@ class Cluster:
         return [",".join(str(cores[(n * per + k) % len(cores)]) for k in range(per)) for n in range(num_workers)]
 
     def _worker_args(self, role: str, cpus: str, placement: Placement) -> list[str]:
-        threads = self.engine.num_threads or threads_per_worker(len(self._worker_roles()))
-        if cpus:
-            threads = self.engine.num_threads or len(cpus.split(","))
+        pinned = len(cpus.split(",")) if cpus else 0
+        threads = self.engine.num_threads or pinned or threads_per_worker(len(self._worker_roles()))
         tp, pp = self.cluster.role_parallelism(
             role, self.engine.tensor_parallel_size, self.engine.pipeline_parallel_size
         )

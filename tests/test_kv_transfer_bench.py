@@ -72,3 +72,11 @@ def test_ucx_iov_probe_refuses_bad_arguments():
 def test_bad_thread_counts_are_refused():
     with pytest.raises(SystemExit):
         main(["--parts", "ttft", "--prefill-threads", "0"])
+
+
+def test_ucx_iov_probe_without_ucx_says_why(monkeypatch, capsys):
+    from pdserve.bench import ucx_iov_probe
+
+    monkeypatch.setattr(ucx_iov_probe, "ucx_available", lambda: False)
+    assert ucx_iov_probe.main(["--sizes-mib", "1"]) == 1
+    assert "ucxx" in capsys.readouterr().err

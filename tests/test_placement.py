@@ -120,5 +120,10 @@ def test_unpinned_cpu_workers_split_the_cores_evenly(monkeypatch):
     cluster = Cluster(EngineConfig(), WorkerSettings(), RouterSettings(), ClusterSettings(prefill=1, decode=1))
     threads = [dict(zip(args, args[1:]))["--num-threads"] for _, args in cluster.worker_commands(num_gpus=0)]
     assert threads == ["4", "4"]
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    pinned = Cluster(EngineConfig(), WorkerSettings(), RouterSettings(), ClusterSettings(pin_cores=True, decode=3))
+    flags = [dict(zip(args, args[1:])) for _, args in pinned.worker_commands(num_gpus=0)]
+    assert [f["--num-threads"] for f in flags] == ["2"] * 4  # its own cores, one thread each
+    assert [f["--cpus"] for f in flags] == ["0,1", "2,3", "4,5", "6,7"]
     set_by_hand = Cluster(EngineConfig(num_threads=3), WorkerSettings(), RouterSettings(), ClusterSettings())
     assert {dict(zip(args, args[1:]))["--num-threads"] for _, args in set_by_hand.worker_commands(num_gpus=0)} == {"3"}

@@ -45,10 +45,13 @@ async def serve(engine_config: EngineConfig, settings: WorkerSettings, security:
         pools.append(pool_spec.load().make_pool(layout, num_blocks, device))
         return pools[0]
 
-    engine = await asyncio.to_thread(LLMEngine, engine_config, kv_storage=kv_storage)
-    chunking.install(engine, settings.profile, settings.slo_tpot_ms)  # before the engine thread starts
-    loop = EngineLoop(engine)
-    loop.start()
+    def build() -> LLMEngine:
+        engine = LLMEngine(engine_config, kv_storage=kv_storage)
+        chunking.install(engine, settings.profile, settings.slo_tpot_ms)  # before its first step
+        return engine
+
+    loop = await EngineLoop.build(build)
+    engine = loop.engine
     role = "colocated" if settings.colocated else "decode"
     public_host = settings.public_host()
 

@@ -34,9 +34,8 @@ async def serve(engine_config: EngineConfig, settings: WorkerSettings, security:
     transports = registry.offered_transports(settings.kv_transport, device)
     # Only the decode pool speculates: a prefill worker samples one token per request.
     engine_config = dataclasses.replace(engine_config, speculative="none")
-    engine = await asyncio.to_thread(LLMEngine, engine_config)
-    loop = EngineLoop(engine)
-    loop.start()
+    loop = await EngineLoop.build(lambda: LLMEngine(engine_config))
+    engine = loop.engine
 
     ucx = UcxWorker() if "ucx" in transports else None
     extra = {}

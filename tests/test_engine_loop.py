@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from types import SimpleNamespace
+
+import pytest
 
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.logprobs import TokenLogprob
@@ -115,3 +118,34 @@ async def test_choices_are_merged_each_with_its_own_tokens_logprobs_and_finish()
         assert [out.finish_reason for out in mine].count(FinishReason.LENGTH) == 1
         assert mine[-1].finish_reason is FinishReason.LENGTH  # nothing of a choice after its finish
     assert outputs[-1].finished and not any(out.finished for out in outputs[:-1])
+
+
+async def test_build_makes_the_engine_on_the_thread_that_steps_it():
+    # One thread runs every torch op of the engine: a second OpenMP pool would slow each step.
+    threads = {}
+
+    class Recording(ScriptedEngine):
+        def __init__(self) -> None:
+            super().__init__(length=3)
+            threads["built"] = threading.current_thread()
+
+        def step(self) -> list[RequestOutput]:
+            threads.setdefault("stepped", threading.current_thread())
+            return super().step()
+
+    loop = await EngineLoop.build(Recording)
+    try:
+        outputs = [out async for out in loop.generate("r", lambda e: e.add("r"))]
+    finally:
+        await loop.stop()
+    assert [t for out in outputs for t in out.new_token_ids] == [100, 101, 102]
+    assert threads["built"] is threads["stepped"] is not threading.main_thread()
+    assert threads["built"].name == "engine" and not threads["built"].is_alive()
+
+
+async def test_build_raises_what_building_the_engine_raised():
+    def broken() -> ScriptedEngine:
+        raise ValueError("model: /nowhere is not a folder")
+
+    with pytest.raises(ValueError, match="/nowhere is not a folder"):
+        await EngineLoop.build(broken)

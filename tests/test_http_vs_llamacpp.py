@@ -1,0 +1,61 @@
+"""The OpenAI-client benchmark against llama.cpp's server: its arguments, the per-server request
+body, the exact-length check, and its pdserve half against a real `pdserve up` over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+import pytest
+
+from pdserve.bench import http_vs_llamacpp as bench
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--concurrency", "0"], ["--concurrency", "1,x"], ["--rounds", "0"], ["--output-len", "1"]],
+)
+def test_bad_arguments_exit_2_with_a_message(argv, capsys):
+    with pytest.raises(SystemExit) as exited:
+        bench.main(argv)
+    assert exited.value.code == 2
+    assert "--concurrency takes positive integers" in capsys.readouterr().err
+
+
+def test_each_server_is_asked_for_exact_lengths_its_own_way():
+    llama, default, int4 = bench.parse_servers(["", "--quantization int4"])
+    assert (llama.label, default.label, int4.label) == ("llama.cpp", "pdserve", "pdserve --quantization int4")
+    assert llama.extra_body() == {"logit_bias": {"0": -100.0, "2": -100.0}}
+    assert default.extra_body() == int4.extra_body() == {"ignore_eos": True}
+    assert int4.command(8000, 2)[-2:] == ["--quantization", "int4"]
+    assert "--n_threads" in llama.command(8000, 2)
+
+
+def _fake_client(texts: list[str]):
+    async def stream():
+        for text in texts:
+            yield types.SimpleNamespace(choices=[types.SimpleNamespace(text=text)])
+
+    async def create(**request):
+        return stream()
+
+    return types.SimpleNamespace(completions=types.SimpleNamespace(create=create))
+
+
+def test_a_short_answer_is_an_error_not_a_faster_figure():
+    times = asyncio.run(bench._one(_fake_client(["a", "", "b", "c"]), "m", "p", 3, {}))
+    assert len(times.tokens) == 3 and times.tpot >= 0  # empty chunks are not tokens
+    with pytest.raises(RuntimeError, match="asked for 4 tokens, 3 streamed"):
+        asyncio.run(bench._one(_fake_client(["a", "b", "c"]), "m", "p", 4, {}))
+
+
+@pytest.mark.e2e
+def test_pdserve_half_against_a_real_stack_over_http():
+    server = bench.Server("pdserve", "pdserve", ("--colocated", "--kv-cache-memory", "256MiB"))
+    args = types.SimpleNamespace(threads=2, output_len=6, concurrency=[1, 3])
+    texts = bench.prompts(4, 24)
+    rows = bench.measure(server, args, texts[1:], texts[0])
+    assert [r["concurrency"] for r in rows] == [1, 3]
+    for row in rows:
+        assert (row["completed"], row["failed"]) == (3, []), row
+        assert row["ttft_p50_ms"] > 0 and row["tpot_p50_ms"] > 0 and row["output_tok_s"] > 0

@@ -9,7 +9,11 @@ so machine load hits them alike. Every request asks for exactly ``--output-len``
 pdserve's ``ignore_eos``, llama.cpp's logit bias on the end tokens, which is what its server
 offers) and is checked to have streamed them.
 
-    python bench/http_vs_llamacpp.py --rounds 2 --num-prompts 8 --concurrency 1,8
+    python bench/http_vs_llamacpp.py --rounds 2 --num-prompts 8 --concurrency 1,8 \
+        --pdserve= --pdserve="--quantization int4" --pdserve="--colocated --quantization int4"
+
+(each ``--pdserve=FLAGS`` is one pdserve configuration; write it with ``=``, since its flags
+start with dashes; an empty one is ``pdserve up``'s defaults)
 
 Reported per server and concurrency, as genai-bench and vLLM's benchmark define them: TTFT,
 TPOT ((end - first token) / (tokens - 1) per request) and ITL (every gap between streamed
@@ -209,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--pdserve",
         action="append",
-        help="flags of one pdserve configuration (repeatable; default: pdserve up's defaults)",
+        metavar="FLAGS",
+        help="--pdserve='FLAGS': pdserve up's flags for one configuration (repeatable; default: its defaults)",
     )
     parser.add_argument("--json", help="also write every run here")
     args = parser.parse_args(argv)

@@ -62,13 +62,13 @@ class EngineLoop:
 
         def build_then_run() -> None:
             try:
-                self = cls(make())
-            except Exception as e:  # noqa: BLE001 - handed to the awaiting caller
+                engine_loop = cls(make())
+            except BaseException as e:  # noqa: BLE001 - handed to the awaiting caller, never a hang
                 loop.call_soon_threadsafe(_settle, built, None, e)
                 return
-            self._loop, self._thread = loop, threading.current_thread()
-            loop.call_soon_threadsafe(_settle, built, self, None)
-            self._run()
+            engine_loop._loop, engine_loop._thread = loop, threading.current_thread()
+            loop.call_soon_threadsafe(_settle, built, engine_loop, None)
+            engine_loop._run()
 
         threading.Thread(target=build_then_run, name="engine", daemon=True).start()
         return await built
@@ -232,7 +232,7 @@ def _merged(first: RequestOutput, then: RequestOutput) -> RequestOutput:
     )
 
 
-def _settle(future: asyncio.Future, result: object, error: Exception | None) -> None:
+def _settle(future: asyncio.Future, result: object, error: BaseException | None) -> None:
     if future.done():
         return
     if error is not None:

@@ -59,7 +59,9 @@ class Server:
                 # queue concurrent requests (its default cuts the running stream short instead)
                 "--interrupt_requests", "False",
             ]  # fmt: skip
-        return [sys.executable, "-m", "pdserve.cli", "up", "--host", "127.0.0.1", "--http-port", str(port), *self.flags]
+        grpc_port = str(_free_port())  # not the default 50051, which a running stack may hold
+        return [sys.executable, "-m", "pdserve.cli", "up", "--host", "127.0.0.1", "--port", grpc_port,
+                "--http-port", str(port), *self.flags]  # fmt: skip
 
     def extra_body(self) -> dict:
         if self.kind == "llama.cpp":

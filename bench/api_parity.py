@@ -109,7 +109,9 @@ def perplexity(args) -> dict:
     from pdserve.engine.model_store import resolve_model
 
     sys.path.insert(0, "tests")
-    from processes import Stack, free_port
+    from processes import Stack
+
+    from pdserve.process import free_port
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(None)))
     ids = tokenizer(fixed_text()).input_ids[: args.text_tokens]

@@ -27,13 +27,14 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
+
+from pdserve.process import free_port
 
 START_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 300.0
@@ -59,7 +60,7 @@ class Server:
                 # queue concurrent requests (its default cuts the running stream short instead)
                 "--interrupt_requests", "False",
             ]  # fmt: skip
-        grpc_port = str(_free_port())  # not the default 50051, which a running stack may hold
+        grpc_port = str(free_port())  # not the default 50051, which a running stack may hold
         return [sys.executable, "-m", "pdserve.cli", "up", "--host", "127.0.0.1", "--port", grpc_port,
                 "--http-port", str(port), *self.flags]  # fmt: skip
 
@@ -89,12 +90,6 @@ class RequestTimes:
     @property
     def tpot(self) -> float:
         return (self.tokens[-1] - self.tokens[0]) / (len(self.tokens) - 1)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_up(process: subprocess.Popen, base: str) -> str:
@@ -181,7 +176,7 @@ async def run_load(base: str, model: str, texts: list[str], concurrency: int, ou
 
 
 def measure(server: Server, args, texts: list[str], warm: str) -> list[dict]:
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen(
         server.command(port, args.threads),
         stdout=subprocess.DEVNULL,

@@ -45,7 +45,6 @@ import dataclasses  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
-import socket  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from typing import Iterator  # noqa: E402
 
@@ -64,6 +63,7 @@ from pdserve.bench.metrics import DEFAULT_SHORT_THRESHOLD, Goodput, cluster_delt
 from pdserve.client import DEFAULT_ADDRESS  # noqa: E402
 from pdserve.config import add_arguments, resolve  # noqa: E402
 from pdserve.engine.engine_config import EngineConfig  # noqa: E402
+from pdserve.process import free_port  # noqa: E402
 from pdserve.settings import KV_TRANSPORTS, ROUTING_POLICIES, ClusterSettings, RouterSettings, WorkerSettings  # noqa: E402
 
 MODE_SYNTAX = (
@@ -371,12 +371,6 @@ def _tokenizer(engine: EngineConfig):
     return AutoTokenizer.from_pretrained(str(resolve_model(engine.model, engine.cache_dir)))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _stack_config(mode: Mode, plan: Plan, port: int = 0) -> tuple[EngineConfig, RouterSettings, ClusterSettings]:
     """The settings of the stack a mode starts: --flags, then what the mode name says."""
     engine = plan.engine if mode.chunked_prefill else dataclasses.replace(plan.engine, enable_chunked_prefill=False)
@@ -430,7 +424,7 @@ def _stack(mode: Mode, plan: Plan) -> Iterator[str]:
         return
     from pdserve.launcher import Cluster
 
-    engine, router, cluster_settings = _stack_config(mode, plan, _free_port())
+    engine, router, cluster_settings = _stack_config(mode, plan, free_port())
     # Keep worker logs out of the tables (unless the caller asked for a level).
     quiet = {"PDSERVE_LOG_LEVEL": os.environ.get("PDSERVE_LOG_LEVEL", "WARNING")}
     cluster = Cluster(engine, plan.worker, router, cluster_settings, env=quiet)

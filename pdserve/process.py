@@ -1,4 +1,5 @@
-"""What every pdserve server process does: logging, the ready line, and clean shutdown."""
+"""What every pdserve server process does: logging, the ready line, and clean shutdown (and a
+free loopback port for the tools that start them)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 
 READY_PREFIX = "PDSERVE_READY "
@@ -23,6 +25,13 @@ def setup_logging(level: str | None = None) -> None:
 def announce_ready(role: str, **addresses: object) -> None:
     """Prints the machine-readable line a launcher waits for (and a human can read)."""
     print(READY_PREFIX + json.dumps({"role": role, **addresses}), flush=True)
+
+
+def free_port() -> int:
+    """A loopback port nobody holds right now (for a server started next)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def parse_ready(line: str) -> dict | None:

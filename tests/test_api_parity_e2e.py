@@ -15,10 +15,11 @@ import openai
 import pytest
 import torch
 from conftest import PROMPTS
-from processes import Stack, free_port
+from processes import Stack
 from schemas import SCHEMAS
 from test_stack_e2e import assert_blocks_all_free, cluster_stats
 
+from pdserve.process import free_port
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc
 

@@ -19,7 +19,7 @@ import grpc
 import pytest
 import torch
 from conftest import PROMPTS
-from processes import Stack, free_port
+from processes import Stack
 from safetensors.torch import save_file
 from test_engine import LocalHandoff, run
 from test_metrics import scrape
@@ -35,6 +35,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.speculative import SpecStats
 from pdserve.engine.speculative import draft as draft_module
 from pdserve.engine.speculative.draft import DraftProposer
+from pdserve.process import free_port
 from pdserve.v1 import pdserve_pb2_grpc
 
 pytestmark = pytest.mark.e2e  # loads the default model

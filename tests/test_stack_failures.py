@@ -8,9 +8,10 @@ import time
 
 import grpc
 import pytest
-from processes import Proc, free_port
+from processes import Proc
 
 from pdserve.client import build_request
+from pdserve.process import free_port
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc
 

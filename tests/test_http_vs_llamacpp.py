@@ -1,5 +1,6 @@
 """The OpenAI-client benchmark against llama.cpp's server: its arguments, the per-server request
-body, the exact-length check, and its pdserve half against a real `pdserve up` over HTTP."""
+body, the exact-length check, its pdserve half against a real `pdserve up` over HTTP, and its
+llama.cpp half where that optional server is installed (a skip with the reason elsewhere)."""
 
 from __future__ import annotations
 
@@ -59,3 +60,16 @@ def test_pdserve_half_against_a_real_stack_over_http():
     for row in rows:
         assert (row["completed"], row["failed"]) == (3, []), row
         assert row["ttft_p50_ms"] > 0 and row["tpot_p50_ms"] > 0 and row["output_tok_s"] > 0
+
+
+@pytest.mark.e2e
+def test_llamacpp_half_streams_exact_lengths_when_installed():
+    # llama.cpp's server is an optional extra; where it is installed, its end-token bias must
+    # give every answer the asked-for length (else the comparison would count short answers).
+    pytest.importorskip("llama_cpp.server", reason="llama.cpp's server is optional: pip install 'pdserve[bench]'")
+    args = types.SimpleNamespace(threads=2, output_len=6, concurrency=[1, 2])
+    texts = bench.prompts(4, 24)
+    rows = bench.measure(bench.Server("llama.cpp", "llama.cpp"), args, texts[1:], texts[0])
+    for row in rows:
+        assert (row["completed"], row["failed"]) == (3, []), row
+        assert row["tpot_p50_ms"] > 0

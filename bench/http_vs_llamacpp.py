@@ -15,9 +15,9 @@ offers) and is checked to have streamed them.
 (each ``--pdserve=FLAGS`` is one pdserve configuration; write it with ``=``, since its flags
 start with dashes; an empty one is ``pdserve up``'s defaults)
 
-Reported per server and concurrency, as genai-bench and vLLM's benchmark define them: TTFT,
-TPOT ((end - first token) / (tokens - 1) per request) and ITL (every gap between streamed
-tokens), in ms, plus output tokens/s over the run.
+Reported per server and concurrency, with the serving benchmark's definitions (bench/metrics.py,
+vLLM's): TTFT, TPOT ((last token - first token) / (tokens - 1) per request) and ITL (every gap
+between streamed tokens), in ms, plus output tokens/s over the run.
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ import asyncio
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from pdserve.bench.metrics import Timeline, compute
 from pdserve.process import free_port
 
 START_TIMEOUT_S = 300.0
@@ -78,20 +78,6 @@ def parse_servers(pdserve_flags: list[str]) -> list[Server]:
     return servers
 
 
-@dataclass
-class RequestTimes:
-    sent: float
-    tokens: list[float] = field(default_factory=list)  # arrival time of each streamed token
-
-    @property
-    def ttft(self) -> float:
-        return self.tokens[0] - self.sent
-
-    @property
-    def tpot(self) -> float:
-        return (self.tokens[-1] - self.tokens[0]) / (len(self.tokens) - 1)
-
-
 def _wait_up(process: subprocess.Popen, base: str) -> str:
     """The served model's id, once the server answers; raises if it exits or never does."""
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -127,21 +113,29 @@ def prompts(count: int, length: int) -> list[str]:
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(None)))
     ids = tokenizer(fixed_text()).input_ids
     if len(ids) < (count + 1) * length:
-        raise ValueError(f"--num-prompts {count} x --input-len {length} is longer than the fixed text")
+        raise ValueError(f"{count} prompts of {length} tokens are more than the fixed text's {len(ids)} tokens")
     return [tokenizer.decode(ids[i * length : (i + 1) * length]) for i in range(1, count + 1)]
 
 
-async def _one(client, model: str, prompt: str, output_len: int, extra: dict) -> RequestTimes:
-    times = RequestTimes(time.perf_counter())
-    stream = await client.completions.create(
-        model=model, prompt=prompt, max_tokens=output_len, temperature=0.0, stream=True, extra_body=extra
-    )
-    async for chunk in stream:
-        if chunk.choices and chunk.choices[0].text:
-            times.tokens.append(time.perf_counter())
-    if len(times.tokens) != output_len:
-        raise RuntimeError(f"asked for {output_len} tokens, {len(times.tokens)} streamed")
-    return times
+async def _one(client, model: str, prompt: str, output_len: int, extra: dict) -> Timeline:
+    """One streamed request; an error, or an answer not exactly ``output_len`` tokens long, marks it failed."""
+    timeline = Timeline(prompt_len=0, max_tokens=output_len, send_time=time.perf_counter())
+    try:
+        stream = await client.completions.create(
+            model=model, prompt=prompt, max_tokens=output_len, temperature=0.0, stream=True, extra_body=extra
+        )
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:  # a server streams one token per chunk
+                timeline.chunk_times.append(time.perf_counter())
+                timeline.chunk_tokens.append(1)
+    except Exception as e:  # noqa: BLE001 - recorded as a failed request, never dropped
+        timeline.error = f"{type(e).__name__}: {e}"
+        return timeline
+    if timeline.chunk_times:
+        timeline.end_time = timeline.chunk_times[-1]  # TPOT runs from the first token to the last
+    if timeline.output_tokens != output_len:
+        timeline.error = f"asked for {output_len} tokens, {timeline.output_tokens} streamed"
+    return timeline
 
 
 async def run_load(base: str, model: str, texts: list[str], concurrency: int, output_len: int, extra: dict) -> dict:
@@ -150,28 +144,26 @@ async def run_load(base: str, model: str, texts: list[str], concurrency: int, ou
     client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=REQUEST_TIMEOUT_S)
     gate = asyncio.Semaphore(concurrency)
 
-    async def limited(text: str) -> RequestTimes:
+    async def limited(text: str) -> Timeline:
         async with gate:
             return await _one(client, model, text, output_len, extra)
 
-    started = time.perf_counter()
-    results = await asyncio.gather(*(limited(t) for t in texts), return_exceptions=True)
-    duration = time.perf_counter() - started
-    await client.close()
-    done = [r for r in results if isinstance(r, RequestTimes)]
-    failed = [repr(r) for r in results if not isinstance(r, RequestTimes)]
-    itl = [b - a for r in done for a, b in zip(r.tokens, r.tokens[1:])]
-    ms = lambda xs, q: round(1000 * statistics.quantiles(xs, n=100)[q - 1], 2) if len(xs) > 1 else None  # noqa: E731
+    try:
+        started = time.perf_counter()
+        timelines = await asyncio.gather(*(limited(t) for t in texts))
+        run = compute(timelines, time.perf_counter() - started)
+    finally:
+        await client.close()
     return {
         "concurrency": concurrency,
-        "completed": len(done),
-        "failed": failed[:3],
-        "output_tok_s": round(len(done) * output_len / duration, 1),
-        "ttft_p50_ms": ms([r.ttft for r in done], 50),
-        "tpot_p50_ms": ms([r.tpot for r in done], 50),
-        "tpot_mean_ms": round(1000 * statistics.fmean(r.tpot for r in done), 2) if done else None,
-        "itl_p50_ms": ms(itl, 50),
-        "itl_p99_ms": ms(itl, 99),
+        "completed": run.completed,
+        "failed": [t.error for t in timelines if t.error][:3],
+        "output_tok_s": round(run.output_throughput, 1),
+        "ttft_p50_ms": round(run.ttft.median, 2),
+        "tpot_p50_ms": round(run.tpot.median, 2),
+        "tpot_mean_ms": round(run.tpot.mean, 2),
+        "itl_p50_ms": round(run.itl.median, 2),
+        "itl_p99_ms": round(run.itl.p99, 2),
     }
 
 
@@ -187,7 +179,9 @@ def measure(server: Server, args, texts: list[str], warm: str) -> list[dict]:
     base = f"http://127.0.0.1:{port}"
     try:
         model = _wait_up(process, base)
-        asyncio.run(run_load(base, model, [warm], 1, args.output_len, server.extra_body()))
+        warmed = asyncio.run(run_load(base, model, [warm], 1, args.output_len, server.extra_body()))
+        if warmed["failed"]:
+            raise RuntimeError(f"the warm-up request failed: {warmed['failed'][0]}")
         return [
             {
                 "server": server.label,
@@ -217,28 +211,41 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         args.concurrency = [int(c) for c in args.concurrency.split(",")]
-        if min(args.concurrency) < 1 or args.rounds < 1 or args.num_prompts < 1 or args.output_len < 2:
-            raise ValueError
     except ValueError:
-        parser.error("--concurrency takes positive integers; --rounds and --num-prompts >= 1; --output-len >= 2")
+        args.concurrency = [0]
+    for ok, message in (
+        (min(args.concurrency) >= 1, "--concurrency takes comma-separated positive integers"),
+        (args.rounds >= 1 and args.num_prompts >= 1, "--rounds and --num-prompts must be >= 1"),
+        (args.input_len >= 1 and args.output_len >= 2, "--input-len must be >= 1 and --output-len >= 2"),
+        (args.threads >= 1, "--threads must be >= 1"),
+    ):
+        if not ok:
+            parser.error(message)
     try:
         import llama_cpp.server  # noqa: F401
     except ImportError as e:
         parser.exit(
             1, f"llama.cpp's server is not installed ({e}): CMAKE_ARGS=-DGGML_NATIVE=ON pip install 'pdserve[bench]'\n"
         )
-    texts = prompts(args.num_prompts + 1, args.input_len)
+    try:
+        texts = prompts(args.num_prompts + 1, args.input_len)  # one more, to warm each server up
+    except ValueError as e:
+        parser.error(str(e))
     warm, texts = texts[0], texts[1:]
-    runs = []
-    for round_ in range(args.rounds):
-        for server in parse_servers(args.pdserve):
-            for row in measure(server, args, texts, warm):
-                runs.append({"round": round_, **row})
-                print(json.dumps(runs[-1]), flush=True)
-    if args.json:
+    runs, code = [], 0
+    try:
+        for round_ in range(args.rounds):
+            for server in parse_servers(args.pdserve):
+                for row in measure(server, args, texts, warm):
+                    runs.append({"round": round_, **row})
+                    print(json.dumps(runs[-1]), flush=True)
+    except (RuntimeError, TimeoutError) as e:  # a server that did not start or serve: say which
+        print(f"{server.label}: {e}", file=sys.stderr)
+        code = 1
+    if args.json:  # what was measured, even when a server failed
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "runs": runs}, f, indent=2)
-    return 0
+    return code
 
 
 if __name__ == "__main__":

@@ -13,14 +13,21 @@ from pdserve.bench import http_vs_llamacpp as bench
 
 
 @pytest.mark.parametrize(
-    "argv",
-    [["--concurrency", "0"], ["--concurrency", "1,x"], ["--rounds", "0"], ["--output-len", "1"]],
+    "argv, message",
+    [
+        (["--concurrency", "0"], "--concurrency takes comma-separated positive integers"),
+        (["--concurrency", "1,x"], "--concurrency takes comma-separated positive integers"),
+        (["--rounds", "0"], "--rounds and --num-prompts must be >= 1"),
+        (["--input-len", "0"], "--input-len must be >= 1 and --output-len >= 2"),
+        (["--output-len", "1"], "--input-len must be >= 1 and --output-len >= 2"),
+        (["--threads", "0"], "--threads must be >= 1"),
+    ],
 )
-def test_bad_arguments_exit_2_with_a_message(argv, capsys):
+def test_bad_arguments_exit_2_with_a_message(argv, message, capsys):
     with pytest.raises(SystemExit) as exited:
         bench.main(argv)
     assert exited.value.code == 2
-    assert "--concurrency takes positive integers" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
 
 
 def test_each_server_is_asked_for_exact_lengths_its_own_way():
@@ -43,11 +50,19 @@ def _fake_client(texts: list[str]):
     return types.SimpleNamespace(completions=types.SimpleNamespace(create=create))
 
 
-def test_a_short_answer_is_an_error_not_a_faster_figure():
-    times = asyncio.run(bench._one(_fake_client(["a", "", "b", "c"]), "m", "p", 3, {}))
-    assert len(times.tokens) == 3 and times.tpot >= 0  # empty chunks are not tokens
-    with pytest.raises(RuntimeError, match="asked for 4 tokens, 3 streamed"):
-        asyncio.run(bench._one(_fake_client(["a", "b", "c"]), "m", "p", 4, {}))
+def test_a_short_answer_or_an_error_is_a_failed_request_not_a_faster_figure():
+    timeline = asyncio.run(bench._one(_fake_client(["a", "", "b", "c"]), "m", "p", 3, {}))
+    assert timeline.success and timeline.output_tokens == 3  # empty chunks are not tokens
+    assert timeline.end_time == timeline.chunk_times[-1] and timeline.tpot >= 0
+    short = asyncio.run(bench._one(_fake_client(["a", "b", "c"]), "m", "p", 4, {}))
+    assert not short.success and short.error == "asked for 4 tokens, 3 streamed"
+
+    async def refused(**request):
+        raise ConnectionError("server went away")
+
+    client = types.SimpleNamespace(completions=types.SimpleNamespace(create=refused))
+    failed = asyncio.run(bench._one(client, "m", "p", 4, {}))
+    assert failed.error == "ConnectionError: server went away" and not failed.success
 
 
 @pytest.mark.e2e
@@ -73,3 +88,15 @@ def test_llamacpp_half_streams_exact_lengths_when_installed():
     for row in rows:
         assert (row["completed"], row["failed"]) == (3, []), row
         assert row["tpot_p50_ms"] > 0
+
+
+def test_too_many_prompts_for_the_fixed_text_is_a_clear_error():
+    with pytest.raises(ValueError, match="10000 prompts of 256 tokens are more than the fixed text's"):
+        bench.prompts(10_000, 256)
+
+
+def test_a_server_that_exits_at_start_is_named_and_stopped():
+    server = bench.Server("pdserve --bogus", "pdserve", ("--no-such-flag",))
+    args = types.SimpleNamespace(threads=2, output_len=4, concurrency=[1])
+    with pytest.raises(RuntimeError, match="the server exited with code 2 before it answered"):
+        bench.measure(server, args, ["x"], "x")

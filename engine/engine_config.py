@@ -52,6 +52,11 @@ class EngineConfig:
     attention_backend: str = setting("auto", "attention kernels", choices=ATTENTION_BACKENDS)
     cache_dir: str | None = setting(None, "where converted models are kept (default ~/.cache/pdserve)")
     num_threads: int | None = setting(None, "torch CPU threads for this process")
+    borrow_threads: int | None = setting(
+        None,
+        "torch CPU threads a decode step may take while no prefill is filling this worker's cache "
+        "(the cores of an idle prefill worker on the same machine; pdserve up sets it)",
+    )
     tensor_parallel_size: int = setting(
         1,
         "ranks (one process each) that split every layer: attention heads and MLP columns, "
@@ -92,8 +97,10 @@ class EngineConfig:
             parse_memory(self.kv_cache_memory)
         if parse_memory(self.swap_space, "swap_space")[1] is not None:
             raise ValueError(f"swap_space must be a size such as '4GiB', got {self.swap_space!r}")
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        for name in ("num_threads", "borrow_threads"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -34,6 +34,7 @@ from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.engine.sequence import FinishReason, Sequence, SequenceStatus
 from pdserve.engine.structured_output import GrammarCompiler
 from pdserve.engine.swap import SwapSpace
+from pdserve.engine.thread_budget import ThreadBudget
 from pdserve.kernels import select_backend
 from pdserve.request_rules import check_prompt_tokens, check_sampling, check_ttft_budget_ms
 
@@ -89,6 +90,7 @@ class LLMEngine:
             self.swap,
         )
         self.runner = ModelRunner(forward, self.kv_cache.layers, config.block_size, self.device)
+        self.threads = ThreadBudget(config.borrow_threads, self.device, config.world_size)
         # Speculative decoding hooks into the scheduler (lookahead) and the runner (verify).
         self.speculator = speculative.attach(self, draft, num_blocks) if config.speculative != "none" else None
         self.connector = KVConnector(
@@ -262,6 +264,8 @@ class LLMEngine:
         hook = self.connector.save_hook(schedule)
         if self.speculator is not None:
             self.speculator.propose(schedule)
+        # Borrows an idle prefill worker's cores for a decode-only step (engine/thread_budget.py).
+        self.threads.for_step(bool(schedule.prefills), bool(self.scheduler.waiting_for_kv))
         started = time.perf_counter()
         sampled = self.runner.run(schedule, hook)
         if schedule.prefills:

@@ -187,12 +187,18 @@ class Cluster:
     def _worker_args(self, role: str, cpus: str, placement: Placement) -> list[str]:
         pinned = len(cpus.split(",")) if cpus else 0
         threads = self.engine.num_threads or pinned or threads_per_worker(len(self._worker_roles()))
+        borrow = None  # decode workers only: the prefill workers' share too, while they idle
+        if role == "decode":
+            borrow = self.engine.borrow_threads
+            if borrow is None and self._lends_cores(cpus, placement):
+                borrow = threads_per_worker(self.cluster.decode)
         tp, pp = self.cluster.role_parallelism(
             role, self.engine.tensor_parallel_size, self.engine.pipeline_parallel_size
         )
         engine = dataclasses.replace(
             self.engine,
             num_threads=threads,
+            borrow_threads=borrow if borrow is not None and borrow > threads else None,
             device=placement.device,
             kv_cache_memory=placement.kv_cache_memory,
             tensor_parallel_size=tp,
@@ -213,6 +219,17 @@ class Cluster:
             slo_tpot_ms=self.worker.slo_tpot_ms if self.worker.slo_tpot_ms is not None else self.router.slo_tpot_ms,
         )
         return [*to_args(engine), *to_args(worker)]
+
+    def _lends_cores(self, cpus: str, placement: Placement) -> bool:
+        """Whether prefill workers share this CPU decode worker's cores unpinned, at threads
+        the launcher chose (a thread count set by hand is kept as it is)."""
+        return (
+            not self.cluster.colocated
+            and self.cluster.prefill > 0
+            and not cpus
+            and self.engine.num_threads is None
+            and placement.device in ("auto", "cpu")
+        )
 
     def _tls_args(self) -> list[str]:
         """TLS settings travel as flags; tokens never do (argv is visible to every user)."""

@@ -127,3 +127,24 @@ def test_unpinned_cpu_workers_split_the_cores_evenly(monkeypatch):
     assert [f["--cpus"] for f in flags] == ["0,1", "2,3", "4,5", "6,7"]
     set_by_hand = Cluster(EngineConfig(num_threads=3), WorkerSettings(), RouterSettings(), ClusterSettings())
     assert {dict(zip(args, args[1:]))["--num-threads"] for _, args in set_by_hand.worker_commands(num_gpus=0)} == {"3"}
+
+
+def test_unpinned_decode_workers_borrow_the_prefill_workers_cores(monkeypatch):
+    """While no prefill computes for it, a decode worker steps on the whole machine's share of
+    the decode pool (engine/thread_budget.py); prefill workers, colocated workers, pinned
+    workers and thread counts set by hand never borrow."""
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+
+    def borrowed(cluster: Cluster) -> list[str | None]:
+        return [dict(zip(args, args[1:])).get("--borrow-threads") for _, args in cluster.worker_commands(num_gpus=0)]
+
+    def cluster(engine=EngineConfig(), **settings) -> Cluster:
+        return Cluster(engine, WorkerSettings(), RouterSettings(), ClusterSettings(**settings))
+
+    assert borrowed(cluster(prefill=1, decode=1)) == [None, "8"]
+    assert borrowed(cluster(prefill=2, decode=2)) == [None, None, "4", "4"]  # 2 threads each, 4 borrowed
+    assert borrowed(cluster(decode=2, colocated=True)) == [None, None]
+    assert borrowed(cluster(pin_cores=True)) == [None, None]
+    assert borrowed(cluster(EngineConfig(num_threads=2))) == [None, None]
+    assert borrowed(cluster(EngineConfig(borrow_threads=6))) == [None, "6"]  # as given

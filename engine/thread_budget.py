@@ -1,0 +1,34 @@
+"""How many torch threads each step runs on.
+
+`pdserve up` splits a machine's cores between its prefill and decode workers, so neither
+slows the other down while both compute. But a prefill worker only computes while a decode
+worker waits for its KV: the rest of the time its cores idle while the decode worker steps on
+its own share. With ``borrow_threads``, a decode step that has no prompt of its own to prefill
+and nothing waiting for remote KV runs on that many threads instead; the first reservation
+(a prompt headed for a prefill worker) gives them back before the prefill starts, since the
+router sends the prompt only once the decode worker has answered with its blocks.
+
+Set on the engine thread, before each forward pass: torch's thread count is per process, and
+the engine thread is the one that runs the parallel regions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ThreadBudget:
+    def __init__(self, borrow_threads: int | None, device: torch.device, world_size: int = 1) -> None:
+        self.own = torch.get_num_threads()
+        # Only a CPU engine of one rank has threads to lend or borrow (parallel ranks pin their own).
+        usable = device.type == "cpu" and world_size == 1 and borrow_threads is not None
+        self.borrowed = borrow_threads if usable and borrow_threads > self.own else self.own
+        self.current = self.own
+
+    def for_step(self, prefills_here: bool, waiting_for_kv: bool) -> int:
+        """Sets and returns the threads of the next forward pass."""
+        threads = self.own if prefills_here or waiting_for_kv else self.borrowed
+        if threads != self.current:
+            torch.set_num_threads(threads)
+            self.current = threads
+        return threads

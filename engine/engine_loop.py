@@ -45,11 +45,12 @@ class EngineLoop:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._stopped = threading.Event()
-        self._streams: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, _Stream] = {}
         self._thread: threading.Thread | None = None
         self._stats = engine.stats(with_digest=True)
         self._stats_at = time.monotonic()
         engine.connector.wake = self._wakeup.set
+        engine.connector.deliver_early = self._deliver_soon
         self.steps = 0
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -112,7 +113,7 @@ class EngineLoop:
         """
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        stream: asyncio.Queue = asyncio.Queue()
+        stream = _Stream()
         self._streams[request_id] = stream
         started = finished = False
         pending = None  # an output taken off the queue while coalescing, not yet handed out
@@ -186,11 +187,30 @@ class EngineLoop:
             elif error is not None:
                 log.warning("engine command failed: %s", error)
 
+    def _deliver_soon(self, out: RequestOutput) -> None:
+        """Hands a request's last output to its stream from any thread, after whatever the
+        engine delivered before it (the engine's own copy, at its next step, then finds the
+        stream ended and is dropped)."""
+        self._loop.call_soon_threadsafe(self._deliver_early, out)
+
+    def _deliver_early(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        if stream.delivered:
+            stream.put_nowait(out)
+        else:  # reported before the step that sampled the first token handed it over
+            stream.held = out
+
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
                 stream.put_nowait(out)
+                stream.delivered = True
+                if stream.held is not None:
+                    stream.put_nowait(stream.held)
+                    stream.held = None
             elif not out.finished:
                 self.abort(out.request_id)  # nobody is waiting for it any more
 
@@ -230,6 +250,15 @@ def _merged(first: RequestOutput, then: RequestOutput) -> RequestOutput:
         finished=then.finished,
         logprobs=first.logprobs + then.logprobs if first.logprobs is not None else None,
     )
+
+
+class _Stream(asyncio.Queue):
+    """One request's outputs, on their way from the engine thread to its consumer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.delivered = False  # the engine has handed over an output
+        self.held: RequestOutput | None = None  # a last output that came before the others
 
 
 def _settle(future: asyncio.Future, result: object, error: BaseException | None) -> None:

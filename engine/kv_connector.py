@@ -96,6 +96,10 @@ class KVConnector:
         self.finish_reason = finish_reason
         self.pipelined = True  # False: send every layer after the prefill (a baseline to compare with)
         self.wake: Callable[[], None] = lambda: None  # set by the engine's thread: an outcome is waiting
+        # Set by the engine loop (any thread may call it): a prefill's acknowledged handoff goes to
+        # its caller at once. The inbox still frees its blocks at the next step, but a prefill step
+        # can take a second, and the request's first token would wait for it.
+        self.deliver_early: Callable[[RequestOutput], None] | None = None
         # Set by the engine (n > 1): forks a landed request into its choices, given every
         # choice's first token; returns the request's last output if no choice goes on.
         self.start_choices: Callable[[Sequence, list[int]], RequestOutput | None] | None = None
@@ -110,6 +114,20 @@ class KVConnector:
             self.wake()
 
         return report
+
+    def _ack_reporter(self, seq: Sequence) -> Report:
+        """The prefill side's report: the inbox, and an acknowledged handoff's output at once."""
+        report, deliver = self._reporter(seq), self.deliver_early
+        if deliver is None:
+            return report
+        request_id, prompt_tokens, cached_tokens = seq.request_id, seq.num_prompt_tokens, seq.num_cached_tokens
+
+        def ack(outcome: TransferOutcome) -> None:
+            if outcome.ok:
+                deliver(_sent(request_id, prompt_tokens, cached_tokens, outcome))
+            report(outcome)
+
+        return ack
 
     # -- decode side ------------------------------------------------------------------------------
     def open_grant(self, seq: Sequence) -> RequestOutput:
@@ -188,9 +206,9 @@ class KVConnector:
         seq.status = SequenceStatus.SENDING_KV
         self.sending[seq] = time.monotonic() + seq.kv_send.ack_timeout_s
         if more_first_token_ids:
-            transfer.finish(seq.last_token_id, self._reporter(seq), tuple(more_first_token_ids))
+            transfer.finish(seq.last_token_id, self._ack_reporter(seq), tuple(more_first_token_ids))
         else:  # n = 1: the two-argument form every OutgoingKV has
-            transfer.finish(seq.last_token_id, self._reporter(seq))
+            transfer.finish(seq.last_token_id, self._ack_reporter(seq))
 
     def _acked(self, seq: Sequence, outcome: TransferOutcome) -> RequestOutput:
         del self.sending[seq]
@@ -199,15 +217,7 @@ class KVConnector:
             return RequestOutput.failed(
                 seq.request_id, TransferFailed(outcome.reason, outcome.corrupted), seq.num_prompt_tokens
             )
-        return RequestOutput(
-            seq.request_id,
-            [],
-            None,
-            seq.num_prompt_tokens,
-            seq.num_cached_tokens,
-            finished=True,
-            kv=KVSent(outcome.transport, outcome.nbytes),
-        )
+        return _sent(seq.request_id, seq.num_prompt_tokens, seq.num_cached_tokens, outcome)
 
     # -- once per step (engine thread) -----------------------------------------------------------------
     def drain(self) -> list[RequestOutput]:
@@ -265,3 +275,10 @@ class KVConnector:
         if free:
             self.blocks.free(seq)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+
+
+def _sent(request_id: str, prompt_tokens: int, cached_tokens: int, outcome: TransferOutcome) -> RequestOutput:
+    """A prefill's last output: its handoff was acknowledged."""
+    return RequestOutput(
+        request_id, [], None, prompt_tokens, cached_tokens, finished=True, kv=KVSent(outcome.transport, outcome.nbytes)
+    )

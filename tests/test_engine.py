@@ -4,11 +4,15 @@ checks: test_request_rules.py.)"""
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import pytest
 import torch
 from conftest import PROMPTS
 
 from pdserve.engine.engine_config import EngineConfig
+from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.kv_connector import KVReceive, KVSend, TransferOutcome
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request_output import KVSent, RequestRejected
@@ -222,6 +226,68 @@ def test_seam_prefill_here_decode_there(model_dir, prompt_ids, hf_reference):
             rest += out.new_token_ids
     assert first.new_token_ids + rest == hf_reference.greedy(ids, MAX_NEW)
     assert_all_free(decode)
+
+
+class AckedDuringNextStep:
+    """An OutgoingKV whose decode side acknowledges, from its own thread, once the prefill
+    engine's next step is under way."""
+
+    def __init__(self, step_running: threading.Event) -> None:
+        self.step_running = step_running
+
+    def send_layer(self, layer, block_ids, start, end) -> None:
+        pass
+
+    def finish(self, first_token_id, report) -> None:
+        def ack() -> None:
+            self.step_running.wait(5)
+            report(TransferOutcome(True, transport="test", nbytes=7))
+
+        threading.Thread(target=ack).start()
+
+    def cancel(self) -> None:
+        pass
+
+    close = cancel
+
+
+async def test_an_acknowledged_handoff_does_not_wait_for_the_step_in_progress(model_dir, prompt_ids):
+    """A short prompt finishes its prefill while a long one goes on in chunks; its handoff is
+    acknowledged during the next step, and the prefill's answer (which carries the first token
+    to the client) must not wait for that step to end: the step waits for it instead."""
+    engine = make_engine(model_dir, max_num_batched_tokens=64)
+    step_running, answered, waits = threading.Event(), threading.Event(), []
+    run = engine.runner.run
+
+    def run_held_while_the_short_prompt_waits_for_its_ack(schedule, hook):
+        if engine.connector.sending:
+            step_running.set()
+            waits.append(answered.wait(5))  # False: the answer waited for this step to end
+        return run(schedule, hook)
+
+    engine.runner.run = run_held_while_the_short_prompt_waits_for_its_ack
+    loop = EngineLoop(engine)
+    loop.start()
+    try:
+        long_prompt = asyncio.ensure_future(
+            _drain(loop.generate("long", lambda e: e.add_request("long", prompt_ids[-1], GREEDY)))
+        )
+        send = KVSend(AckedDuringNextStep(step_running))
+        outputs = []
+        async for out in loop.generate("short", lambda e: e.add_request("short", prompt_ids[0], GREEDY, kv_send=send)):
+            outputs.append(out)
+            if out.finished:
+                answered.set()
+        assert outputs[0].new_token_ids and outputs[-1].finished and outputs[-1].kv == KVSent("test", 7)
+        assert len(await asyncio.wait_for(long_prompt, 60)) == MAX_NEW
+        assert waits == [True]  # answered while the next step was held
+    finally:
+        await loop.stop()
+    assert_all_free(engine)
+
+
+async def _drain(outputs) -> list[int]:
+    return [t async for out in outputs for t in out.new_token_ids]
 
 
 def test_seeded_sampling_is_reproducible(engine, prompt_ids):

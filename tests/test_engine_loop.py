@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
 
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.logprobs import TokenLogprob
-from pdserve.engine.request_output import KVReservation, RequestOutput
+from pdserve.engine.request_output import KVReservation, KVSent, RequestOutput
 from pdserve.engine.sequence import FinishReason
 
 
@@ -118,6 +119,27 @@ async def test_choices_are_merged_each_with_its_own_tokens_logprobs_and_finish()
         assert [out.finish_reason for out in mine].count(FinishReason.LENGTH) == 1
         assert mine[-1].finish_reason is FinishReason.LENGTH  # nothing of a choice after its finish
     assert outputs[-1].finished and not any(out.finished for out in outputs[:-1])
+
+
+class AckedWhileItsFirstTokenIsOnTheWay(ScriptedEngine):
+    """A prefill whose handoff is acknowledged (from another thread, at once) while the step
+    that sampled its first token has not handed that token over yet."""
+
+    def step(self) -> list[RequestOutput]:
+        outputs = []
+        for rid in list(self.requests):
+            sent = RequestOutput(rid, [], None, 3, 0, finished=True, kv=KVSent("test", 1))
+            self.connector.deliver_early(sent)
+            time.sleep(0.05)  # the acknowledgement reaches the event loop first
+            outputs.append(RequestOutput(rid, [100], None, 3, 0))
+            self.abort(rid)
+        return outputs
+
+
+async def test_an_early_acknowledgement_follows_the_first_token():
+    outputs = await _collect(AckedWhileItsFirstTokenIsOnTheWay(length=1), pause_s=0.0)
+    assert [out.new_token_ids for out in outputs] == [[100], []]
+    assert outputs[-1].finished and outputs[-1].kv == KVSent("test", 1)
 
 
 async def test_build_makes_the_engine_on_the_thread_that_steps_it():

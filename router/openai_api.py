@@ -248,6 +248,26 @@ class _OpenAI:
         return _EventStream(body(), headers={**SSE_HEADERS, **headers})
 
 
+class RequireToken:
+    """Every /v1 call must carry the bearer token (401 otherwise). Plain ASGI, so a streamed
+    answer's chunks pass straight through (an ``@app.middleware`` would relay each one
+    through a memory stream and a task of its own)."""
+
+    def __init__(self, app, token: str) -> None:
+        self.app, self.token = app, token
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            authorization = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+            if not bearer_ok(self.token, authorization):
+                response = APIError(401, "missing or wrong bearer token", code="invalid_api_key").response(
+                    headers={"WWW-Authenticate": "Bearer"}
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(
     completions: Completions,
     model_name: str,
@@ -261,17 +281,8 @@ def create_app(
     api = _OpenAI(completions, model_name)
     app.state.openai = api
 
-    @app.middleware("http")
-    async def require_token(request: Request, call_next):
-        if (
-            api_token
-            and request.url.path.startswith("/v1/")
-            and not bearer_ok(api_token, request.headers.get("authorization"))
-        ):
-            return APIError(401, "missing or wrong bearer token", code="invalid_api_key").response(
-                headers={"WWW-Authenticate": "Bearer"}
-            )
-        return await call_next(request)
+    if api_token:
+        app.add_middleware(RequireToken, token=api_token)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:

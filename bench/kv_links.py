@@ -15,6 +15,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from pdserve.engine.host_memory import host_zeros
 from pdserve.engine.kv_cache import KVLayout
 from pdserve.engine.kv_connector import TransferOutcome
 from pdserve.kvtransfer import registry
@@ -61,7 +62,7 @@ class DecodeSide:
     def __init__(self, transport: str, layout: KVLayout, num_blocks: int, info: PeerInfo, ucx) -> None:
         spec = registry.get(transport)
         self.pool = spec.load().make_pool(layout, num_blocks, torch.device("cpu")) if spec.pool else None
-        self.tensor = self.pool.tensor if self.pool else torch.zeros(layout.shape(num_blocks), dtype=layout.dtype)
+        self.tensor = self.pool.tensor if self.pool else host_zeros(layout.shape(num_blocks), layout.dtype)
         self.cache = KVCacheView(list(self.tensor.unbind(0)), layout.block_size, layout.token_bytes)
         self.ledger = GrantLedger(layout.num_layers, layout.token_bytes, lease_s=IO_TIMEOUT_S)
         info = replace(info, extra={**info.extra, **(self.pool.describe() if self.pool else {})})

@@ -66,6 +66,7 @@ from pdserve.bench.kv_links import (  # noqa: E402
     decode_side,
     layer_checksums,
 )
+from pdserve.engine.host_memory import host_zeros  # noqa: E402
 from pdserve.engine.kv_cache import KVLayout  # noqa: E402
 from pdserve.kvtransfer import registry  # noqa: E402
 from pdserve.kvtransfer.handshake import PeerInfo, host_id  # noqa: E402
@@ -236,7 +237,7 @@ def measure_payload(
     nblocks = -(-num_tokens // geometry.block_size)
     nbytes = num_tokens * geometry.num_layers * geometry.token_bytes
 
-    src_tensor = torch.empty(layout.shape(nblocks), dtype=geometry.dtype)
+    src_tensor = host_zeros(layout.shape(nblocks), geometry.dtype)  # as a prefill engine allocates its cache
     fill_pattern(host_view(src_tensor), seed)
     src = KVCacheView(list(src_tensor.unbind(0)), geometry.block_size, geometry.token_bytes)
     src_blocks = block_ids(nblocks, arrangement, seed)

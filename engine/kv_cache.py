@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.engine_config import parse_memory
+from pdserve.engine.host_memory import host_zeros
 from pdserve.engine.model_config import ModelConfig
 from pdserve.kernels.kv_format import KVFormat
 
@@ -63,7 +64,9 @@ class KVCache:
         """``tensor`` lets the caller supply the storage (shared memory, for instance)."""
         self.layout = layout
         self.num_blocks = num_blocks
-        if tensor is None:
+        if tensor is None and device.type == "cpu":
+            tensor = host_zeros(layout.shape(num_blocks), layout.storage_dtype)
+        elif tensor is None:
             tensor = torch.zeros(layout.shape(num_blocks), dtype=layout.storage_dtype, device=device)
         if tuple(tensor.shape) != layout.shape(num_blocks) or tensor.dtype != layout.storage_dtype:
             raise ValueError("KV cache storage does not match the layout")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pdserve.engine.host_memory import host_bytes
 from pdserve.kvtransfer.integrity import checksum, fold, host_chunk_digests
 
 
@@ -122,6 +123,8 @@ class StagingPool:
             if free:
                 self._kept -= size
                 return free.pop()
+        if self.device.type == "cpu" and not self.pinned:
+            return host_bytes(size)  # UCX's shared-memory path reads it page by page
         pin = self.pinned and self.device.type == "cpu"
         return torch.empty(size, dtype=torch.uint8, device=self.device, pin_memory=pin)
 

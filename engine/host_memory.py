@@ -1,0 +1,55 @@
+"""Host memory for large, long-lived tensors (the KV cache), on 2 MB pages where Linux allows it.
+
+With transparent huge pages in their common ``madvise`` mode, memory is backed by 2 MB pages
+only where a process asks. The KV cache should: another process reading it through the
+kernel (UCX's shared-memory path copies with process_vm_readv, which walks and pins every page
+it reads) does one walk per 2 MB instead of 512, and the attention kernels' scattered block
+reads miss the TLB less. The KV handoff's staging buffers are read the same way. Where the
+advice is refused (another OS, THP off), the memory is ordinary.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import math
+import sys
+
+import torch
+
+HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # linux/mman.h
+
+
+@functools.cache
+def _madvise():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+    madvise = libc.madvise
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+def host_bytes(nbytes: int) -> torch.Tensor:
+    """An uninitialized uint8 CPU tensor, on 2 MB pages where the kernel allows (from 1 MB up:
+    smaller buffers stay on ordinary pages). Whatever touches it first backs it."""
+    madvise = _madvise()
+    if madvise is None or nbytes < HUGE_PAGE // 2:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    span = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+    raw = torch.empty(span + HUGE_PAGE, dtype=torch.uint8)  # not touched yet: no page is backed
+    offset = -raw.data_ptr() % HUGE_PAGE
+    madvise(raw.data_ptr() + offset, span, _MADV_HUGEPAGE)  # refused: 4 KB pages
+    return raw[offset : offset + nbytes]
+
+
+def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor (``host_bytes``)."""
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    return host_bytes(nbytes).zero_().view(dtype).view(shape)

@@ -1,0 +1,58 @@
+"""The CPU KV cache asks for 2 MB pages (engine/host_memory.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.engine.host_memory import HUGE_PAGE, host_bytes, host_zeros
+from pdserve.engine.kv_cache import KVCache, KVLayout
+from pdserve.kvtransfer.layout import StagingPool
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def thp_eligible(address: int) -> bool:
+    """Whether the kernel may back the mapping holding ``address`` with huge pages."""
+    mapping = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(x, 16) for x in head.split("-"))
+            mapping = start <= address < end
+        elif mapping and line.startswith("THPeligible:"):
+            return line.split()[1] == "1"
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.parametrize("shape, dtype", [((3, 5), torch.float32), ((4, 1000, 16, 768), torch.uint8)])
+def test_zeroed_with_the_shape_and_dtype_asked_for(shape, dtype):
+    tensor = host_zeros(shape, dtype)
+    assert tensor.shape == shape and tensor.dtype == dtype and tensor.is_contiguous()
+    assert not tensor.any()
+    tensor.view(-1)[-1] = 1  # every byte is writable, to the last
+    assert tensor.sum() == 1
+
+
+@pytest.mark.skipif(
+    not THP.exists() or "[never]" in THP.read_text(), reason="transparent huge pages are off on this machine"
+)
+def test_a_cpu_kv_cache_is_on_memory_the_kernel_may_back_with_huge_pages():
+    layout = KVLayout(num_layers=4, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.bfloat16)
+    cache = KVCache(layout, 512, torch.device("cpu"))  # 4 layers x 512 blocks x 6 KiB = 12 MiB
+    address = cache.tensor.data_ptr()
+    assert address % HUGE_PAGE == 0
+    assert thp_eligible(address) and thp_eligible(address + cache.nbytes - 1)
+    assert not cache.tensor.any()
+
+
+@pytest.mark.skipif(
+    not THP.exists() or "[never]" in THP.read_text(), reason="transparent huge pages are off on this machine"
+)
+def test_staging_buffers_of_a_megabyte_and_up_are_too():
+    big = StagingPool().take(600_000)  # a 1 MiB buffer: one layer's share of a 16 MiB handoff
+    assert big.numel() == 1 << 20 and big.data_ptr() % HUGE_PAGE == 0 and thp_eligible(big.data_ptr())
+    small = host_bytes(64 << 10)  # below a megabyte: ordinary pages, no 2 MB span for it
+    assert small.numel() == 64 << 10

@@ -189,8 +189,8 @@ class EngineLoop:
 
     def _deliver_soon(self, out: RequestOutput) -> None:
         """Hands a request's last output to its stream from any thread, after whatever the
-        engine delivered before it (the engine's own copy, at its next step, then finds the
-        stream ended and is dropped)."""
+        engine delivered before it. The engine's own copy follows at its next step: dropped if
+        the stream has ended, else queued behind this one, where nobody reads it."""
         self._loop.call_soon_threadsafe(self._deliver_early, out)
 
     def _deliver_early(self, out: RequestOutput) -> None:

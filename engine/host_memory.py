@@ -37,10 +37,10 @@ def _madvise():
 
 
 def host_bytes(nbytes: int) -> torch.Tensor:
-    """An uninitialized uint8 CPU tensor, on 2 MB pages where the kernel allows (from 1 MB up:
-    smaller buffers stay on ordinary pages). Whatever touches it first backs it."""
+    """An uninitialized uint8 CPU tensor, on 2 MB pages where the kernel allows (from 2 MB up:
+    a smaller buffer would hold a whole 2 MB page). Whatever touches it first backs it."""
     madvise = _madvise()
-    if madvise is None or nbytes < HUGE_PAGE // 2:
+    if madvise is None or nbytes < HUGE_PAGE:
         return torch.empty(nbytes, dtype=torch.uint8)
     span = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
     raw = torch.empty(span + HUGE_PAGE, dtype=torch.uint8)  # not touched yet: no page is backed

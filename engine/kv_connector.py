@@ -9,7 +9,9 @@ receiver and, once they are filled, joins the request to the running batch.
 
 The worker-side halves (``OutgoingKV``, ``IncomingKV``, implemented by kvtransfer) move bytes
 on their own threads and report each transfer's outcome exactly once into an inbox that the
-engine drains at the start of every step; that inbox is the only thing shared across threads.
+engine drains at the start of every step; that inbox is the only engine state shared across
+threads. An acknowledged prefill's last output also goes straight to its caller
+(``deliver_early``), built from values copied on the engine thread.
 """
 
 from __future__ import annotations
@@ -123,9 +125,12 @@ class KVConnector:
         request_id, prompt_tokens, cached_tokens = seq.request_id, seq.num_prompt_tokens, seq.num_cached_tokens
 
         def ack(outcome: TransferOutcome) -> None:
+            report(outcome)  # first: the blocks are freed whatever happens to the early copy
             if outcome.ok:
-                deliver(_sent(request_id, prompt_tokens, cached_tokens, outcome))
-            report(outcome)
+                try:
+                    deliver(_sent(request_id, prompt_tokens, cached_tokens, outcome))
+                except RuntimeError:  # the event loop is closed (shutting down): nobody waits
+                    pass
 
         return ack
 

@@ -262,10 +262,10 @@ class LLMEngine:
 
     def _forward(self, schedule: SchedulerOutput) -> list[RequestOutput]:
         hook = self.connector.save_hook(schedule)
-        if self.speculator is not None:
-            self.speculator.propose(schedule)
         # Borrows an idle prefill worker's cores for a decode-only step (engine/thread_budget.py).
         self.threads.for_step(bool(schedule.prefills), bool(self.scheduler.waiting_for_kv))
+        if self.speculator is not None:
+            self.speculator.propose(schedule)
         started = time.perf_counter()
         sampled = self.runner.run(schedule, hook)
         if schedule.prefills:

@@ -8,8 +8,10 @@ and nothing waiting for remote KV runs on that many threads instead; the first r
 (a prompt headed for a prefill worker) gives them back before the prefill starts, since the
 router sends the prompt only once the decode worker has answered with its blocks.
 
-Set on the engine thread, before each forward pass: torch's thread count is per process, and
-the engine thread is the one that runs the parallel regions.
+Set on the engine thread, before each forward pass: an OpenMP thread count belongs to the
+thread that sets it, and the engine thread is the one that opens the parallel regions. Only
+with one decode worker does ``pdserve up`` set it: every prefill then computes for that worker,
+so its own queue says when the prefill cores are busy.
 """
 
 from __future__ import annotations

@@ -124,7 +124,7 @@ class StagingPool:
                 self._kept -= size
                 return free.pop()
         if self.device.type == "cpu" and not self.pinned:
-            return host_bytes(size)  # UCX's shared-memory path reads it page by page
+            return host_bytes(size)  # 2 MB pages from 2 MB up: UCX's shared-memory path reads it page by page
         pin = self.pinned and self.device.type == "cpu"
         return torch.empty(size, dtype=torch.uint8, device=self.device, pin_memory=pin)
 

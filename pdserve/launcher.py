@@ -187,11 +187,11 @@ class Cluster:
     def _worker_args(self, role: str, cpus: str, placement: Placement) -> list[str]:
         pinned = len(cpus.split(",")) if cpus else 0
         threads = self.engine.num_threads or pinned or threads_per_worker(len(self._worker_roles()))
-        borrow = None  # decode workers only: the prefill workers' share too, while they idle
-        if role == "decode":
+        borrow = None  # a decode worker beside unpinned prefill workers: their share too, while they idle
+        if role == "decode" and self._lends_cores(cpus, placement):
             borrow = self.engine.borrow_threads
-            if borrow is None and self._lends_cores(cpus, placement):
-                borrow = threads_per_worker(self.cluster.decode)
+            if borrow is None and self.engine.num_threads is None and self.cluster.decode == 1:
+                borrow = threads_per_worker(1)
         tp, pp = self.cluster.role_parallelism(
             role, self.engine.tensor_parallel_size, self.engine.pipeline_parallel_size
         )
@@ -221,14 +221,11 @@ class Cluster:
         return [*to_args(engine), *to_args(worker)]
 
     def _lends_cores(self, cpus: str, placement: Placement) -> bool:
-        """Whether prefill workers share this CPU decode worker's cores unpinned, at threads
-        the launcher chose (a thread count set by hand is kept as it is)."""
+        """Whether prefill workers share this CPU decode worker's cores, unpinned. Borrowing is
+        automatic only with one decode worker at threads the launcher chose: with two, a
+        prefill computing for one of them would not stop the other from borrowing its cores."""
         return (
-            not self.cluster.colocated
-            and self.cluster.prefill > 0
-            and not cpus
-            and self.engine.num_threads is None
-            and placement.device in ("auto", "cpu")
+            not self.cluster.colocated and self.cluster.prefill > 0 and not cpus and placement.device in ("auto", "cpu")
         )
 
     def _tls_args(self) -> list[str]:

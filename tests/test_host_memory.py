@@ -14,17 +14,18 @@ from pdserve.kvtransfer.layout import StagingPool
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
-def thp_eligible(address: int) -> bool:
-    """Whether the kernel may back the mapping holding ``address`` with huge pages."""
+def advised_huge(address: int) -> bool:
+    """Whether the mapping holding ``address`` was advised to use huge pages (``hg`` in its
+    VmFlags: MADV_HUGEPAGE, whatever the machine's THP mode)."""
     mapping = None
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
             start, end = (int(x, 16) for x in head.split("-"))
             mapping = start <= address < end
-        elif mapping and line.startswith("THPeligible:"):
-            return line.split()[1] == "1"
-    raise AssertionError(f"no mapping holds {address:#x}")
+        elif mapping and line.startswith("VmFlags:"):
+            return "hg" in line.split()[1:]
+    raise AssertionError(f"no mapping with VmFlags holds {address:#x}")
 
 
 @pytest.mark.parametrize("shape, dtype", [((3, 5), torch.float32), ((4, 1000, 16, 768), torch.uint8)])
@@ -44,15 +45,15 @@ def test_a_cpu_kv_cache_is_on_memory_the_kernel_may_back_with_huge_pages():
     cache = KVCache(layout, 512, torch.device("cpu"))  # 4 layers x 512 blocks x 6 KiB = 12 MiB
     address = cache.tensor.data_ptr()
     assert address % HUGE_PAGE == 0
-    assert thp_eligible(address) and thp_eligible(address + cache.nbytes - 1)
+    assert advised_huge(address) and advised_huge(address + cache.nbytes - 1)
     assert not cache.tensor.any()
 
 
 @pytest.mark.skipif(
     not THP.exists() or "[never]" in THP.read_text(), reason="transparent huge pages are off on this machine"
 )
-def test_staging_buffers_of_a_megabyte_and_up_are_too():
-    big = StagingPool().take(600_000)  # a 1 MiB buffer: one layer's share of a 16 MiB handoff
-    assert big.numel() == 1 << 20 and big.data_ptr() % HUGE_PAGE == 0 and thp_eligible(big.data_ptr())
-    small = host_bytes(64 << 10)  # below a megabyte: ordinary pages, no 2 MB span for it
-    assert small.numel() == 64 << 10
+def test_staging_buffers_of_two_megabytes_and_up_are_too():
+    big = StagingPool().take(2_300_000)  # a 4 MiB buffer: one layer's share of a 64 MiB handoff
+    assert big.numel() == 4 << 20 and big.data_ptr() % HUGE_PAGE == 0 and advised_huge(big.data_ptr())
+    small = host_bytes(1 << 20)  # under 2 MB: ordinary pages (a huge one would be half empty)
+    assert small.numel() == 1 << 20 and not advised_huge(small.data_ptr())

@@ -130,9 +130,10 @@ def test_unpinned_cpu_workers_split_the_cores_evenly(monkeypatch):
 
 
 def test_unpinned_decode_workers_borrow_the_prefill_workers_cores(monkeypatch):
-    """While no prefill computes for it, a decode worker steps on the whole machine's share of
-    the decode pool (engine/thread_budget.py); prefill workers, colocated workers, pinned
-    workers and thread counts set by hand never borrow."""
+    """While no prefill computes for it, the one decode worker steps on the whole machine
+    (engine/thread_budget.py); prefill workers, colocated and pinned workers, a pool of several
+    decode workers (a prefill for one would not stop another from borrowing) and thread counts
+    set by hand never borrow on their own."""
     monkeypatch.setattr("os.cpu_count", lambda: 8)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
 
@@ -143,8 +144,12 @@ def test_unpinned_decode_workers_borrow_the_prefill_workers_cores(monkeypatch):
         return Cluster(engine, WorkerSettings(), RouterSettings(), ClusterSettings(**settings))
 
     assert borrowed(cluster(prefill=1, decode=1)) == [None, "8"]
-    assert borrowed(cluster(prefill=2, decode=2)) == [None, None, "4", "4"]  # 2 threads each, 4 borrowed
+    assert borrowed(cluster(prefill=2, decode=1)) == [None, None, "8"]
+    assert borrowed(cluster(prefill=2, decode=2)) == [None] * 4
     assert borrowed(cluster(decode=2, colocated=True)) == [None, None]
     assert borrowed(cluster(pin_cores=True)) == [None, None]
     assert borrowed(cluster(EngineConfig(num_threads=2))) == [None, None]
     assert borrowed(cluster(EngineConfig(borrow_threads=6))) == [None, "6"]  # as given
+    assert borrowed(cluster(EngineConfig(borrow_threads=6), prefill=2, decode=2)) == [None, None, "6", "6"]
+    assert borrowed(cluster(EngineConfig(borrow_threads=6), pin_cores=True)) == [None, None]  # its cores only
+    assert borrowed(cluster(EngineConfig(borrow_threads=6), colocated=True)) == [None]  # no prefill worker

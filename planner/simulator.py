@@ -19,10 +19,12 @@ picks a decode worker and (disaggregated) a prefill worker, or conditional routi
 prompt on the decode worker. Disaggregated: the decode worker's scheduler reserves blocks at
 the start of a step (the request waits in its queue while none are free, at most a lease),
 the reservation goes to the prefill worker, which prefills the prompt and keeps its blocks
-while the KV transfer and the extra hop pass; then both engines hear the outcome at their next
-step: the prefill worker frees its copy and answers the router with the first token, which
-reaches the client, and the decode worker admits the request into its batch. Every later
-token reaches the client at the end of the step that produced it (after the first).
+while the KV transfer and the extra hop pass; then the prefill worker answers the router with
+the first token at once, which reaches the client, and both engines apply the outcome at their
+next step: the prefill worker frees its copy, the decode worker admits the request into its
+batch. Every later token reaches the client at the end of the step that produced it (after the
+first). A single decode worker's decode-only steps with nothing waiting for remote KV run at
+the whole machine's degree (``pdserve up``'s thread borrowing).
 """
 
 from __future__ import annotations
@@ -90,6 +92,14 @@ class Topology:
             default = num_threads or max(1, profile.cores // self.num_workers)
         return self.prefill_degree or default, self.decode_degree or default
 
+    def borrowed_degree(self, profile: Profile, num_threads: int | None = None) -> int | None:
+        """The threads a decode step borrows while no prefill computes for it, as ``pdserve up``
+        sets them: one decode worker beside prefill workers on a shared CPU, its degree not set
+        by hand."""
+        if self.colocated or self.decode != 1 or profile.cores is None or num_threads or self.decode_degree:
+            return None
+        return profile.cores
+
     def devices(self, profile: Profile) -> int:
         p, d = self.degrees(profile)
         return d * self.decode + (0 if self.colocated else p * self.prefill)
@@ -122,11 +132,15 @@ class SimRun:
 class SimWorker:
     """One worker: its engine, the router's record of it, and its step loop."""
 
-    def __init__(self, sim: "Simulation", role: str, name: str, degree: int, limits: EngineLimits) -> None:
-        self.sim, self.role, self.degree = sim, role, degree
-        self.cost = sim.profile.step_cost(degree)
+    def __init__(
+        self, sim: "Simulation", role: str, name: str, degree: int, limits: EngineLimits, borrow: int | None = None
+    ) -> None:
+        self.sim, self.role, self.own, self.degree = sim, role, degree, degree
+        self.borrowed = borrow if borrow is not None and borrow > degree else degree  # engine/thread_budget.py
         self.engine = SimEngine(limits)
         self.engine.connector.wake = lambda: sim._wake(self)  # a transfer's outcome is waiting in its inbox
+        # An acknowledged prefill answers the router at once, not at the engine's next step.
+        self.engine.connector.deliver_early = lambda out: self._hand_out([out])
         self.record = Worker(name, Role.PREFILL if role == "prefill" else Role.DECODE, channel=None)
         self.handlers: dict[str, Callable[[RequestOutput], None]] = {}
         self.prefill_rate = 0.0  # tokens/s of its recent prefill steps, as LLMEngine reports it
@@ -151,7 +165,11 @@ class SimWorker:
             return  # waiting for blocks or for K/V: a finish, a release or an outcome kicks it again
         shape = self.engine.shape(schedule)
         overheads = self.sim.profile.overheads
-        self.work_ms = self.cost.ms(shape) + overheads.step_ms + overheads.seq_ms * len(schedule.chunks)
+        # A decode-only step with nothing waiting for remote KV borrows the prefill pool's cores.
+        borrow = not schedule.prefills and not self.engine.scheduler.waiting_for_kv
+        self.degree = self.borrowed if borrow else self.own
+        cost = self.sim.profile.step_cost(self.degree)
+        self.work_ms = cost.ms(shape) + overheads.step_ms + overheads.seq_ms * len(schedule.chunks)
         if schedule.prefills:
             rate = (shape.prefill_tokens + shape.decodes) / (self.work_ms / 1e3)
             self.prefill_rate = rate if not self.prefill_rate else 0.8 * self.prefill_rate + 0.2 * rate
@@ -200,8 +218,9 @@ class Simulation:
         self.counters: Counter = Counter()
         prefill_degree, decode_degree = topology.degrees(profile, config.num_threads)
         decode_role = "colocated" if topology.colocated else "decode"
+        borrow = topology.borrowed_degree(profile, config.num_threads)
         self.decode = [
-            SimWorker(self, decode_role, f"decode-{i}", decode_degree, self._limits(decode_degree))
+            SimWorker(self, decode_role, f"decode-{i}", decode_degree, self._limits(decode_degree), borrow)
             for i in range(topology.decode)
         ]
         self.prefill = (

@@ -209,16 +209,38 @@ def test_prefix_cache_hits_skip_work():
     assert times_ms(run.timelines[1]) == [26.0]
 
 
-def test_the_first_token_waits_for_the_prefill_workers_next_step():
-    # The decode side acknowledges A's K/V at 68 ms (42 + 3 + 0.5 x 32 + 7), but the prefill
-    # worker is computing B's prompt (42 to 252 ms): its engine hears the ack at the start of
-    # its next step, and only then does the router get A's first token and relay the decode
-    # stream, whose two tokens the decode worker produced at 80 and 92 ms.
+def test_the_first_token_does_not_wait_for_the_prefill_workers_next_step():
+    # The decode side acknowledges A's K/V at 68 ms (42 + 3 + 0.5 x 32 + 7) while the prefill
+    # worker computes B's prompt (42 to 252 ms): the prefill answers the router at once, so A's
+    # first token reaches the client at 68 ms and the decode worker's next two at 80 and 92 ms.
     p = profile(SIMPLE, overheads=Overheads(handoff_ms=7.0), transfer=TransferCost(3.0, 0.5))
     run = simulate(p, Topology(prefill=1, decode=1), [req(32, 3, 1000), req(200, 2, 5000)], [0.0, 0.010])
-    assert times_ms(run.timelines[0]) == [252.0, 252.0, 252.0]
+    assert times_ms(run.timelines[0]) == [68.0, 80.0, 92.0]
     # B: shipped at 252 ms, acknowledged at 362 (3 + 100 + 7), decoded by 374; sent at 10 ms.
     assert times_ms(run.timelines[1]) == [352.0, 364.0]
+
+
+def test_one_decode_worker_borrows_the_idle_prefill_workers_core():
+    # Two cores, one thread per worker; a decode step costs 12 ms on one thread, 6 on two. A's
+    # decode steps run while B waits for its prefill (one thread: 12 ms), then on both cores.
+    one, two = SIMPLE, StepCost(base_ms=5.0, decode_ms=1.0, prefill_ms=0.5, decode_ctx_ms=0.0, prefill_attn_ms=0.0)
+    p = Profile(
+        model="toy",
+        device="toy",
+        parallel="threads",
+        steps={1: one, 2: two},
+        kv_bytes_per_token=MIB,
+        transfers={"tcp": TransferCost(0.0, 0.0)},
+        transport="tcp",
+        overheads=Overheads(),
+        cores=2,
+    )
+    alone = simulate(p, Topology(prefill=1, decode=1), [req(32, 4)], [0.0])
+    assert times_ms(alone.timelines[0]) == [42.0, 48.0, 54.0, 60.0]  # prefill 10 + 32; decodes 5 + 1
+    pinned = simulate(p, Topology(prefill=1, decode=1, decode_degree=1), [req(32, 4)], [0.0])
+    assert times_ms(pinned.timelines[0]) == [42.0, 54.0, 66.0, 78.0]  # a degree set by hand: 10 + 2
+    two_pools = simulate(p, Topology(prefill=1, decode=2), [req(32, 2)], [0.0])
+    assert times_ms(two_pools.timelines[0])[1] - times_ms(two_pools.timelines[0])[0] > 6.0  # no borrowing
 
 
 def test_a_reservation_waits_for_blocks_at_most_its_lease():

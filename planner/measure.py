@@ -38,6 +38,7 @@ from pdserve.config import add_arguments, resolve
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.planner.fit import StepSample, robust_fit
 from pdserve.planner.profile import Overheads, Profile, StepCost, StepShape, TransferCost
+from pdserve.process import free_port
 
 PROG = "pdserve profile"
 PARTS = ("engine", "kv", "stack")
@@ -259,7 +260,6 @@ def measure_kv(engine, repeats: int, transports: list[str]) -> dict[str, Transfe
 def _stack_samples(engine_config: EngineConfig, colocated: bool, progress: bool) -> dict:
     """TTFT per prompt length and ITLs at batch 1 and 8, through a real router."""
     from pdserve.bench.client_load import LoadConfig, run_load, warm_up
-    from pdserve.bench.serve import _free_port
     from pdserve.bench.workloads import RequestSpec
     from pdserve.launcher import Cluster
     from pdserve.settings import ClusterSettings, RouterSettings, WorkerSettings
@@ -268,7 +268,7 @@ def _stack_samples(engine_config: EngineConfig, colocated: bool, progress: bool)
     cluster = Cluster(
         engine_config,
         WorkerSettings(),
-        RouterSettings(port=_free_port()),
+        RouterSettings(port=free_port()),
         ClusterSettings(prefill=0 if colocated else 1, decode=1, colocated=colocated),
         env={"PDSERVE_LOG_LEVEL": os.environ.get("PDSERVE_LOG_LEVEL", "WARNING")},
     )
@@ -302,7 +302,9 @@ def stack_overheads(
     """Overheads from real stacks: what the engine model and the KV transfer leave unexplained."""
     raw, per_stack = {}, []
     for colocated in (True, False):
-        degree = engine_config.num_threads or max(1, cores // (1 if colocated else 2))
+        # A 1P1D decode worker's decode-only steps borrow the idle prefill worker's cores
+        # (engine/thread_budget.py), unless the thread count is set by hand.
+        degree = engine_config.num_threads or cores
         cost = steps.get(degree) or steps[min(steps)]
         s = raw["colocated" if colocated else "1p1d"] = _stack_samples(engine_config, colocated, progress)
         one = statistics.median(ms - cost.decode_step_ms(1, n + 8) for n, ms in s["itl1"])  # step + 1 x seq

@@ -302,15 +302,17 @@ def stack_overheads(
     """Overheads from real stacks: what the engine model and the KV transfer leave unexplained."""
     raw, per_stack = {}, []
     for colocated in (True, False):
-        # A 1P1D decode worker's decode-only steps borrow the idle prefill worker's cores
-        # (engine/thread_budget.py), unless the thread count is set by hand.
-        degree = engine_config.num_threads or cores
-        cost = steps.get(degree) or steps[min(steps)]
+        # A 1P1D prefill worker has half the cores; the decode worker's decode-only steps borrow
+        # the idle prefill worker's (engine/thread_budget.py), unless the thread count is set by hand.
+        prefill_degree = engine_config.num_threads or max(1, cores // (1 if colocated else 2))
+        decode_degree = engine_config.num_threads or cores
+        cost = steps.get(decode_degree) or steps[min(steps)]
+        prefill_cost = steps.get(prefill_degree) or steps[min(steps)]
         s = raw["colocated" if colocated else "1p1d"] = _stack_samples(engine_config, colocated, progress)
         one = statistics.median(ms - cost.decode_step_ms(1, n + 8) for n, ms in s["itl1"])  # step + 1 x seq
         eight = statistics.median(s["itl8"]) - cost.decode_step_ms(8, 8 * 56)  # step + 8 x seq
         seq = max(0.0, (eight - one) / 7)
-        per_stack.append((max(0.0, one - seq), seq, cost, s, colocated))
+        per_stack.append((max(0.0, one - seq), seq, prefill_cost, s, colocated))
     step_ms = statistics.mean(p[0] for p in per_stack)
     seq_ms = statistics.mean(p[1] for p in per_stack)
     first, handoff = [], []

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from pdserve.config import to_args
 from pdserve.engine.engine_config import EngineConfig
-from pdserve.placement import Placement, count_visible_gpus, plan, threads_per_worker
+from pdserve.placement import Placement, borrowed_threads, count_visible_gpus, plan, threads_per_worker
 from pdserve.process import parse_ready
 from pdserve.security import SecuritySettings
 from pdserve.settings import ClusterSettings, RouterSettings, WorkerSettings
@@ -189,9 +189,12 @@ class Cluster:
         threads = self.engine.num_threads or pinned or threads_per_worker(len(self._worker_roles()))
         borrow = None  # a decode worker beside unpinned prefill workers: their share too, while they idle
         if role == "decode" and self._lends_cores(cpus, placement):
-            borrow = self.engine.borrow_threads
-            if borrow is None and self.engine.num_threads is None and self.cluster.decode == 1:
-                borrow = threads_per_worker(1)
+            borrow = self.engine.borrow_threads or borrowed_threads(
+                os.cpu_count() or 1,
+                prefill=self.cluster.prefill,
+                decode=self.cluster.decode,
+                by_hand=self.engine.num_threads is not None,
+            )
         tp, pp = self.cluster.role_parallelism(
             role, self.engine.tensor_parallel_size, self.engine.pipeline_parallel_size
         )
@@ -221,9 +224,8 @@ class Cluster:
         return [*to_args(engine), *to_args(worker)]
 
     def _lends_cores(self, cpus: str, placement: Placement) -> bool:
-        """Whether prefill workers share this CPU decode worker's cores, unpinned. Borrowing is
-        automatic only with one decode worker at threads the launcher chose: with two, a
-        prefill computing for one of them would not stop the other from borrowing its cores."""
+        """Whether prefill workers share this CPU decode worker's cores, unpinned (how many it
+        borrows on its own: ``placement.borrowed_threads``)."""
         return (
             not self.cluster.colocated and self.cluster.prefill > 0 and not cpus and placement.device in ("auto", "cpu")
         )

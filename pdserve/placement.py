@@ -95,6 +95,18 @@ def threads_per_worker(num_workers: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, num_workers))
 
 
+def borrowed_threads(
+    cores: int, *, prefill: int, decode: int, colocated: bool = False, pinned: bool = False, by_hand: bool = False
+) -> int | None:
+    """The threads a CPU decode worker's decode-only steps take while no prefill computes for
+    it (engine/thread_budget.py), as ``pdserve up`` sets them: all ``cores`` for the one decode
+    worker beside unpinned prefill workers at thread counts the launcher chose; None otherwise
+    (with two decode workers, a prefill for one would not stop the other from borrowing)."""
+    if colocated or prefill < 1 or decode != 1 or pinned or by_hand:
+        return None
+    return cores
+
+
 def count_visible_gpus() -> int:
     """The GPUs a worker started from here will see. torch answers in a short-lived child
     process, so the launcher neither loads torch nor holds a CUDA context on any GPU; a

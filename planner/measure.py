@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from pdserve.config import add_arguments, resolve
 from pdserve.engine.engine_config import EngineConfig
+from pdserve.placement import borrowed_threads
 from pdserve.planner.fit import StepSample, robust_fit
 from pdserve.planner.profile import Overheads, Profile, StepCost, StepShape, TransferCost
 from pdserve.process import free_port
@@ -305,7 +306,8 @@ def stack_overheads(
         # A 1P1D prefill worker has half the cores; the decode worker's decode-only steps borrow
         # the idle prefill worker's (engine/thread_budget.py), unless the thread count is set by hand.
         prefill_degree = engine_config.num_threads or max(1, cores // (1 if colocated else 2))
-        decode_degree = engine_config.num_threads or cores
+        borrowed = borrowed_threads(cores, prefill=0 if colocated else 1, decode=1, colocated=colocated)
+        decode_degree = engine_config.num_threads or borrowed or prefill_degree
         cost = steps.get(decode_degree) or steps[min(steps)]
         prefill_cost = steps.get(prefill_degree) or steps[min(steps)]
         s = raw["colocated" if colocated else "1p1d"] = _stack_samples(engine_config, colocated, progress)

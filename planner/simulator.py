@@ -41,6 +41,7 @@ from pdserve.bench.workloads import RequestSpec
 from pdserve.engine.kv_connector import KVReceive, KVSend, TransferOutcome
 from pdserve.engine.request_output import KVReservation, KVSent, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.placement import borrowed_threads
 from pdserve.planner.chunking import sizer_for
 from pdserve.planner.profile import Profile
 from pdserve.planner.sim_engine import EngineLimits, SimEngine, SimTransfer
@@ -94,11 +95,16 @@ class Topology:
 
     def borrowed_degree(self, profile: Profile, num_threads: int | None = None) -> int | None:
         """The threads a decode step borrows while no prefill computes for it, as ``pdserve up``
-        sets them: one decode worker beside prefill workers on a shared CPU, its degree not set
-        by hand."""
-        if self.colocated or self.decode != 1 or profile.cores is None or num_threads or self.decode_degree:
+        sets them on a shared CPU."""
+        if profile.cores is None:  # a worker per device: nothing to borrow
             return None
-        return profile.cores
+        return borrowed_threads(
+            profile.cores,
+            prefill=self.prefill,
+            decode=self.decode,
+            colocated=self.colocated,
+            by_hand=bool(num_threads or self.decode_degree),
+        )
 
     def devices(self, profile: Profile) -> int:
         p, d = self.degrees(profile)

@@ -9,7 +9,7 @@ from pdserve.config import resolve
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.kv_cache import parse_memory
 from pdserve.launcher import Cluster
-from pdserve.placement import Placement, parse_devices, plan, threads_per_worker
+from pdserve.placement import Placement, borrowed_threads, parse_devices, plan, threads_per_worker
 from pdserve.settings import ClusterSettings, RouterSettings, WorkerSettings
 
 P2D2 = ["prefill", "prefill", "decode", "decode"]
@@ -153,3 +153,19 @@ def test_unpinned_decode_workers_borrow_the_prefill_workers_cores(monkeypatch):
     assert borrowed(cluster(EngineConfig(borrow_threads=6), prefill=2, decode=2)) == [None, None, "6", "6"]
     assert borrowed(cluster(EngineConfig(borrow_threads=6), pin_cores=True)) == [None, None]  # its cores only
     assert borrowed(cluster(EngineConfig(borrow_threads=6), colocated=True)) == [None]  # no prefill worker
+
+
+@pytest.mark.parametrize(
+    "settings, expected",
+    [
+        (dict(prefill=1, decode=1), 8),
+        (dict(prefill=3, decode=1), 8),
+        (dict(prefill=1, decode=2), None),
+        (dict(prefill=0, decode=1, colocated=True), None),
+        (dict(prefill=1, decode=1, pinned=True), None),
+        (dict(prefill=1, decode=1, by_hand=True), None),
+    ],
+)
+def test_one_rule_for_borrowed_threads(settings, expected):
+    """The launcher, the simulator and the profiler all ask this one function."""
+    assert borrowed_threads(8, **settings) == expected

@@ -57,6 +57,13 @@ class EngineConfig:
         "torch CPU threads a decode step may take while no prefill is filling this worker's cache "
         "(the cores of an idle prefill worker on the same machine; pdserve up sets it)",
     )
+    share_cores: bool | None = setting(
+        None,
+        "this worker's CPU threads sleep while they wait instead of spinning (OpenMP's passive wait "
+        "policy), so a worker sharing its cores computes at full speed beside it; unset: off, but "
+        "pdserve up turns it on for prefill workers beside unpinned CPU decode workers and gives "
+        "them every core, so they take the cores the decode workers leave idle",
+    )
     tensor_parallel_size: int = setting(
         1,
         "ranks (one process each) that split every layer: attention heads and MLP columns, "

@@ -146,6 +146,8 @@ def _run(args: argparse.Namespace, file: dict) -> int:
     if args.command in ("prefill", "decode"):
         engine = resolve(EngineConfig, args, file=file)
         worker = resolve(WorkerSettings, args, file=file)
+        if engine.share_cores:  # before torch loads: OpenMP reads its wait policy once, at load
+            os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
         from pdserve.engine.parallel.rank_main import follow_launcher
 
         if (code := follow_launcher(engine)) is not None:  # a rank above 0 that torchrun started

@@ -23,7 +23,14 @@ from dataclasses import dataclass
 
 from pdserve.config import to_args
 from pdserve.engine.engine_config import EngineConfig
-from pdserve.placement import Placement, borrowed_threads, count_visible_gpus, plan, threads_per_worker
+from pdserve.placement import (
+    Placement,
+    borrowed_threads,
+    count_visible_gpus,
+    plan,
+    shared_prefill_threads,
+    threads_per_worker,
+)
 from pdserve.process import parse_ready
 from pdserve.security import SecuritySettings
 from pdserve.settings import ClusterSettings, RouterSettings, WorkerSettings
@@ -188,13 +195,15 @@ class Cluster:
         pinned = len(cpus.split(",")) if cpus else 0
         threads = self.engine.num_threads or pinned or threads_per_worker(len(self._worker_roles()))
         borrow = None  # a decode worker beside unpinned prefill workers: their share too, while they idle
-        if role == "decode" and self._lends_cores(cpus, placement):
-            borrow = self.engine.borrow_threads or borrowed_threads(
-                os.cpu_count() or 1,
-                prefill=self.cluster.prefill,
-                decode=self.cluster.decode,
-                by_hand=self.engine.num_threads is not None,
+        share = self.engine.share_cores  # a prefill worker beside unpinned decode workers: every idle core
+        if self._shares_cores(cpus, placement):
+            pools = dict(
+                prefill=self.cluster.prefill, decode=self.cluster.decode, by_hand=self.engine.num_threads is not None
             )
+            if role == "decode":
+                borrow = self.engine.borrow_threads or borrowed_threads(os.cpu_count() or 1, **pools)
+            elif share is not False and (shared := shared_prefill_threads(os.cpu_count() or 1, **pools)):
+                threads, share = shared, True
         tp, pp = self.cluster.role_parallelism(
             role, self.engine.tensor_parallel_size, self.engine.pipeline_parallel_size
         )
@@ -202,6 +211,7 @@ class Cluster:
             self.engine,
             num_threads=threads,
             borrow_threads=borrow if borrow is not None and borrow > threads else None,
+            share_cores=share,
             device=placement.device,
             kv_cache_memory=placement.kv_cache_memory,
             tensor_parallel_size=tp,
@@ -223,9 +233,10 @@ class Cluster:
         )
         return [*to_args(engine), *to_args(worker)]
 
-    def _lends_cores(self, cpus: str, placement: Placement) -> bool:
-        """Whether prefill workers share this CPU decode worker's cores, unpinned (how many it
-        borrows on its own: ``placement.borrowed_threads``)."""
+    def _shares_cores(self, cpus: str, placement: Placement) -> bool:
+        """Whether this CPU worker shares its cores, unpinned, with the other pool's workers (how
+        a decode worker borrows and a prefill worker yields: ``placement.borrowed_threads`` and
+        ``placement.shared_prefill_threads``)."""
         return (
             not self.cluster.colocated and self.cluster.prefill > 0 and not cpus and placement.device in ("auto", "cpu")
         )

@@ -107,6 +107,20 @@ def borrowed_threads(
     return cores
 
 
+def shared_prefill_threads(
+    cores: int, *, prefill: int, decode: int, colocated: bool = False, pinned: bool = False, by_hand: bool = False
+) -> int | None:
+    """The threads of a CPU prefill worker that shares the machine with decode workers, as
+    ``pdserve up`` sets them: all ``cores``, with threads that sleep while they wait
+    (``share_cores``), so the prefill takes whatever cores the decode workers leave idle and
+    gives them back at once when a decode step starts (measured: a two-thread prefill beside a
+    busy one-thread decode worker runs at one-thread speed, the decode step at its own). None
+    when pinned, colocated, without both pools, or with thread counts set by hand."""
+    if colocated or prefill < 1 or decode < 1 or pinned or by_hand:
+        return None
+    return cores
+
+
 def count_visible_gpus() -> int:
     """The GPUs a worker started from here will see. torch answers in a short-lived child
     process, so the launcher neither loads torch nor holds a CUDA context on any GPU; a

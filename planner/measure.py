@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from pdserve.config import add_arguments, resolve
 from pdserve.engine.engine_config import EngineConfig
-from pdserve.placement import borrowed_threads
+from pdserve.placement import borrowed_threads, shared_prefill_threads
 from pdserve.planner.fit import StepSample, robust_fit
 from pdserve.planner.profile import Overheads, Profile, StepCost, StepShape, TransferCost
 from pdserve.process import free_port
@@ -303,10 +303,13 @@ def stack_overheads(
     """Overheads from real stacks: what the engine model and the KV transfer leave unexplained."""
     raw, per_stack = {}, []
     for colocated in (True, False):
-        # A 1P1D prefill worker has half the cores; the decode worker's decode-only steps borrow
-        # the idle prefill worker's (engine/thread_budget.py), unless the thread count is set by hand.
-        prefill_degree = engine_config.num_threads or max(1, cores // (1 if colocated else 2))
-        borrowed = borrowed_threads(cores, prefill=0 if colocated else 1, decode=1, colocated=colocated)
+        # A 1P1D decode worker has half the cores and its decode-only steps borrow the idle prefill
+        # worker's (engine/thread_budget.py); the prefill worker, sharing every core, computes the
+        # one-at-a-time prompts measured here while the decode worker idles; unless set by hand.
+        pools = dict(prefill=0 if colocated else 1, decode=1, colocated=colocated)
+        shared = shared_prefill_threads(cores, **pools)
+        prefill_degree = engine_config.num_threads or shared or max(1, cores // (1 if colocated else 2))
+        borrowed = borrowed_threads(cores, **pools)
         decode_degree = engine_config.num_threads or borrowed or prefill_degree
         cost = steps.get(decode_degree) or steps[min(steps)]
         prefill_cost = steps.get(prefill_degree) or steps[min(steps)]

@@ -24,7 +24,8 @@ the first token at once, which reaches the client, and both engines apply the ou
 next step: the prefill worker frees its copy, the decode worker admits the request into its
 batch. Every later token reaches the client at the end of the step that produced it (after the
 first). A single decode worker's decode-only steps with nothing waiting for remote KV run at
-the whole machine's degree (``pdserve up``'s thread borrowing).
+the whole machine's degree (``pdserve up``'s thread borrowing), and a prefill worker sharing
+the machine's cores runs on those its busy neighbours leave (``share_cores``).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from pdserve.bench.workloads import RequestSpec
 from pdserve.engine.kv_connector import KVReceive, KVSend, TransferOutcome
 from pdserve.engine.request_output import KVReservation, KVSent, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.placement import borrowed_threads
+from pdserve.placement import borrowed_threads, shared_prefill_threads
 from pdserve.planner.chunking import sizer_for
 from pdserve.planner.profile import Profile
 from pdserve.planner.sim_engine import EngineLimits, SimEngine, SimTransfer
@@ -106,6 +107,19 @@ class Topology:
             by_hand=bool(num_threads or self.decode_degree),
         )
 
+    def shared_prefill_degree(self, profile: Profile, num_threads: int | None = None) -> int | None:
+        """A prefill worker's degree when it shares the machine's cores, as ``pdserve up`` sets
+        it on a shared CPU: it computes on the cores the decode workers leave idle."""
+        if profile.cores is None:
+            return None
+        return shared_prefill_threads(
+            profile.cores,
+            prefill=self.prefill,
+            decode=self.decode,
+            colocated=self.colocated,
+            by_hand=bool(num_threads or self.prefill_degree),
+        )
+
     def devices(self, profile: Profile) -> int:
         p, d = self.degrees(profile)
         return d * self.decode + (0 if self.colocated else p * self.prefill)
@@ -139,10 +153,18 @@ class SimWorker:
     """One worker: its engine, the router's record of it, and its step loop."""
 
     def __init__(
-        self, sim: "Simulation", role: str, name: str, degree: int, limits: EngineLimits, borrow: int | None = None
+        self,
+        sim: "Simulation",
+        role: str,
+        name: str,
+        degree: int,
+        limits: EngineLimits,
+        borrow: int | None = None,
+        yields: bool = False,
     ) -> None:
         self.sim, self.role, self.own, self.degree = sim, role, degree, degree
         self.borrowed = borrow if borrow is not None and borrow > degree else degree  # engine/thread_budget.py
+        self.yields = yields  # its threads sleep while they wait: it runs on the cores others leave
         self.engine = SimEngine(limits)
         self.engine.connector.wake = lambda: sim._wake(self)  # a transfer's outcome is waiting in its inbox
         # An acknowledged prefill answers the router at once, not at the engine's next step.
@@ -151,7 +173,9 @@ class SimWorker:
         self.handlers: dict[str, Callable[[RequestOutput], None]] = {}
         self.prefill_rate = 0.0  # tokens/s of its recent prefill steps, as LLMEngine reports it
         self.schedule = None  # the step in progress
+        self.shape = None  # its shape (for its cost at fewer threads)
         self.work_ms = 0.0  # what is left of it, in ms at full speed
+        self.speed = 1.0  # of the step in progress, while the busy set stays as it is
         self.version = 0  # bumped whenever its end is rescheduled (stale end events are dropped)
         self.charged_at = 0.0  # when work_ms was last brought up to date
 
@@ -175,6 +199,7 @@ class SimWorker:
         borrow = not schedule.prefills and not self.engine.scheduler.waiting_for_kv
         self.degree = self.borrowed if borrow else self.own
         cost = self.sim.profile.step_cost(self.degree)
+        self.shape = shape
         self.work_ms = cost.ms(shape) + overheads.step_ms + overheads.seq_ms * len(schedule.chunks)
         if schedule.prefills:
             rate = (shape.prefill_tokens + shape.decodes) / (self.work_ms / 1e3)
@@ -225,6 +250,7 @@ class Simulation:
         prefill_degree, decode_degree = topology.degrees(profile, config.num_threads)
         decode_role = "colocated" if topology.colocated else "decode"
         borrow = topology.borrowed_degree(profile, config.num_threads)
+        shared = topology.shared_prefill_degree(profile, config.num_threads)
         self.decode = [
             SimWorker(self, decode_role, f"decode-{i}", decode_degree, self._limits(decode_degree), borrow)
             for i in range(topology.decode)
@@ -233,13 +259,20 @@ class Simulation:
             []
             if topology.colocated
             else [
-                SimWorker(self, "prefill", f"prefill-{i}", prefill_degree, self._limits(prefill_degree))
+                SimWorker(
+                    self,
+                    "prefill",
+                    f"prefill-{i}",
+                    shared or prefill_degree,
+                    self._limits(prefill_degree),
+                    None,
+                    bool(shared),
+                )
                 for i in range(topology.prefill)
             ]
         )
         self.workers = self.decode + self.prefill
         self._by_record = {id(w.record): w for w in self.workers}
-        self._speed = 1.0  # of every running step, while the busy set stays as it is
         self.policy = make_policy(topology.policy)
         self.conditional = None
         if topology.conditional:
@@ -277,10 +310,11 @@ class Simulation:
         self.after(0.0, worker.kick)
 
     def reshare(self, started: SimWorker | None = None) -> None:
-        """Processor sharing on a CPU: while the busy workers' threads outnumber the machine's
-        cores, each runs at cores / busy threads of its speed. Called whenever a step starts
-        (``started``) or ends: charges every running step for the time since the last change
-        at the speed it had, then reschedules its end at the new speed."""
+        """Processor sharing on a CPU: a worker that yields (``share_cores``) runs on the cores
+        the others' busy threads leave (at least one), at its step's cost for that many threads;
+        while the threads still outnumber the cores, each runs at cores / threads of its speed.
+        Called whenever a step starts (``started``) or ends: charges every running step for the
+        time since the last change at the speed it had, then reschedules its end at the new one."""
         if not self.profile.cores:  # a worker per device: steps never slow each other
             if started is not None:
                 started.version += 1
@@ -289,13 +323,23 @@ class Simulation:
         running = [w for w in self.workers if w.busy]
         for w in running:
             if w is not started:
-                w.work_ms = max(0.0, w.work_ms - (self.now - w.charged_at) * 1e3 * self._speed)
+                w.work_ms = max(0.0, w.work_ms - (self.now - w.charged_at) * 1e3 * w.speed)
             w.charged_at = self.now
-        threads = sum(w.degree for w in running)
-        self._speed = min(1.0, self.profile.cores / threads) if threads else 1.0
+        cores = self.profile.cores
+        fixed = sum(w.degree for w in running if not w.yields)
+        threads = {w: max(1, min(w.degree, cores - fixed)) if w.yields else w.degree for w in running}
+        shared = min(1.0, cores / sum(threads.values())) if running else 1.0
         for w in running:
+            w.speed = shared * self._thread_speed(w, threads[w])
             w.version += 1
-            self.after(w.work_ms / self._speed / 1e3, w.step_done, w.version)
+            self.after(w.work_ms / w.speed / 1e3, w.step_done, w.version)
+
+    def _thread_speed(self, w: SimWorker, threads: int) -> float:
+        """How fast ``w``'s step runs on ``threads`` threads, relative to its own degree."""
+        if threads >= w.degree or w.shape is None:
+            return 1.0
+        at_degree = self.profile.step_cost(w.degree).ms(w.shape)
+        return at_degree / max(1e-9, self.profile.step_cost(threads).ms(w.shape))
 
     # -- a run -----------------------------------------------------------------------------------
     def run(self, specs: list[RequestSpec], offsets: list[float]) -> SimRun:

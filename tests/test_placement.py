@@ -3,13 +3,22 @@ free memory). Pure assignment logic: no GPU needed."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from pdserve.config import resolve
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.kv_cache import parse_memory
 from pdserve.launcher import Cluster
-from pdserve.placement import Placement, borrowed_threads, parse_devices, plan, threads_per_worker
+from pdserve.placement import (
+    Placement,
+    borrowed_threads,
+    parse_devices,
+    plan,
+    shared_prefill_threads,
+    threads_per_worker,
+)
 from pdserve.settings import ClusterSettings, RouterSettings, WorkerSettings
 
 P2D2 = ["prefill", "prefill", "decode", "decode"]
@@ -119,7 +128,7 @@ def test_unpinned_cpu_workers_split_the_cores_evenly(monkeypatch):
     assert [threads_per_worker(n) for n in (1, 2, 3, 8, 16)] == [8, 4, 2, 1, 1]
     cluster = Cluster(EngineConfig(), WorkerSettings(), RouterSettings(), ClusterSettings(prefill=1, decode=1))
     threads = [dict(zip(args, args[1:]))["--num-threads"] for _, args in cluster.worker_commands(num_gpus=0)]
-    assert threads == ["4", "4"]
+    assert threads == ["8", "4"]  # the prefill worker shares every core (test below), the decode worker its half
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
     pinned = Cluster(EngineConfig(), WorkerSettings(), RouterSettings(), ClusterSettings(pin_cores=True, decode=3))
     flags = [dict(zip(args, args[1:])) for _, args in pinned.worker_commands(num_gpus=0)]
@@ -169,3 +178,65 @@ def test_unpinned_decode_workers_borrow_the_prefill_workers_cores(monkeypatch):
 def test_one_rule_for_borrowed_threads(settings, expected):
     """The launcher, the simulator and the profiler all ask this one function."""
     assert borrowed_threads(8, **settings) == expected
+
+
+def test_unpinned_prefill_workers_share_every_core(monkeypatch):
+    """A prefill worker beside unpinned CPU decode workers runs on every core with threads that
+    sleep while they wait (--share-cores), so it takes the cores the decode workers leave idle;
+    pinned, colocated, GPU workers and thread counts set by hand keep their share."""
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+
+    def threads_and_sharing(cluster: Cluster, num_gpus: int = 0) -> list[tuple[str, bool]]:
+        return [
+            (dict(zip(args, args[1:]))["--num-threads"], "--share-cores" in args)
+            for _, args in cluster.worker_commands(num_gpus=num_gpus)
+        ]
+
+    def cluster(engine=EngineConfig(), **settings) -> Cluster:
+        return Cluster(engine, WorkerSettings(), RouterSettings(), ClusterSettings(**settings))
+
+    assert threads_and_sharing(cluster(prefill=1, decode=1)) == [("8", True), ("4", False)]
+    assert threads_and_sharing(cluster(prefill=2, decode=2)) == [("8", True)] * 2 + [("2", False)] * 2
+    assert threads_and_sharing(cluster(decode=2, colocated=True)) == [("4", False)] * 2
+    assert threads_and_sharing(cluster(pin_cores=True)) == [("4", False)] * 2
+    assert threads_and_sharing(cluster(EngineConfig(num_threads=2))) == [("2", False)] * 2
+    assert threads_and_sharing(cluster(EngineConfig(num_threads=2, share_cores=True))) == [("2", True)] * 2
+    assert threads_and_sharing(cluster(EngineConfig(share_cores=False))) == [("4", False)] * 2  # opted out
+    on_gpus = threads_and_sharing(cluster(EngineConfig(device="cuda")), num_gpus=2)
+    assert on_gpus == [("4", False)] * 2
+
+
+@pytest.mark.parametrize(
+    "settings, expected",
+    [
+        (dict(prefill=1, decode=1), 8),
+        (dict(prefill=2, decode=3), 8),
+        (dict(prefill=0, decode=1), None),
+        (dict(prefill=1, decode=1, colocated=True), None),
+        (dict(prefill=1, decode=1, pinned=True), None),
+        (dict(prefill=1, decode=1, by_hand=True), None),
+    ],
+)
+def test_one_rule_for_shared_prefill_threads(settings, expected):
+    assert shared_prefill_threads(8, **settings) == expected
+
+
+def test_share_cores_sets_the_passive_wait_policy_before_torch_loads(monkeypatch):
+    """OpenMP reads its wait policy once, when torch loads it: the worker command sets it first."""
+    import pdserve.cli as cli
+    import pdserve.prefill_worker.main as prefill_main
+
+    seen = {}
+
+    async def serve(engine, worker, security):
+        seen["policy"] = os.environ.get("OMP_WAIT_POLICY")
+        seen["share_cores"] = engine.share_cores
+
+    monkeypatch.setattr(prefill_main, "serve", serve)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert cli.main(["prefill", "--share-cores"]) == 0
+    assert seen == {"policy": "PASSIVE", "share_cores": True}
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert cli.main(["prefill"]) == 0
+    assert seen == {"policy": "ACTIVE", "share_cores": None}

@@ -220,27 +220,48 @@ def test_the_first_token_does_not_wait_for_the_prefill_workers_next_step():
     assert times_ms(run.timelines[1]) == [352.0, 364.0]
 
 
-def test_one_decode_worker_borrows_the_idle_prefill_workers_core():
-    # Two cores, one thread per worker; a decode step costs 12 ms on one thread, 6 on two. A's
-    # decode steps run while B waits for its prefill (one thread: 12 ms), then on both cores.
-    one, two = SIMPLE, StepCost(base_ms=5.0, decode_ms=1.0, prefill_ms=0.5, decode_ctx_ms=0.0, prefill_attn_ms=0.0)
-    p = Profile(
+TWO_THREADS = StepCost(base_ms=5.0, decode_ms=1.0, prefill_ms=0.5, decode_ctx_ms=0.0, prefill_attn_ms=0.0)
+
+
+def two_core_profile() -> Profile:
+    """Two cores; every step costs twice as much on one thread as on two."""
+    return Profile(
         model="toy",
         device="toy",
         parallel="threads",
-        steps={1: one, 2: two},
+        steps={1: SIMPLE, 2: TWO_THREADS},
         kv_bytes_per_token=MIB,
         transfers={"tcp": TransferCost(0.0, 0.0)},
         transport="tcp",
         overheads=Overheads(),
         cores=2,
     )
+
+
+def test_one_decode_worker_borrows_the_idle_prefill_workers_core():
+    # One thread per decode worker; its decode-only steps cost 12 ms on one thread, 6 on two.
+    # The prefill (sharing both cores while the decode worker idles) takes 5 + 0.5 x 32 ms.
+    p = two_core_profile()
     alone = simulate(p, Topology(prefill=1, decode=1), [req(32, 4)], [0.0])
-    assert times_ms(alone.timelines[0]) == [42.0, 48.0, 54.0, 60.0]  # prefill 10 + 32; decodes 5 + 1
+    assert times_ms(alone.timelines[0]) == [21.0, 27.0, 33.0, 39.0]
     pinned = simulate(p, Topology(prefill=1, decode=1, decode_degree=1), [req(32, 4)], [0.0])
-    assert times_ms(pinned.timelines[0]) == [42.0, 54.0, 66.0, 78.0]  # a degree set by hand: 10 + 2
+    assert times_ms(pinned.timelines[0]) == [21.0, 33.0, 45.0, 57.0]  # a degree set by hand: 10 + 2
     two_pools = simulate(p, Topology(prefill=1, decode=2), [req(32, 2)], [0.0])
     assert times_ms(two_pools.timelines[0])[1] - times_ms(two_pools.timelines[0])[0] > 6.0  # no borrowing
+
+
+def test_a_prefill_worker_sharing_the_cores_runs_on_those_the_decode_worker_leaves():
+    # A (32 tokens) prefills on both cores: 21 ms. B (200 tokens, sent at 10 ms) prefills from
+    # 21 ms while A's three decode steps run on one thread (12 ms each, B waits for its KV):
+    # until 57 ms B runs on the one core left, at half its two-thread speed (18 of its 105 ms),
+    # then on both: done at 57 + 87 = 144 ms, 134 ms after it was sent; its next token takes a
+    # decode step on both cores (6 ms). With the prefill's degree set by hand, it never shares.
+    p = two_core_profile()
+    specs, sent = [req(32, 4), req(200, 2, 5000)], [0.0, 0.010]
+    shared = simulate(p, Topology(prefill=1, decode=1), specs, sent)
+    assert [times_ms(t) for t in shared.timelines] == [[21.0, 33.0, 45.0, 57.0], [134.0, 140.0]]
+    by_hand = simulate(p, Topology(prefill=1, decode=1, prefill_degree=1), specs, sent)
+    assert [times_ms(t) for t in by_hand.timelines] == [[42.0, 54.0, 66.0, 78.0], [242.0, 248.0]]
 
 
 def test_a_reservation_waits_for_blocks_at_most_its_lease():

@@ -22,7 +22,8 @@ Parts:
   in fp32 and bf16.
 * ``ttft``: a real ``LLMEngine`` (default model, fp32) as the prefill side, its KV connector
   shipping to a decode side per transport (a child process, as above). The engine gets the
-  torch threads ``pdserve up`` gives a 1P1D prefill worker here (``--prefill-threads``). Per repeat and
+  torch threads ``pdserve up`` gives a 1P1D prefill worker here, every core, waiting passively
+  (``--prefill-threads``). Per repeat and
   transport, a triple run back to back in a rotating order: (a) prefill alone (to the first
   token), (b) pipelined (layers leave as they are computed) and (c) send-after-prefill, each
   timed from add_request to the decode side's ACK. Differences are taken within a triple,
@@ -39,6 +40,9 @@ import os
 # (same-host UCX endpoints use shared memory / CMA anyway). Like tests/conftest.py.
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
+# Before torch loads OpenMP: the TTFT part's prefill engine waits as a pdserve up prefill worker
+# does (--share-cores), its threads sleeping while the transfer's threads run.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
 import gc  # noqa: E402
@@ -73,7 +77,7 @@ from pdserve.kvtransfer.handshake import PeerInfo, host_id  # noqa: E402
 from pdserve.kvtransfer.integrity import checksum  # noqa: E402
 from pdserve.kvtransfer.layout import KVCacheView  # noqa: E402
 from pdserve.kvtransfer.ucx_worker import UcxWorker, ucx_available  # noqa: E402
-from pdserve.placement import threads_per_worker  # noqa: E402
+from pdserve.placement import shared_prefill_threads  # noqa: E402
 
 MIB = 1 << 20
 ALL_TRANSPORTS = tuple(name for name in registry.TRANSPORT_NAMES if name != "cuda_ipc")  # CPU caches here
@@ -675,7 +679,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--prefill-threads",
         type=int,
-        default=threads_per_worker(2),
+        default=shared_prefill_threads(os.cpu_count() or 1, prefill=1, decode=1),
         help="torch threads of the TTFT part's prefill engine (default: what pdserve up gives a 1P1D prefill worker here, %(default)s)",
     )
     parser.add_argument(

@@ -96,6 +96,7 @@ class LLMEngine:
         self.connector = KVConnector(
             self.scheduler, self.blocks, self.model_config.num_layers, self.model_config.vocab_size, self._finish_reason
         )
+        self.connector.pipelined = not self.threads.fills_cores  # no core left for a sender mid-forward
         # API parity: grammars for structured output, forks for n > 1 (engine/choices.py).
         self.grammars = GrammarCompiler(
             self.model_dir, self.model_config.vocab_size, sorted(self.model_config.eos_token_ids)

@@ -12,9 +12,17 @@ Set on the engine thread, before each forward pass: an OpenMP thread count belon
 thread that sets it, and the engine thread is the one that opens the parallel regions. Only
 with one decode worker does ``pdserve up`` set it: every prefill then computes for that worker,
 so its own queue says when the prefill cores are busy.
+
+A prefill worker that shares every core (``share_cores``) fills them with its own threads:
+``fills_cores`` then tells the KV connector to send a prompt's layers after its forward pass
+rather than as each is written, since a sending thread would preempt one of the compute
+threads and the rest would wait for it at the next layer (measured: 10–108 ms added to a
+1024-token prompt's TTFT, against -6 to +12 ms when the layers go after the forward).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -26,6 +34,7 @@ class ThreadBudget:
         usable = device.type == "cpu" and world_size == 1 and borrow_threads is not None
         self.borrowed = borrow_threads if usable and borrow_threads > self.own else self.own
         self.current = self.own
+        self.fills_cores = device.type == "cpu" and self.own >= len(os.sched_getaffinity(0))
 
     def for_step(self, prefills_here: bool, waiting_for_kv: bool) -> int:
         """Sets and returns the threads of the next forward pass."""

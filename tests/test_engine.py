@@ -203,6 +203,7 @@ def test_seam_prefill_here_decode_there(model_dir, prompt_ids, hf_reference):
     """Prefill in one engine, decode in another (another block size): the KV connector on both
     sides, with the bytes copied layer by layer during the prefill's forward pass."""
     prefill = make_engine(model_dir, block_size=16, max_num_batched_tokens=128)  # chunked: several steps
+    prefill.connector.pipelined = True  # as with a core to spare, whatever this machine has (thread_budget)
     decode = make_engine(model_dir, block_size=32)
     ids = prompt_ids[-1]
     handoff = LocalHandoff(prefill, decode)

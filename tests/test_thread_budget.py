@@ -44,6 +44,17 @@ def test_keeps_its_own_threads(borrow, device, world_size):
     assert torch.get_num_threads() == 2
 
 
+def test_an_engine_whose_threads_fill_the_cores_sends_layers_after_the_forward(monkeypatch):
+    """A sending thread beside a forward on every core would preempt a compute thread: the KV
+    connector then sends a prompt's layers once its forward is done (kv_connector.pipelined)."""
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    torch.set_num_threads(2)
+    assert ThreadBudget(None, CPU).fills_cores
+    assert not ThreadBudget(None, torch.device("cuda")).fills_cores
+    torch.set_num_threads(1)
+    assert not ThreadBudget(4, CPU).fills_cores  # its own threads leave a core; borrowing is decode-only
+
+
 @pytest.mark.parametrize("value", [0, -1, 1.5, True])
 def test_borrow_threads_is_validated(value):
     with pytest.raises(ValueError, match="borrow_threads"):
@@ -81,3 +92,10 @@ def test_decode_engine_gives_cores_back_while_a_prefill_fills_its_cache(model_di
     assert tokens["remote"] == hf_reference.greedy(remote_ids, MAX_NEW)[1:]  # the first came from the prefill
     assert_all_free(decode)
     assert_all_free(prefill)
+
+
+@pytest.mark.e2e
+def test_the_engine_pipelines_its_sends_only_with_a_core_to_spare(model_dir, monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    assert make_engine(model_dir, num_threads=2).connector.pipelined is False
+    assert make_engine(model_dir, num_threads=1).connector.pipelined is True

@@ -36,9 +36,7 @@ DEFAULT_CASES = (
 
 def run_loop(role: str, seconds: float) -> dict:
     """In a child: load an engine, say so, wait for the go line, loop, report."""
-    sys.path.insert(0, os.path.dirname(__file__))
-    from engine_bench import make_engine
-
+    from pdserve.bench.engine_bench import make_engine
     from pdserve.engine.sampling_params import SamplingParams
 
     engine = make_engine("bfloat16", int(os.environ["PROBE_THREADS"]))
@@ -47,26 +45,24 @@ def run_loop(role: str, seconds: float) -> dict:
     def prompt(n: int) -> list[int]:
         return [rng.randrange(1000, 40000) for _ in range(n)]
 
+    if role == "decode":  # its batch prefilled before the clock starts
+        for i in range(16):
+            engine.add_request(f"d{i}", prompt(150), SamplingParams(max_tokens=4000, temperature=0, ignore_eos=True))
+        engine.step()
     print("loaded", flush=True)
     sys.stdin.readline()
     times, deadline = [], time.monotonic() + seconds
-    if role == "prefill":
-        while time.monotonic() < deadline:
+    while not times or time.monotonic() < deadline:
+        started = time.perf_counter()
+        if role == "prefill":
             engine.add_request(
                 f"p{len(times)}", prompt(1024), SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
             )
-            started = time.perf_counter()
             while engine.has_unfinished():
                 engine.step()
-            times.append(time.perf_counter() - started)
-    else:
-        for i in range(16):
-            engine.add_request(f"d{i}", prompt(150), SamplingParams(max_tokens=4000, temperature=0, ignore_eos=True))
-        engine.step()  # their prefill
-        while time.monotonic() < deadline:
-            started = time.perf_counter()
+        else:
             engine.step()
-            times.append(time.perf_counter() - started)
+        times.append(time.perf_counter() - started)
     return {"n": len(times), "median_ms": round(1e3 * statistics.median(times), 1)}
 
 
@@ -76,7 +72,7 @@ def run_case(case: str, seconds: float) -> list[dict]:
         role, threads, *policy = spec.split(":")
         env = {**os.environ, "PROBE_THREADS": threads}
         env["OMP_WAIT_POLICY"] = "PASSIVE" if policy == ["passive"] else "ACTIVE"
-        cmd = [sys.executable, __file__, "--child", role, "--seconds", str(seconds)]
+        cmd = [sys.executable, "-m", "pdserve.bench.core_sharing_probe", "--child", role, "--seconds", str(seconds)]
         child = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         children.append((spec, child))
     for _, child in children:

@@ -265,8 +265,7 @@ class Simulation:
                     f"prefill-{i}",
                     shared or prefill_degree,
                     self._limits(prefill_degree),
-                    None,
-                    bool(shared),
+                    yields=bool(shared),
                 )
                 for i in range(topology.prefill)
             ]

@@ -97,28 +97,17 @@ class Topology:
     def borrowed_degree(self, profile: Profile, num_threads: int | None = None) -> int | None:
         """The threads a decode step borrows while no prefill computes for it, as ``pdserve up``
         sets them on a shared CPU."""
-        if profile.cores is None:  # a worker per device: nothing to borrow
-            return None
-        return borrowed_threads(
-            profile.cores,
-            prefill=self.prefill,
-            decode=self.decode,
-            colocated=self.colocated,
-            by_hand=bool(num_threads or self.decode_degree),
-        )
+        return self._on_shared_cpu(borrowed_threads, profile, by_hand=bool(num_threads or self.decode_degree))
 
     def shared_prefill_degree(self, profile: Profile, num_threads: int | None = None) -> int | None:
         """A prefill worker's degree when it shares the machine's cores, as ``pdserve up`` sets
         it on a shared CPU: it computes on the cores the decode workers leave idle."""
-        if profile.cores is None:
+        return self._on_shared_cpu(shared_prefill_threads, profile, by_hand=bool(num_threads or self.prefill_degree))
+
+    def _on_shared_cpu(self, rule: Callable[..., int | None], profile: Profile, by_hand: bool) -> int | None:
+        if profile.cores is None:  # a worker per device: no cores to share
             return None
-        return shared_prefill_threads(
-            profile.cores,
-            prefill=self.prefill,
-            decode=self.decode,
-            colocated=self.colocated,
-            by_hand=bool(num_threads or self.prefill_degree),
-        )
+        return rule(profile.cores, prefill=self.prefill, decode=self.decode, colocated=self.colocated, by_hand=by_hand)
 
     def devices(self, profile: Profile) -> int:
         p, d = self.degrees(profile)

@@ -62,7 +62,7 @@ class EngineConfig:
         "this worker's CPU threads sleep while they wait instead of spinning (OpenMP's passive wait "
         "policy), so a worker sharing its cores computes at full speed beside it; unset: off, but "
         "pdserve up turns it on for prefill workers beside unpinned CPU decode workers and gives "
-        "them every core, so they take the cores the decode workers leave idle",
+        "them the prefill pool's split of every core, so they take the cores the decode workers leave idle",
     )
     tensor_parallel_size: int = setting(
         1,

@@ -180,10 +180,11 @@ def test_one_rule_for_borrowed_threads(settings, expected):
     assert borrowed_threads(8, **settings) == expected
 
 
-def test_unpinned_prefill_workers_share_every_core(monkeypatch):
-    """A prefill worker beside unpinned CPU decode workers runs on every core with threads that
-    sleep while they wait (--share-cores), so it takes the cores the decode workers leave idle;
-    pinned, colocated, GPU workers and thread counts set by hand keep their share."""
+def test_unpinned_prefill_workers_share_their_pools_split_of_the_cores(monkeypatch):
+    """A prefill worker beside unpinned CPU decode workers runs on the prefill pool's split of
+    every core with threads that sleep while they wait (--share-cores), so it takes the cores
+    the decode workers leave idle; pinned, colocated, GPU workers and thread counts set by hand
+    keep their share."""
     monkeypatch.setattr("os.cpu_count", lambda: 8)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
 
@@ -197,7 +198,9 @@ def test_unpinned_prefill_workers_share_every_core(monkeypatch):
         return Cluster(engine, WorkerSettings(), RouterSettings(), ClusterSettings(**settings))
 
     assert threads_and_sharing(cluster(prefill=1, decode=1)) == [("8", True), ("4", False)]
-    assert threads_and_sharing(cluster(prefill=2, decode=2)) == [("8", True)] * 2 + [("2", False)] * 2
+    assert threads_and_sharing(cluster(prefill=2, decode=2)) == [("4", True)] * 2 + [("2", False)] * 2
+    assert threads_and_sharing(cluster(prefill=4, decode=4)) == [("2", True)] * 4 + [("1", False)] * 4
+    assert threads_and_sharing(cluster(prefill=3, decode=1)) == [("2", False)] * 4  # no more than the even split
     assert threads_and_sharing(cluster(decode=2, colocated=True)) == [("4", False)] * 2
     assert threads_and_sharing(cluster(pin_cores=True)) == [("4", False)] * 2
     assert threads_and_sharing(cluster(EngineConfig(num_threads=2))) == [("2", False)] * 2
@@ -211,7 +214,7 @@ def test_unpinned_prefill_workers_share_every_core(monkeypatch):
     "settings, expected",
     [
         (dict(prefill=1, decode=1), 8),
-        (dict(prefill=2, decode=3), 8),
+        (dict(prefill=2, decode=3), 4),
         (dict(prefill=0, decode=1), None),
         (dict(prefill=1, decode=1, colocated=True), None),
         (dict(prefill=1, decode=1, pinned=True), None),
@@ -220,6 +223,15 @@ def test_unpinned_prefill_workers_share_every_core(monkeypatch):
 )
 def test_one_rule_for_shared_prefill_threads(settings, expected):
     assert shared_prefill_threads(8, **settings) == expected
+
+
+@pytest.mark.parametrize(
+    "cores, prefill, decode, expected", [(2, 1, 1, 2), (2, 2, 1, None), (2, 1, 2, 2), (8, 3, 1, None), (16, 3, 1, 5)]
+)
+def test_a_prefill_pool_shares_its_split_of_the_cores_only_when_that_is_more_than_the_even_one(
+    cores, prefill, decode, expected
+):
+    assert shared_prefill_threads(cores, prefill=prefill, decode=decode) == expected
 
 
 def test_share_cores_sets_the_passive_wait_policy_before_torch_loads(monkeypatch):

@@ -138,6 +138,10 @@ def test_unpinned_cpu_workers_split_the_cores_evenly(monkeypatch):
     assert {dict(zip(args, args[1:]))["--num-threads"] for _, args in set_by_hand.worker_commands(num_gpus=0)} == {"3"}
 
 
+def cluster(engine=EngineConfig(), **settings) -> Cluster:
+    return Cluster(engine, WorkerSettings(), RouterSettings(), ClusterSettings(**settings))
+
+
 def test_unpinned_decode_workers_borrow_the_prefill_workers_cores(monkeypatch):
     """While no prefill computes for it, the one decode worker steps on the whole machine
     (engine/thread_budget.py); prefill workers, colocated and pinned workers, a pool of several
@@ -149,9 +153,6 @@ def test_unpinned_decode_workers_borrow_the_prefill_workers_cores(monkeypatch):
     def borrowed(cluster: Cluster) -> list[str | None]:
         return [dict(zip(args, args[1:])).get("--borrow-threads") for _, args in cluster.worker_commands(num_gpus=0)]
 
-    def cluster(engine=EngineConfig(), **settings) -> Cluster:
-        return Cluster(engine, WorkerSettings(), RouterSettings(), ClusterSettings(**settings))
-
     assert borrowed(cluster(prefill=1, decode=1)) == [None, "8"]
     assert borrowed(cluster(prefill=2, decode=1)) == [None, None, "8"]
     assert borrowed(cluster(prefill=2, decode=2)) == [None] * 4
@@ -162,22 +163,6 @@ def test_unpinned_decode_workers_borrow_the_prefill_workers_cores(monkeypatch):
     assert borrowed(cluster(EngineConfig(borrow_threads=6), prefill=2, decode=2)) == [None, None, "6", "6"]
     assert borrowed(cluster(EngineConfig(borrow_threads=6), pin_cores=True)) == [None, None]  # its cores only
     assert borrowed(cluster(EngineConfig(borrow_threads=6), colocated=True)) == [None]  # no prefill worker
-
-
-@pytest.mark.parametrize(
-    "settings, expected",
-    [
-        (dict(prefill=1, decode=1), 8),
-        (dict(prefill=3, decode=1), 8),
-        (dict(prefill=1, decode=2), None),
-        (dict(prefill=0, decode=1, colocated=True), None),
-        (dict(prefill=1, decode=1, pinned=True), None),
-        (dict(prefill=1, decode=1, by_hand=True), None),
-    ],
-)
-def test_one_rule_for_borrowed_threads(settings, expected):
-    """The launcher, the simulator and the profiler all ask this one function."""
-    assert borrowed_threads(8, **settings) == expected
 
 
 def test_unpinned_prefill_workers_share_their_pools_split_of_the_cores(monkeypatch):
@@ -194,9 +179,6 @@ def test_unpinned_prefill_workers_share_their_pools_split_of_the_cores(monkeypat
             for _, args in cluster.worker_commands(num_gpus=num_gpus)
         ]
 
-    def cluster(engine=EngineConfig(), **settings) -> Cluster:
-        return Cluster(engine, WorkerSettings(), RouterSettings(), ClusterSettings(**settings))
-
     assert threads_and_sharing(cluster(prefill=1, decode=1)) == [("8", True), ("4", False)]
     assert threads_and_sharing(cluster(prefill=2, decode=2)) == [("4", True)] * 2 + [("2", False)] * 2
     assert threads_and_sharing(cluster(prefill=4, decode=4)) == [("2", True)] * 4 + [("1", False)] * 4
@@ -211,18 +193,24 @@ def test_unpinned_prefill_workers_share_their_pools_split_of_the_cores(monkeypat
 
 
 @pytest.mark.parametrize(
-    "settings, expected",
+    "rule, settings, expected",
     [
-        (dict(prefill=1, decode=1), 8),
-        (dict(prefill=2, decode=3), 4),
-        (dict(prefill=0, decode=1), None),
-        (dict(prefill=1, decode=1, colocated=True), None),
-        (dict(prefill=1, decode=1, pinned=True), None),
-        (dict(prefill=1, decode=1, by_hand=True), None),
+        (borrowed_threads, dict(prefill=1, decode=1), 8),
+        (borrowed_threads, dict(prefill=3, decode=1), 8),
+        (borrowed_threads, dict(prefill=1, decode=2), None),
+        (shared_prefill_threads, dict(prefill=1, decode=1), 8),
+        (shared_prefill_threads, dict(prefill=2, decode=3), 4),
+        (shared_prefill_threads, dict(prefill=0, decode=1), None),
+    ]
+    + [
+        (rule, dict(prefill=1, decode=1, **unshared), None)
+        for rule in (borrowed_threads, shared_prefill_threads)
+        for unshared in (dict(colocated=True), dict(pinned=True), dict(by_hand=True))
     ],
 )
-def test_one_rule_for_shared_prefill_threads(settings, expected):
-    assert shared_prefill_threads(8, **settings) == expected
+def test_one_rule_each_for_borrowed_and_shared_threads(rule, settings, expected):
+    """The launcher, the simulator and the profiler all ask these functions (8 cores)."""
+    assert rule(8, **settings) == expected
 
 
 @pytest.mark.parametrize(

@@ -75,16 +75,24 @@ def run_case(case: str, seconds: float) -> list[dict]:
         cmd = [sys.executable, "-m", "pdserve.bench.core_sharing_probe", "--child", role, "--seconds", str(seconds)]
         child = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         children.append((spec, child))
-    for _, child in children:
-        if child.stdout.readline().strip() != "loaded":
-            raise RuntimeError(f"a child of case {case!r} failed to load")
-    for _, child in children:
-        child.stdin.write("go\n")
-        child.stdin.flush()
-    results = []
-    for spec, child in children:
-        out, _ = child.communicate(timeout=seconds + 120)
-        results.append({"case": case, "process": spec, **json.loads(out.strip().splitlines()[-1])})
+    try:
+        for _, child in children:
+            if child.stdout.readline().strip() != "loaded":
+                raise RuntimeError(f"a child of case {case!r} failed to load")
+        for _, child in children:
+            child.stdin.write("go\n")
+            child.stdin.flush()
+        results = []
+        for spec, child in children:
+            out, _ = child.communicate(timeout=seconds + 120)
+            if child.returncode != 0:
+                raise RuntimeError(f"{spec} of case {case!r} exited with code {child.returncode}")
+            results.append({"case": case, "process": spec, **json.loads(out.strip().splitlines()[-1])})
+    finally:  # a failed or stuck case leaves no process behind
+        for _, child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
     return results
 
 

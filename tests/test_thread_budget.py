@@ -55,6 +55,16 @@ def test_an_engine_whose_threads_fill_the_cores_sends_layers_after_the_forward(m
     assert not ThreadBudget(4, CPU).fills_cores  # its own threads leave a core; borrowing is decode-only
 
 
+def test_without_an_affinity_api_every_core_of_the_machine_counts(monkeypatch):
+    """Where os.sched_getaffinity does not exist (macOS), the budget counts os.cpu_count()."""
+    monkeypatch.delattr("os.sched_getaffinity")
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    torch.set_num_threads(2)
+    assert not ThreadBudget(None, CPU).fills_cores
+    torch.set_num_threads(4)
+    assert ThreadBudget(None, CPU).fills_cores
+
+
 @pytest.mark.parametrize("value", [0, -1, 1.5, True])
 def test_borrow_threads_is_validated(value):
     with pytest.raises(ValueError, match="borrow_threads"):

@@ -3,6 +3,7 @@ and batch-1 speed against llama.cpp on the same GGUF.
 
     python bench/engine_bench.py throughput --dtype bfloat16 --quantization int8  # 64 requests vs HF static batches of 8
     python bench/engine_bench.py overhead --dtype bfloat16       # decode step vs bare forward
+    python bench/engine_bench.py sampling --dtype bfloat16       # decode step by sampling setting, and the sampler alone
     python bench/engine_bench.py roofline --quantization int4    # batch-1 decode and prefill vs machine limits
     python bench/engine_bench.py quality                         # perplexity and agreement: bf16, int8, int4, 8-bit KV
     python bench/engine_bench.py llamacpp                        # batch-1 decode and prefill vs llama.cpp, with quality
@@ -13,6 +14,8 @@ Every figure of one invocation is measured in the same process, side by side.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import random
 import statistics
@@ -133,7 +136,7 @@ def overhead(args: argparse.Namespace) -> dict:
     """Median decode-step time vs the bare model forward on the same batch."""
     engine = engine_from_args(args)
     rows = {}
-    for batch in (1, 8, 32):
+    for batch in args.batch_sizes:
         for i, job in enumerate(make_jobs(batch, (128, 128), (200, 200), args.seed)):
             engine.add_request(
                 f"o{batch}-{i}", job.prompt, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
@@ -155,6 +158,43 @@ def overhead(args: argparse.Namespace) -> dict:
     return {"bench": "overhead", "dtype": args.dtype, "quantization": args.quantization, "by_batch": rows}
 
 
+# The settings users send most: greedy, the OpenAI default, a nucleus, a top-k, a seeded request.
+SAMPLING_SETTINGS = {
+    "greedy": SamplingParams(temperature=0),
+    "temperature 1": SamplingParams(temperature=1.0),
+    "temperature 0.7, top_p 0.9": SamplingParams(temperature=0.7, top_p=0.9),
+    "top_k 50": SamplingParams(top_k=50),
+    "seeded": SamplingParams(temperature=1.0, seed=7),
+}
+
+
+def sampling(args: argparse.Namespace) -> dict:
+    """The decode step under each sampling setting, and the sampler alone on that step's
+    logits (one row of the vocabulary's 49k entries per sequence), by batch size."""
+    engine = engine_from_args(args)
+    sampler = engine.runner.sampler
+    rows: dict = {}
+    for batch in args.batch_sizes:
+        jobs = make_jobs(batch, (128, 128), (args.repeats + 8, args.repeats + 8), args.seed)
+        for name, params in SAMPLING_SETTINGS.items():
+            settings = dataclasses.replace(params, max_tokens=args.repeats + 8, ignore_eos=True)
+            for i, job in enumerate(jobs):
+                engine.add_request(f"s{batch}-{name}-{i}", job.prompt, settings)
+            while engine.scheduler.waiting or any(s.is_prefilling for s in engine.scheduler.running):
+                engine.step()
+            steps = [timed(engine.step) for _ in range(args.repeats)]
+            logits = engine.model(engine.runner.build_batch(engine.scheduler.schedule()), engine.kv_cache.layers)
+            for rid in list(engine.requests):
+                engine.abort(rid)
+            draw = functools.partial(sampler, logits, [settings] * batch, list(range(batch)))
+            alone = [timed(draw) for _ in range(args.repeats)]
+            rows.setdefault(batch, {})[name] = {
+                "step_ms": round(statistics.median(steps) * 1e3, 2),
+                "sampler_ms": round(statistics.median(alone) * 1e3, 3),
+            }
+    return {"bench": "sampling", "dtype": args.dtype, "quantization": args.quantization, "by_batch": rows}
+
+
 def timed(fn) -> float:
     start = time.perf_counter()
     fn()
@@ -166,13 +206,19 @@ def main(argv: list[str] | None = None) -> int:
     from pdserve.bench.quality import quality
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("bench", choices=("throughput", "overhead", "roofline", "quality", "llamacpp"))
+    parser.add_argument("bench", choices=("throughput", "overhead", "sampling", "roofline", "quality", "llamacpp"))
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     parser.add_argument("--quantization", default="none", choices=QUANTIZATIONS)
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument(
+        "--batch-sizes",
+        type=lambda text: [int(b) for b in text.split(",")],
+        default=[1, 8, 32],
+        help="overhead, sampling: decode batch sizes, comma-separated",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--text-tokens", type=int, default=20480, help="quality: tokens of the fixed text for perplexity"
@@ -184,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     benches = {
         "throughput": throughput,
         "overhead": overhead,
+        "sampling": sampling,
         "roofline": roofline.run,
         "quality": quality,
         "llamacpp": vs_llamacpp.run,

@@ -1,10 +1,20 @@
 """Batched next-token sampling: greedy, temperature, top-k, top-p, per-request seeds.
 
-Sampling draws ``argmax(probs / q)`` with ``q ~ Exponential(1)`` per vocabulary entry, which
-is an exact sample from ``probs`` (the exponential race). The noise of a seeded request comes
-from a generator keyed by (seed, index of the token being generated), so a seeded request
-gives the same tokens whether its first token is drawn on a prefill worker and the rest on a
-decode worker, after a preemption, or after a migration.
+Every pass here is O(vocabulary) and vectorized; nothing sorts the vocabulary or draws noise
+for every entry of an unseeded row. (torch's ``sort``, ``multinomial`` and ``exponential_``
+cost 20–70 ns per vocabulary entry on CPU: with a 49k vocabulary, 1–5 ms a row, more than a
+batch-1 decode step.)
+
+- An unseeded row draws by inverse transform: one uniform u, and the first token whose
+  cumulative probability exceeds u (a cumulative sum and a binary search).
+- A seeded row draws ``argmax(probs / E)`` with ``E ~ Exponential(1)`` per vocabulary entry
+  (the exponential race, exact), E from a generator keyed by (seed, index of the token being
+  generated). So a seeded request gives the same tokens whether its first token is drawn on a
+  prefill worker and the rest on a decode worker, after a preemption, or after a migration,
+  and a speculative draft can draw its proposal with the very same E (a coupling that agrees
+  with the target's sample as often as their distributions allow).
+- Top-k and top-p look only at each row's best candidates (``topk``), widening the candidate
+  set until it holds the whole nucleus.
 """
 
 from __future__ import annotations
@@ -16,16 +26,32 @@ import xxhash
 
 from pdserve.engine.sampling_params import SamplingParams
 
+CANDIDATES = 64  # top-k/top-p look at this many of a row's best tokens first
+WIDEN = 8  # and this many times more while a row's nucleus is not inside them
+
 
 def token_seed(seed: int, index: int) -> int:
     return xxhash.xxh3_64_intdigest(struct.pack("<QQ", seed, index)) & (2**63 - 1)
 
 
 def seeded_noise_(row: torch.Tensor, generator: torch.Generator, seed: int, index: int) -> torch.Tensor:
-    """Fills ``row`` (one vocabulary of probabilities' worth) with the noise of output token
-    ``index`` of a request seeded ``seed`` (a speculative draft draws the same)."""
+    """Fills ``row`` (one vocabulary of probabilities' worth) with the Exponential(1) noise of
+    output token ``index`` of a request seeded ``seed`` (a speculative draft draws the same).
+    -log(U) of uniforms: 6x faster than ``exponential_`` on CPU, the same distribution."""
     generator.manual_seed(token_seed(seed, index))
-    return row.exponential_(generator=generator)
+    return row.uniform_(generator=generator).log_().neg_()
+
+
+def inverse_transform(probs: torch.Tensor, u: torch.Tensor, *, overwrite: bool = False) -> torch.Tensor:
+    """One token per row of ``probs`` ([B, V] float32, unnormalized is fine) for uniforms ``u``
+    ([B] in [0, 1)): the first token whose cumulative probability exceeds u times the row's
+    mass. ``overwrite``: sum in place (``probs`` becomes the cumulative sums)."""
+    cdf = probs.cumsum_(dim=-1) if overwrite else probs.cumsum(dim=-1)
+    mass = cdf[:, -1:]
+    ids = torch.searchsorted(cdf, u[:, None].to(cdf) * mass, right=True)
+    # u * mass can round up to the mass itself; the last token that has any stays the last pick
+    last = torch.searchsorted(cdf, mass.contiguous(), right=False)
+    return torch.minimum(ids, last).squeeze(1)
 
 
 class Sampler:
@@ -35,51 +61,83 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int]) -> torch.Tensor:
         """logits: [B, V] fp32; ``output_index[i]``: how many tokens row i has generated so far."""
-        greedy_ids = logits.argmax(dim=-1)
-        if all(p.greedy for p in params):
-            return greedy_ids
-
-        device = logits.device
-        probs = sampling_probs(logits, params)
-
-        noise = torch.empty_like(probs)
-        seeded = [i for i, p in enumerate(params) if p.seed is not None]
-        unseeded = [i for i, p in enumerate(params) if p.seed is None]
+        token_ids = logits.argmax(dim=-1)
+        drawn = [i for i, p in enumerate(params) if not p.greedy]
+        if not drawn:
+            return token_ids
+        # Whole rows where it can: each [B, V] temporary costs more in page faults than its math.
+        every = len(drawn) == len(params)
+        probs = sampling_probs(logits if every else logits[drawn], [params[i] for i in drawn])
+        seeded = [(j, i) for j, i in enumerate(drawn) if params[i].seed is not None]
+        noise = torch.empty_like(probs[0]) if seeded else None
+        for j, i in seeded:
+            seeded_noise_(noise, self._generator, params[i].seed, output_index[i])
+            token_ids[i] = (probs[j] / noise).argmax()
+        unseeded = [j for j, i in enumerate(drawn) if params[i].seed is None]
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=device).exponential_()
-        for i in seeded:
-            seeded_noise_(noise[i], self._generator, params[i].seed, output_index[i])
-        sampled = (probs / noise).argmax(dim=-1)
-
-        is_greedy = torch.tensor([p.greedy for p in params], device=device)
-        return torch.where(is_greedy, greedy_ids, sampled)
+            u = torch.rand(len(unseeded)).to(logits.device)
+            if len(unseeded) == len(params):
+                return inverse_transform(probs, u, overwrite=True)
+            token_ids[[drawn[j] for j in unseeded]] = inverse_transform(probs[unseeded], u, overwrite=True)
+        return token_ids
 
 
 def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """The distribution each row samples from: temperature, then top-k and top-p (greedy rows
     at temperature 1). Speculative decoding's rejection test compares these."""
     temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=logits.device)
-    logits = logits / temperature[:, None]
-    top_k = [p.top_k for p in params]
-    top_p = [p.top_p for p in params]
-    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-        logits = _apply_top_k_top_p(logits, top_k, top_p)
-    return logits.softmax(dim=-1)
+    probs = logits / temperature[:, None]  # the one [B, V] tensor this allocates; the rest is in place
+    probs.sub_(probs.amax(dim=-1, keepdim=True)).exp_()
+    probs.div_(probs.sum(dim=-1, keepdim=True))
+    vocab = probs.shape[1]
+    filtered = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
+    if len(filtered) == len(params):
+        return _restrict_(probs, [p.top_k for p in params], [p.top_p for p in params])
+    if filtered:
+        chosen = [params[i] for i in filtered]
+        probs[filtered] = _restrict_(probs[filtered], [p.top_k for p in chosen], [p.top_p for p in chosen])
+    return probs
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Masks (to -inf) everything outside each row's top-k and top-p nucleus."""
-    vocab = logits.shape[1]
-    device = logits.device
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=device)[None, :]
-    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k], device=device)
-    drop = ranks >= k[:, None]
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    p = torch.tensor(top_p, device=device, dtype=sorted_logits.dtype)
-    probs = sorted_logits.softmax(dim=-1)
+def _restrict_(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Restricts each row's distribution, in place, to its top-k, then to the top-p nucleus of
+    that (renormalized), as a sort of the whole row would. A row whose nucleus is not inside
+    its first candidates is looked at again with more; the others are done."""
+    vocab = probs.shape[1]
+    device = probs.device
+    k = torch.tensor([kk if 0 < kk < vocab else vocab for kk in top_k], device=device)
+    p = torch.tensor(top_p, device=device, dtype=probs.dtype)
+    width = max([CANDIDATES] + [kk for kk in top_k if 0 < kk < vocab])
+    pending = torch.arange(len(top_k), device=device)
+    while True:
+        width = min(width, vocab)
+        every = len(pending) == len(top_k)
+        kept, order, settled = _nucleus(probs if every else probs[pending], width, k[pending], p[pending])
+        if width == vocab:
+            settled[:] = True
+        if every and bool(settled.all()):  # the usual case: in place, no [B, V] temporary
+            probs.zero_().scatter_(1, order, kept)
+            return probs.div_(probs.sum(dim=-1, keepdim=True))
+        restricted = torch.zeros_like(probs[: int(settled.sum())]).scatter_(1, order[settled], kept[settled])
+        probs[pending[settled]] = restricted.div_(restricted.sum(dim=-1, keepdim=True))
+        pending = pending[~settled]
+        if not len(pending):
+            return probs
+        width *= WIDEN
+
+
+def _nucleus(probs: torch.Tensor, width: int, k: torch.Tensor, p: torch.Tensor):
+    """For each row, its ``width`` most likely tokens (``order``) with their top-k/top-p
+    probabilities (``kept``, 0 outside; not yet renormalized), and whether the row's nucleus
+    lies inside them (``settled``: every token past them would be dropped anyway)."""
+    values, order = probs.topk(width, dim=-1)  # sorted, most likely first
+    ranks = torch.arange(width, device=probs.device)[None, :]
+    has_k = k < probs.shape[1]
+    values = values.masked_fill_(ranks >= k[:, None], 0.0)
+    values = values.div_(torch.where(has_k, values.sum(dim=-1), 1.0)[:, None])  # top-p sees the top-k's mass
+    covered = values.cumsum(dim=-1)
     # Keep a token while the mass before it is below p; the most likely token always stays
-    # (a top_p that rounds to 0 in the logits' dtype would drop every token).
-    mass_before = probs.cumsum(dim=-1) - probs
-    sorted_logits = sorted_logits.masked_fill((mass_before >= p[:, None]) & (ranks > 0), float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    # (a top_p that rounds to 0 in float32 would drop every token), and top_p 1 keeps the
+    # tokens whose mass before them rounds to 1.
+    keep = (covered - values < p[:, None]) | (ranks == 0) | (p[:, None] >= 1.0)
+    return values.masked_fill_(~keep, 0.0), order, has_k | (covered[:, -1] >= p)

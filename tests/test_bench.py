@@ -605,3 +605,13 @@ def test_router_overhead_compares_both_paths_on_a_real_cluster(capsys):
     assert math.isclose(
         report["router_added_p50_ms"], report["ttft_router_p50_ms"] - report["ttft_direct_p50_ms"], abs_tol=0.02
     )
+
+
+def test_sampling_bench_times_each_setting_on_the_real_model(capsys):
+    from pdserve.bench import engine_bench
+
+    assert engine_bench.main(["sampling", "--batch-sizes", "2", "--repeats", "2", "--threads", "1"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    rows = report["by_batch"]["2"]
+    assert set(rows) == set(engine_bench.SAMPLING_SETTINGS)
+    assert all(row["step_ms"] > 0 and row["sampler_ms"] > 0 for row in rows.values())

@@ -1,11 +1,17 @@
-"""The sampler at the edges of its settings' ranges: every accepted value gives a real token."""
+"""The sampler: every accepted setting gives a real token, draws follow the distribution, and
+the fast top-k/top-p and inverse-transform paths agree with their textbook definitions."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from fuzzing import fuzz
+from goodness_of_fit import chi_square_p
+from hypothesis import given
+from hypothesis import strategies as st
 
-from pdserve.engine.sampler import Sampler, sampling_probs
+from pdserve.engine import sampler as sampler_module
+from pdserve.engine.sampler import Sampler, inverse_transform, sampling_probs, seeded_noise_
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -31,3 +37,82 @@ def test_a_tiny_top_p_keeps_only_the_first_token_and_a_full_one_keeps_all():
     probs = sampling_probs(logits, [SamplingParams(top_p=1e-46)])
     assert probs.tolist() == [[0.0, 1.0, 0.0]]
     assert (sampling_probs(logits, [SamplingParams(top_p=1.0)]) > 0).all()
+
+
+def sorted_reference(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Top-k then top-p by sorting the whole row: the textbook definition."""
+    values, order = logits.sort(descending=True)
+    if top_k > 0:
+        values[top_k:] = float("-inf")
+    if top_p < 1.0:
+        probs = values.softmax(dim=-1)
+        drop = (probs.cumsum(dim=-1) - probs >= top_p) & (torch.arange(len(values)) > 0)
+        values = values.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(0, order, values).softmax(dim=-1)
+
+
+@fuzz(60)
+@given(
+    seed=st.integers(0, 2**31),
+    vocab=st.sampled_from([5, 200, 3000]),
+    spread=st.sampled_from([0.01, 1.0, 8.0]),  # flat rows widen the candidate set to the whole vocabulary
+    top_k=st.sampled_from([0, 1, 7, 150]),
+    top_p=st.sampled_from([1e-9, 0.3, 0.9, 0.999, 1.0]),
+)
+def test_top_k_top_p_match_a_sort_of_the_whole_row(seed, vocab, spread, top_k, top_p):
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(seed)) * spread
+    params = [SamplingParams(top_k=top_k, top_p=top_p), SamplingParams(), SamplingParams(top_p=top_p)]
+    probs = sampling_probs(logits, params)
+    for row, p in zip(range(3), params):
+        expected = sorted_reference(logits[row], p.top_k if p.top_k < vocab else 0, p.top_p)
+        ours, theirs = probs[row] > 0, expected > 0
+        # only the token at the nucleus's edge may differ, where the mass before it rounds to p
+        assert int((ours ^ theirs).sum()) <= 1, f"row {row}: a different set of tokens kept"
+        both = ours & theirs
+        torch.testing.assert_close(probs[row][both], expected[both], rtol=1e-3, atol=1e-6)
+
+
+def test_a_wide_nucleus_is_found_past_the_first_candidates_beside_a_narrow_one():
+    logits = torch.zeros(2, 5000)  # row 0 flat: top_p 0.5 keeps half, far past the first 64 candidates
+    logits[1, 7], logits[1, 9] = 30.0, 29.0  # row 1: two tokens hold the nucleus
+    probs = sampling_probs(logits, [SamplingParams(top_p=0.5), SamplingParams(top_p=0.9)])
+    kept = int((probs[0] > 0).sum())
+    assert sampler_module.CANDIDATES < 2500 <= kept <= 2501  # the 2501st: the mass before it rounds below 0.5
+    assert (probs[1] > 0).nonzero().flatten().tolist() == [7, 9]
+    torch.testing.assert_close(probs.sum(dim=-1), torch.ones(2))
+
+
+def test_inverse_transform_picks_the_token_whose_interval_holds_u():
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.5, 0.25, 0.0]]).repeat(5, 1)
+    u = torch.tensor([0.0, 0.2499, 0.25, 0.74, 1.0 - 1e-8])
+    assert inverse_transform(probs, u).tolist() == [1, 1, 3, 3, 4]
+    # unnormalized rows are fine, and a u that rounds to the row's mass stays on a token with mass
+    assert inverse_transform(probs * 3, torch.tensor([0.9999999] * 5)).tolist() == [4] * 5
+
+
+def test_unseeded_draws_follow_the_distribution():
+    logits = torch.tensor([2.0, 0.5, -1.0, 1.5, -30.0, 0.0]).log_softmax(dim=-1)
+    rows = 6000
+    params = [SamplingParams(temperature=0.8, top_k=4)] * rows
+    ids = Sampler(torch.device("cpu"))(logits.repeat(rows, 1), params, [0] * rows)
+    counts = torch.bincount(ids, minlength=6).double()
+    assert chi_square_p(counts, sampling_probs(logits[None], params[:1])[0].double()) > 1e-3
+
+
+def test_seeded_draws_follow_the_distribution_and_repeat():
+    logits = torch.tensor([1.0, 0.2, -0.5, 0.9, 0.0])
+    rows = 5000
+    params = [SamplingParams(seed=5)] * rows
+    sampler = Sampler(torch.device("cpu"))
+    ids = sampler(logits.repeat(rows, 1), params, list(range(rows)))
+    assert chi_square_p(torch.bincount(ids, minlength=5).double(), logits.softmax(dim=-1).double()) > 1e-3
+    again = Sampler(torch.device("cpu"))(logits.repeat(rows, 1), params, list(range(rows)))
+    assert torch.equal(ids, again)
+
+
+def test_seeded_noise_is_exponential_and_keyed_by_seed_and_index():
+    generator = torch.Generator()
+    noise = seeded_noise_(torch.empty(200_000), generator, 3, 17)
+    assert abs(float(noise.mean()) - 1.0) < 0.01 and abs(float(noise.var()) - 1.0) < 0.02
+    assert torch.equal(noise, seeded_noise_(torch.empty(200_000), torch.Generator(), 3, 17))
+    assert not torch.equal(noise, seeded_noise_(torch.empty(200_000), generator, 3, 18))

@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from goodness_of_fit import chi_square_p
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -89,17 +90,6 @@ def test_matching_keeps_proposals_up_to_the_first_disagreement():
     assert accept_matching([4, 5, 6], [1, 5, 6, 7]) == [1]
 
 
-def _chi_square_p(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
-    """p-value of Pearson's goodness-of-fit test (cells with zero expected mass must be empty)."""
-    n = counts.sum()
-    support = expected_probs > 0
-    assert counts[~support].sum() == 0, "a token the target gives no mass was emitted"
-    expected = expected_probs[support] * n
-    stat = ((counts[support] - expected) ** 2 / expected).sum()
-    dof = int(support.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat.double() / 2))
-
-
 def _distributions(vocab: int, rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Target and draft rows that differ a lot, with tokens only one of them can produce."""
     g = torch.Generator().manual_seed(seed)
@@ -128,7 +118,7 @@ def test_rejection_sampling_keeps_the_target_distribution_at_every_position():
             counts[i, token] += 1
     for i in range(k + 1):
         assert counts[i].sum() > 500, "too few samples reach this position to test it"
-        assert _chi_square_p(counts[i], p[i]) > 1e-3, f"position {i}: {counts[i].tolist()} vs {p[i].tolist()}"
+        assert chi_square_p(counts[i], p[i]) > 1e-3, f"position {i}: {counts[i].tolist()} vs {p[i].tolist()}"
     # Acceptance is the classic bound: sum(min(p, q)) per proposal.
     expected_first = float(torch.minimum(p[0], q[0]).sum())
     first_kept = counts[1].sum() / trials
@@ -158,7 +148,7 @@ def test_matching_a_coupled_draft_emits_the_targets_own_samples():
         assert out == sampled[: len(out)]
         hits += len(out) - 1
         counts[out[0]] += 1
-    assert _chi_square_p(counts, p[0]) > 1e-3
+    assert chi_square_p(counts, p[0]) > 1e-3
     assert hits > 0.1 * trials * k
 
 

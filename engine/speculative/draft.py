@@ -26,7 +26,7 @@ import torch
 from pdserve.engine.forward_batch import ForwardBatch, PrefillSegment
 from pdserve.engine.kv_cache import KVCache, KVLayout
 from pdserve.engine.model import CausalLM
-from pdserve.engine.sampler import sampling_probs, seeded_noise_
+from pdserve.engine.sampler import inverse_transform, sampling_probs, seeded_noise_
 from pdserve.engine.scheduler import ScheduledChunk
 from pdserve.engine.sequence import Sequence
 
@@ -132,7 +132,7 @@ class DraftProposer:
             probs = sampling_probs(logits[i : i + 1], [sp])[0]
             if sp.seed is None:
                 self.states[chunk.seq].probs.append(probs)
-                tokens[i] = int(torch.multinomial(probs, 1))
+                tokens[i] = int(inverse_transform(probs[None], torch.rand(1)))
             else:
                 noise = seeded_noise_(
                     torch.empty_like(probs), self.generator, sp.seed, chunk.seq.num_output_tokens + step

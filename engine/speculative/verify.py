@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.engine.sampler import inverse_transform
+
 
 def accept_matching(draft: list[int], sampled: list[int]) -> list[int]:
     """``sampled[i]``: the model's sample at position i (len(draft) + 1 of them). Returns the
@@ -56,5 +58,5 @@ def rejection_sample(
     residual = (target_probs[i] - draft_probs[i]).clamp_min_(0.0)
     if not residual.sum() > 0:  # p <= q everywhere yet rejected: only rounding gets here
         residual = target_probs[i]
-    token = int(torch.multinomial(residual, 1, generator=generator))
+    token = int(inverse_transform(residual[None], torch.rand(1, device=device, generator=generator)))
     return [*draft[:i], token]

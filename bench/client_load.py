@@ -45,6 +45,8 @@ class LoadConfig:
     time_limit_s: float = 600.0
     progress: bool = True
     label: str = ""
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,14 +76,22 @@ async def fetch_cluster_stats(address: str, timeout_s: float = 10.0) -> dict | N
     return cluster_snapshot(stats)
 
 
-async def _send(stub: pdserve_pb2_grpc.RouterStub, spec: RequestSpec, request_id: str, timeout_s: float) -> Timeline:
+async def _send(
+    stub: pdserve_pb2_grpc.RouterStub,
+    spec: RequestSpec,
+    request_id: str,
+    timeout_s: float,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+) -> Timeline:
     t = Timeline(prompt_len=spec.prompt_len, max_tokens=spec.max_tokens)
-    # Greedy with ignore_eos: every request produces exactly the output length asked for.
+    # ignore_eos: every request produces exactly the output length asked for.
     request = build_request(
         prompt_token_ids=list(spec.prompt_token_ids),
         request_id=request_id,
         max_tokens=spec.max_tokens,
-        temperature=0.0,
+        temperature=temperature,
+        top_p=top_p,
         ignore_eos=True,
     )
     t.send_time = time.perf_counter()
@@ -142,7 +152,7 @@ async def run_load(specs: list[RequestSpec], cfg: LoadConfig) -> LoadResult:
                     return
             try:
                 timeout = min(cfg.request_timeout_s, deadline - time.perf_counter())
-                results[i] = await _send(stub, spec, f"bench-{tag}-{i}", timeout)
+                results[i] = await _send(stub, spec, f"bench-{tag}-{i}", timeout, cfg.temperature, cfg.top_p)
             finally:
                 if slots is not None:
                     slots.release()

@@ -31,6 +31,8 @@ class HFConfig:
     cache_dir: str | None = None
     num_threads: int | None = None
     progress: bool = True
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +69,7 @@ def load_model(cfg: HFConfig):
     return model, str(folder)
 
 
-def _generate(model, batch: list[RequestSpec]) -> list[float]:
+def _generate(model, batch: list[RequestSpec], temperature: float = 0.0, top_p: float = 1.0) -> list[float]:
     """Runs one static batch; returns the time after each decoding step."""
     import torch
     from transformers import StoppingCriteriaList
@@ -89,7 +91,8 @@ def _generate(model, batch: list[RequestSpec]) -> list[float]:
             attention_mask=mask,
             max_new_tokens=new,
             min_new_tokens=new,
-            do_sample=False,
+            do_sample=temperature > 0,
+            **({"temperature": temperature, "top_p": top_p} if temperature > 0 else {}),
             pad_token_id=pad,
             stopping_criteria=StoppingCriteriaList([clock]),
         )
@@ -112,7 +115,7 @@ def run_hf(specs: list[RequestSpec], cfg: HFConfig, model=None, model_dir: str =
             continue
         error = ""
         try:
-            steps = _generate(model, batch)
+            steps = _generate(model, batch, cfg.temperature, cfg.top_p)
         except RuntimeError as e:  # e.g. out of memory: the batch fails, the run goes on
             steps, error = [], f"generate failed: {e}"
         for spec, t in zip(batch, rows):

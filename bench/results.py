@@ -51,6 +51,8 @@ class RunInfo:
     short_threshold: int = DEFAULT_SHORT_THRESHOLD
     stack: dict | None = None  # a started stack's topology and settings
     prompt_variant: int = 0
+    temperature: float = 0.0  # every request's sampling (0: greedy)
+    top_p: float = 1.0
 
 
 CLUSTER_KEYS = ("prefix_hit_rate", "prefix_cache", "migrations", "retries", "router_counters", "speculative")
@@ -75,6 +77,8 @@ def to_result(info: RunInfo, m: RunMetrics, timelines: list[Timeline], cluster: 
         "goodput_slos_ms": info.goodput.as_dict() or None,
         "stack": info.stack,
         "prompt_variant": info.prompt_variant,
+        "temperature": info.temperature,
+        "top_p": info.top_p,
         "duration": m.duration,
         "completed": m.completed,
         "failed": m.failed,

@@ -148,6 +148,8 @@ class Plan:
     request_timeout_s: float
     connect_timeout_s: float
     hf_batch_size: int
+    temperature: float
+    top_p: float
     progress: bool
     plots: bool
     workload: workloads.WorkloadConfig
@@ -244,6 +246,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--connect-timeout-s", type=float, default=10.0, help="wait for the router to accept (default: 10)"
     )
     load.add_argument("--hf-batch-size", type=int, default=8, help="static batch of the hf baseline (default: 8)")
+    load.add_argument(
+        "--temperature", type=float, default=0.0, help="every request's temperature, hf included (default: 0, greedy)"
+    )
+    load.add_argument("--top-p", type=float, default=1.0, help="every request's top_p, hf included (default: 1)")
     load.add_argument("--result-dir", default="bench/results", help="JSON files and PNG plots (default: %(default)s)")
     load.add_argument("--disable-tqdm", action="store_true", help="no progress bars")
     load.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -349,6 +355,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
         request_timeout_s=args.request_timeout_s,
         connect_timeout_s=args.connect_timeout_s,
         hf_batch_size=args.hf_batch_size,
+        temperature=args.temperature,
+        top_p=args.top_p,
         progress=not args.disable_tqdm,
         plots=not args.no_plots,
         workload=wl,
@@ -452,6 +460,8 @@ def _info(plan: Plan, mode: Mode, rate: float, variant: int = 0) -> results.RunI
         short_threshold=plan.short_threshold,
         stack=_stack_info(mode, plan),
         prompt_variant=variant,
+        temperature=plan.temperature,
+        top_p=plan.top_p,
     )
 
 
@@ -490,6 +500,8 @@ async def _sweep(plan: Plan, mode: Mode, address: str, specs: list[workloads.Req
             time_limit_s=plan.time_limit_s,
             progress=plan.progress,
             label=f"{mode.label} @ {rate:g} req/s",
+            temperature=plan.temperature,
+            top_p=plan.top_p,
         )
         before = await fetch_cluster_stats(address, plan.connect_timeout_s)
         load = await run_load(workloads.variant(specs, k), cfg)
@@ -516,6 +528,8 @@ def _run_hf(plan: Plan, specs: list[workloads.RequestSpec]) -> dict:
         cache_dir=plan.engine.cache_dir,
         num_threads=plan.engine.num_threads,
         progress=plan.progress,
+        temperature=plan.temperature,
+        top_p=plan.top_p,
     )
     print("[hf] loading the model ...", file=sys.stderr, flush=True)
     res = run_hf(specs, cfg)

@@ -541,6 +541,8 @@ def test_hf_baseline_records_every_token(model_dir):
     res = run_hf(specs, HFConfig(num_threads=1, progress=False))
     assert [t.output_tokens for t in res.timelines] == [3, 5] and all(t.success for t in res.timelines)
     assert res.timelines[0].end_time <= res.timelines[1].end_time  # same batch: shared step times
+    sampled = run_hf(specs, HFConfig(num_threads=1, progress=False, temperature=0.8, top_p=0.9))
+    assert [t.output_tokens for t in sampled.timelines] == [3, 5] and all(t.success for t in sampled.timelines)
 
 
 @pytest.mark.e2e
@@ -578,6 +580,10 @@ def test_end_to_end_against_a_started_1p1d_stack(tmp_path, capsys):
             "--result-dir",
             str(out),
             "--disable-tqdm",
+            "--temperature",
+            "0.8",
+            "--top-p",
+            "0.9",
         ]
     )
     assert code == 0
@@ -585,7 +591,8 @@ def test_end_to_end_against_a_started_1p1d_stack(tmp_path, capsys):
     assert VLLM_KEYS <= result.keys()
     assert (result["completed"], result["failed"]) == (4, 1), result["errors"]
     assert "INVALID_ARGUMENT" in result["errors"][2]
-    assert result["output_lens"] == [8, 9, 0, 10, 11]  # greedy with ignore_eos: exactly as asked
+    assert result["output_lens"] == [8, 9, 0, 10, 11]  # ignore_eos: exactly as asked, sampled or not
+    assert (result["temperature"], result["top_p"]) == (0.8, 0.9)
     assert result["mean_ttft_ms"] > 0 and result["mean_itl_ms"] > 0 and result["request_goodput"] is not None
     for name in ("ttft_cdf.png", "itl_cdf.png", "latency_vs_rate.png", "throughput_vs_rate.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

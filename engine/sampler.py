@@ -59,15 +59,20 @@ class Sampler:
         self.device = device
         self._generator = torch.Generator(device=device)
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int]) -> torch.Tensor:
-        """logits: [B, V] fp32; ``output_index[i]``: how many tokens row i has generated so far."""
+    @torch.inference_mode()  # the model's logits are inference tensors: only there may they change in place
+    def __call__(
+        self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int], *, overwrite: bool = False
+    ) -> torch.Tensor:
+        """logits: [B, V] fp32; ``output_index[i]``: how many tokens row i has generated so far;
+        ``overwrite``: the caller is done with ``logits`` (they may become probabilities)."""
         token_ids = logits.argmax(dim=-1)
         drawn = [i for i, p in enumerate(params) if not p.greedy]
         if not drawn:
             return token_ids
         # Whole rows where it can: each [B, V] temporary costs more in page faults than its math.
         every = len(drawn) == len(params)
-        probs = sampling_probs(logits if every else logits[drawn], [params[i] for i in drawn])
+        rows = logits if every else logits[drawn]  # a copy when indexed: ours to overwrite
+        probs = sampling_probs(rows, [params[i] for i in drawn], overwrite=overwrite or not every)
         seeded = [(j, i) for j, i in enumerate(drawn) if params[i].seed is not None]
         noise = torch.empty_like(probs[0]) if seeded else None
         for j, i in seeded:
@@ -82,11 +87,13 @@ class Sampler:
         return token_ids
 
 
-def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams], *, overwrite: bool = False) -> torch.Tensor:
     """The distribution each row samples from: temperature, then top-k and top-p (greedy rows
-    at temperature 1). Speculative decoding's rejection test compares these."""
+    at temperature 1). Speculative decoding's rejection test compares these. ``overwrite``:
+    compute them in ``logits``' own memory."""
     temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=logits.device)
-    probs = logits / temperature[:, None]  # the one [B, V] tensor this allocates; the rest is in place
+    # The one [B, V] tensor this may allocate; the rest is in place.
+    probs = logits.div_(temperature[:, None]) if overwrite else logits / temperature[:, None]
     probs.sub_(probs.amax(dim=-1, keepdim=True)).exp_()
     probs.div_(probs.sum(dim=-1, keepdim=True))
     vocab = probs.shape[1]

@@ -78,7 +78,8 @@ class SamplingStep:
         constrained: list[tuple[int, GrammarState]] = [(r, g) for r, g in enumerate(grammars) if g is not None]
         if constrained:
             self.masker.apply(rows, constrained)
-        token_ids = self.sampler(rows, params, index)
+        # Nothing reads the rows after sampling but verification (proposals never carry grammars).
+        token_ids = self.sampler(rows, params, index, overwrite=not any(c.draft for c in chunks))
 
         logprobs: list[TokenLogprob | None] = [None] * len(params)
         if wanted:

@@ -116,3 +116,16 @@ def test_seeded_noise_is_exponential_and_keyed_by_seed_and_index():
     assert abs(float(noise.mean()) - 1.0) < 0.01 and abs(float(noise.var()) - 1.0) < 0.02
     assert torch.equal(noise, seeded_noise_(torch.empty(200_000), torch.Generator(), 3, 17))
     assert not torch.equal(noise, seeded_noise_(torch.empty(200_000), generator, 3, 18))
+
+
+def test_overwriting_the_logits_draws_the_same_tokens_and_only_then_changes_them():
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(0)) * 2
+    params = [SamplingParams(), SamplingParams(temperature=0.6, top_p=0.8), SamplingParams(seed=4), SamplingParams()]
+    kept = logits.clone()
+    torch.manual_seed(1)
+    untouched = Sampler(torch.device("cpu"))(logits, params, [0, 1, 2, 3])
+    assert torch.equal(logits, kept)
+    torch.manual_seed(1)
+    overwritten = Sampler(torch.device("cpu"))(logits, params, [0, 1, 2, 3], overwrite=True)
+    assert torch.equal(untouched, overwritten)
+    assert not torch.equal(logits, kept)

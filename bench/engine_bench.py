@@ -170,7 +170,8 @@ SAMPLING_SETTINGS = {
 
 def sampling(args: argparse.Namespace) -> dict:
     """The decode step under each sampling setting, and the sampler alone on that step's
-    logits (one row of the vocabulary's 49k entries per sequence), by batch size."""
+    logits (one row of the vocabulary's 49k entries per sequence; leaving them as they are,
+    where the step lets it work in their memory), by batch size."""
     engine = engine_from_args(args)
     sampler = engine.runner.sampler
     rows: dict = {}

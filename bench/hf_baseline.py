@@ -92,7 +92,8 @@ def _generate(model, batch: list[RequestSpec], temperature: float = 0.0, top_p: 
             max_new_tokens=new,
             min_new_tokens=new,
             do_sample=temperature > 0,
-            **({"temperature": temperature, "top_p": top_p} if temperature > 0 else {}),
+            # top_k=0: transformers would add its own default of 50, which pdserve's requests do not have
+            **({"temperature": temperature, "top_p": top_p, "top_k": 0} if temperature > 0 else {}),
             pad_token_id=pad,
             stopping_criteria=StoppingCriteriaList([clock]),
         )

@@ -1,20 +1,23 @@
 """Batched next-token sampling: greedy, temperature, top-k, top-p, per-request seeds.
 
-Every pass here is O(vocabulary) and vectorized; nothing sorts the vocabulary or draws noise
-for every entry of an unseeded row. (torch's ``sort``, ``multinomial`` and ``exponential_``
-cost 20–70 ns per vocabulary entry on CPU: with a 49k vocabulary, 1–5 ms a row, more than a
-batch-1 decode step.)
+torch's ``sort``, ``multinomial`` and ``exponential_`` cost 20–70 ns per vocabulary entry on
+CPU: with a 49k vocabulary a sampled row took 1.2–5 ms, and a batch-32 step with top-p took 3.5
+greedy steps. Here no row draws noise for every entry unless it is seeded, and top-k/top-p sort
+only a row's best candidates:
 
 - An unseeded row draws by inverse transform: one uniform u, and the first token whose
-  cumulative probability exceeds u (a cumulative sum and a binary search).
+  cumulative probability exceeds u (a cumulative sum and a binary search). The sum runs in
+  float64: float32's rounding would leave the smallest probabilities undrawable, and a CUDA
+  scan of one row is not monotone in float32.
 - A seeded row draws ``argmax(probs / E)`` with ``E ~ Exponential(1)`` per vocabulary entry
   (the exponential race, exact), E from a generator keyed by (seed, index of the token being
   generated). So a seeded request gives the same tokens whether its first token is drawn on a
-  prefill worker and the rest on a decode worker, after a preemption, or after a migration,
-  and a speculative draft can draw its proposal with the very same E (a coupling that agrees
-  with the target's sample as often as their distributions allow).
-- Top-k and top-p look only at each row's best candidates (``topk``), widening the candidate
-  set until it holds the whole nucleus.
+  prefill worker and the rest on a decode worker, after a preemption, or after a migration
+  (on workers of one version: the noise changed with this sampler), and a speculative draft
+  can draw its proposal with the very same E, so that it predicts the target's own sample.
+- Top-k and top-p look at each row's best candidates (``topk``), widening the candidate set,
+  for the rows that need it, until it holds the whole nucleus (a flat row can widen to its
+  whole vocabulary, which costs what a sort does).
 """
 
 from __future__ import annotations
@@ -37,21 +40,23 @@ def token_seed(seed: int, index: int) -> int:
 def seeded_noise_(row: torch.Tensor, generator: torch.Generator, seed: int, index: int) -> torch.Tensor:
     """Fills ``row`` (one vocabulary of probabilities' worth) with the Exponential(1) noise of
     output token ``index`` of a request seeded ``seed`` (a speculative draft draws the same).
-    -log(U) of uniforms: 6x faster than ``exponential_`` on CPU, the same distribution."""
+    −log(U) of uniforms, 6x faster than ``exponential_`` on CPU; U is kept above 0, where the
+    noise would be infinite and a row's only allowed token would lose to token 0."""
     generator.manual_seed(token_seed(seed, index))
-    return row.uniform_(generator=generator).log_().neg_()
+    return row.uniform_(generator=generator).clamp_min_(torch.finfo(row.dtype).tiny).log_().neg_()
 
 
-def inverse_transform(probs: torch.Tensor, u: torch.Tensor, *, overwrite: bool = False) -> torch.Tensor:
-    """One token per row of ``probs`` ([B, V] float32, unnormalized is fine) for uniforms ``u``
-    ([B] in [0, 1)): the first token whose cumulative probability exceeds u times the row's
-    mass. ``overwrite``: sum in place (``probs`` becomes the cumulative sums)."""
-    cdf = probs.cumsum_(dim=-1) if overwrite else probs.cumsum(dim=-1)
-    mass = cdf[:, -1:]
-    ids = torch.searchsorted(cdf, u[:, None].to(cdf) * mass, right=True)
-    # u * mass can round up to the mass itself; the last token that has any stays the last pick
-    last = torch.searchsorted(cdf, mass.contiguous(), right=False)
-    return torch.minimum(ids, last).squeeze(1)
+def inverse_transform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs`` ([B, V], unnormalized is fine) for uniforms ``u`` ([B] in
+    [0, 1)): the first token whose cumulative probability exceeds u times the row's mass."""
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+    ids = torch.searchsorted(cdf, u[:, None].to(cdf) * cdf[:, -1:], right=True).clamp_max_(probs.shape[1] - 1)
+    # Never a token without mass, whatever the sum's rounding: such a pick takes the row's best.
+    # (A row that is NaN, a model's fault, keeps an id inside the vocabulary.)
+    massless = (probs.gather(1, ids) <= 0).squeeze(1)
+    if bool(massless.any()):
+        ids[massless] = probs[massless].argmax(dim=-1, keepdim=True)
+    return ids.squeeze(1)
 
 
 class Sampler:
@@ -64,7 +69,7 @@ class Sampler:
         self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int], *, overwrite: bool = False
     ) -> torch.Tensor:
         """logits: [B, V] fp32; ``output_index[i]``: how many tokens row i has generated so far;
-        ``overwrite``: the caller is done with ``logits`` (they may become probabilities)."""
+        ``overwrite``: the caller is done with ``logits`` (they may be scaled and normalized in place)."""
         token_ids = logits.argmax(dim=-1)
         drawn = [i for i, p in enumerate(params) if not p.greedy]
         if not drawn:
@@ -82,8 +87,8 @@ class Sampler:
         if unseeded:
             u = torch.rand(len(unseeded)).to(logits.device)
             if len(unseeded) == len(params):
-                return inverse_transform(probs, u, overwrite=True)
-            token_ids[[drawn[j] for j in unseeded]] = inverse_transform(probs[unseeded], u, overwrite=True)
+                return inverse_transform(probs, u)
+            token_ids[[drawn[j] for j in unseeded]] = inverse_transform(probs[unseeded], u)
         return token_ids
 
 
@@ -92,7 +97,7 @@ def sampling_probs(logits: torch.Tensor, params: list[SamplingParams], *, overwr
     at temperature 1). Speculative decoding's rejection test compares these. ``overwrite``:
     compute them in ``logits``' own memory."""
     temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=logits.device)
-    # The one [B, V] tensor this may allocate; the rest is in place.
+    # Without ``overwrite``, this [B, V] is the one copy of every row; the rest is in place.
     probs = logits.div_(temperature[:, None]) if overwrite else logits / temperature[:, None]
     probs.sub_(probs.amax(dim=-1, keepdim=True)).exp_()
     probs.div_(probs.sum(dim=-1, keepdim=True))

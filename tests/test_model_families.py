@@ -257,9 +257,9 @@ class LogitsRecorder:
             step.sampler = cls(step.sampler)
         return step.sampler
 
-    def __call__(self, logits, params, output_index):
+    def __call__(self, logits, params, output_index, **options):
         self.last = logits.clone()
-        return self.sampler(logits, params, output_index)
+        return self.sampler(logits, params, output_index, **options)
 
 
 def generate(engine: LLMEngine, prompts: list[list[int]]) -> tuple[list[list[int]], list[torch.Tensor]]:

@@ -51,25 +51,35 @@ def sorted_reference(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Te
     return torch.empty_like(logits).scatter_(0, order, values).softmax(dim=-1)
 
 
-@fuzz(60)
-@given(
-    seed=st.integers(0, 2**31),
-    vocab=st.sampled_from([5, 200, 3000]),
-    spread=st.sampled_from([0.01, 1.0, 8.0]),  # flat rows widen the candidate set to the whole vocabulary
-    top_k=st.sampled_from([0, 1, 7, 150]),
-    top_p=st.sampled_from([1e-9, 0.3, 0.9, 0.999, 1.0]),
+ROW = st.tuples(
+    st.sampled_from([0.01, 1.0, 8.0]),  # spread: flat rows widen the candidate set, up to the whole vocabulary
+    st.sampled_from([0, 1, 7, 150]),  # top_k
+    st.sampled_from([1e-9, 0.3, 0.9, 0.999, 1.0]),  # top_p
 )
-def test_top_k_top_p_match_a_sort_of_the_whole_row(seed, vocab, spread, top_k, top_p):
-    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(seed)) * spread
-    params = [SamplingParams(top_k=top_k, top_p=top_p), SamplingParams(), SamplingParams(top_p=top_p)]
+
+
+@fuzz(60)
+@given(seed=st.integers(0, 2**31), vocab=st.sampled_from([5, 200, 3000]), rows=st.lists(ROW, min_size=4, max_size=4))
+def test_top_k_top_p_match_a_sort_of_the_whole_row(seed, vocab, rows):
+    noise = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(seed))
+    logits = noise * torch.tensor([spread for spread, _, _ in rows])[:, None]
+    params = [SamplingParams(top_k=top_k, top_p=top_p) for _, top_k, top_p in rows]
     probs = sampling_probs(logits, params)
-    for row, p in zip(range(3), params):
+    for row, p in enumerate(params):
         expected = sorted_reference(logits[row], p.top_k if p.top_k < vocab else 0, p.top_p)
         ours, theirs = probs[row] > 0, expected > 0
         # only the token at the nucleus's edge may differ, where the mass before it rounds to p
         assert int((ours ^ theirs).sum()) <= 1, f"row {row}: a different set of tokens kept"
         both = ours & theirs
         torch.testing.assert_close(probs[row][both], expected[both], rtol=1e-3, atol=1e-6)
+
+
+def test_top_k_with_top_p_1_keeps_tokens_whose_mass_before_rounds_to_1():
+    logits = torch.tensor(
+        [[0.0] + [-30.0 - i for i in range(9)]]
+    )  # after the first, the running mass is 1.0 in float32
+    probs = sampling_probs(logits, [SamplingParams(top_k=5, top_p=1.0)])
+    assert (probs[0, :5] > 0).all() and (probs[0, 5:] == 0).all()
 
 
 def test_a_wide_nucleus_is_found_past_the_first_candidates_beside_a_narrow_one():
@@ -84,16 +94,33 @@ def test_a_wide_nucleus_is_found_past_the_first_candidates_beside_a_narrow_one()
 
 def test_inverse_transform_picks_the_token_whose_interval_holds_u():
     probs = torch.tensor([[0.0, 0.25, 0.0, 0.5, 0.25, 0.0]]).repeat(5, 1)
-    u = torch.tensor([0.0, 0.2499, 0.25, 0.74, 1.0 - 1e-8])
+    below_one = 1.0 - 2.0**-24  # the largest float32 uniform
+    u = torch.tensor([0.0, 0.2499, 0.25, 0.74, below_one])
     assert inverse_transform(probs, u).tolist() == [1, 1, 3, 3, 4]
-    # unnormalized rows are fine, and a u that rounds to the row's mass stays on a token with mass
-    assert inverse_transform(probs * 3, torch.tensor([0.9999999] * 5)).tolist() == [4] * 5
+    assert inverse_transform(probs * 3, torch.full((5,), below_one)).tolist() == [4] * 5  # unnormalized
+
+
+def test_inverse_transform_stays_inside_the_vocabulary_on_rows_without_mass():
+    rows = torch.tensor([[float("nan")] * 4, [0.0] * 4])  # a model's NaN; a row nothing is allowed in
+    assert all(0 <= i < 4 for i in inverse_transform(rows, torch.tensor([0.5, 0.5])).tolist())
+
+
+@pytest.mark.parametrize("seed", [None, 7])
+def test_a_row_with_one_allowed_token_always_draws_it(seed):
+    """A grammar that allows one token (the rest -inf). Seeded: (seed 7, token 107) is a draw
+    whose uniform noise holds an exact 0 at that token, which made its noise infinite."""
+    vocab, allowed, index = 151_936, 73_305, 107
+    logits = torch.full((4, vocab), float("-inf"))
+    logits[:, allowed] = 0.0
+    ids = Sampler(torch.device("cpu"))(logits, [SamplingParams(seed=seed)] * 4, [index] * 4)
+    assert ids.tolist() == [allowed] * 4
 
 
 def test_unseeded_draws_follow_the_distribution():
     logits = torch.tensor([2.0, 0.5, -1.0, 1.5, -30.0, 0.0]).log_softmax(dim=-1)
     rows = 6000
     params = [SamplingParams(temperature=0.8, top_k=4)] * rows
+    torch.manual_seed(0)  # unseeded rows draw from torch's global generator
     ids = Sampler(torch.device("cpu"))(logits.repeat(rows, 1), params, [0] * rows)
     counts = torch.bincount(ids, minlength=6).double()
     assert chi_square_p(counts, sampling_probs(logits[None], params[:1])[0].double()) > 1e-3
@@ -129,3 +156,50 @@ def test_overwriting_the_logits_draws_the_same_tokens_and_only_then_changes_them
     overwritten = Sampler(torch.device("cpu"))(logits, params, [0, 1, 2, 3], overwrite=True)
     assert torch.equal(untouched, overwritten)
     assert not torch.equal(logits, kept)
+
+
+def test_each_row_of_a_mixed_batch_draws_as_it_would_alone():
+    """Greedy, seeded, unseeded and top-p rows in one batch: each row's token is the one its
+    own rules give (unseeded rows take the batch's uniforms in order)."""
+    vocab = 500
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(3)) * 2
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(seed=11),
+        SamplingParams(temperature=0.9),
+        SamplingParams(top_p=0.5, seed=12),
+        SamplingParams(temperature=0.7, top_p=0.8),
+        SamplingParams(temperature=0),
+    ]
+    index = [5, 6, 7, 8, 9, 10]
+    torch.manual_seed(2)
+    ids = Sampler(torch.device("cpu"))(logits, params, index).tolist()
+    assert ids[0] == int(logits[0].argmax()) and ids[5] == int(logits[5].argmax())
+    for row in (1, 3):
+        alone = Sampler(torch.device("cpu"))(logits[row : row + 1], [params[row]], [index[row]])
+        assert ids[row] == int(alone[0])
+    torch.manual_seed(2)
+    u = torch.rand(2)
+    for row, draw in ((2, u[0:1]), (4, u[1:2])):
+        assert ids[row] == int(inverse_transform(sampling_probs(logits[row : row + 1], [params[row]]), draw)[0])
+
+
+def test_the_sampling_step_leaves_a_verified_chunks_logits_as_the_model_gave_them():
+    """The sampler may work in the logits' memory only when nothing reads them afterwards: a
+    chunk with proposals hands its rows to verification, which needs the model's own."""
+    from pdserve.engine.sampling_step import SamplingStep
+    from pdserve.engine.scheduler import ScheduledChunk
+    from pdserve.engine.sequence import Sequence
+
+    seen = []
+    step = SamplingStep(Sampler(torch.device("cpu")))
+    step.verify = lambda chunk, sampled, rows: seen.append(rows.clone()) or sampled[:1]
+    seq = Sequence("r", list(range(10, 20)), 8, SamplingParams(temperature=0.8))
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    model_gave = logits.clone()
+    step(logits, [ScheduledChunk(seq, 9, 3, lookahead=2, draft=[4, 5])])
+    assert torch.equal(seen[0], model_gave) and torch.equal(logits, model_gave)
+    # without proposals, the same rows are the sampler's to overwrite
+    alone = model_gave[:1].clone()
+    step(alone, [ScheduledChunk(seq, 9, 1)])
+    assert not torch.equal(alone, model_gave[:1])

@@ -263,3 +263,12 @@ def test_rejection_sampling_without_generator_uses_the_global_rng():
     p = torch.tensor([[0.0, 1.0], [0.5, 0.5]])
     q = torch.tensor([[1.0, 0.0]])
     assert rejection_sample([0], q, p, bonus=0) == [1]  # q proposes what p never emits: replaced from the residual
+
+
+def test_a_proposal_its_own_draft_gives_no_mass_is_rejected():
+    """q(d) = 0 means d was not drawn from q; keeping it would emit a token p never gives."""
+    p = torch.tensor([[0.5, 0.5, 0.0], [1 / 3, 1 / 3, 1 / 3]])
+    q = torch.tensor([[0.5, 0.5, 0.0]])
+    for seed in range(20):
+        out = rejection_sample([2], q, p, bonus=0, generator=torch.Generator().manual_seed(seed))
+        assert len(out) == 1 and out[0] in (0, 1)

@@ -51,7 +51,7 @@ def rejection_sample(
     ids = torch.tensor(draft, device=device)
     p, q = target_probs[rows, ids], draft_probs[rows, ids]
     u = torch.rand(k, device=device, generator=generator)
-    rejected = (u * q > p).nonzero()  # u < p/q, without dividing by a zero q
+    rejected = ((u * q > p) | (q <= 0)).nonzero()  # keep while u < p/q (q = 0: not drawn from q at all)
     if rejected.numel() == 0:
         return [*draft, bonus]
     i = int(rejected[0])

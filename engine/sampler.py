@@ -22,6 +22,7 @@ only a row's best candidates:
 
 from __future__ import annotations
 
+import math
 import struct
 
 import torch
@@ -31,6 +32,7 @@ from pdserve.engine.sampling_params import SamplingParams
 
 CANDIDATES = 64  # top-k/top-p look at this many of a row's best tokens first
 WIDEN = 8  # and this many times more while a row's nucleus is not inside them
+BLOCK = 256  # tokens per block of the inverse transform's first level
 
 
 def token_seed(seed: int, index: int) -> int:
@@ -48,10 +50,25 @@ def seeded_noise_(row: torch.Tensor, generator: torch.Generator, seed: int, inde
 
 def inverse_transform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One token per row of ``probs`` ([B, V], unnormalized is fine) for uniforms ``u`` ([B] in
-    [0, 1)): the first token whose cumulative probability exceeds u times the row's mass."""
-    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
-    ids = torch.searchsorted(cdf, u[:, None].to(cdf) * cdf[:, -1:], right=True).clamp_max_(probs.shape[1] - 1)
-    # Never a token without mass, whatever the sum's rounding: such a pick takes the row's best.
+    [0, 1)): the first token whose cumulative probability exceeds u times the row's mass.
+
+    Two levels, in float64 (float32 would leave the smallest probabilities undrawable, and a
+    CUDA scan of one long row is not monotone in float32): the sums of blocks of tokens find
+    the block, then the sum inside that block finds the token. One pass over the row and no
+    [B, V] temporary."""
+    rows, vocab = probs.shape
+    block = math.gcd(vocab, BLOCK)
+    if block < BLOCK // 16:  # a vocabulary with few factors of 2: pad it
+        probs, block = torch.nn.functional.pad(probs, (0, -vocab % BLOCK)), BLOCK
+    blocks = probs.view(rows, -1, block)
+    cdf = blocks.sum(dim=-1, dtype=torch.float64).cumsum_(dim=-1)  # [B, blocks]
+    target = u[:, None].to(cdf) * cdf[:, -1:]
+    which = torch.searchsorted(cdf, target, right=True).clamp_max_(cdf.shape[1] - 1)
+    before = torch.where(which > 0, cdf.gather(1, (which - 1).clamp_min(0)), 0.0)
+    inside = blocks[torch.arange(rows, device=probs.device), which.squeeze(1)].cumsum(dim=-1, dtype=torch.float64)
+    ids = which * block + torch.searchsorted(inside, target - before, right=True).clamp_max_(block - 1)
+    ids.clamp_max_(vocab - 1)
+    # Never a token without mass, whatever the sums' rounding: such a pick takes the row's best.
     # (A row that is NaN, a model's fault, keeps an id inside the vocabulary.)
     massless = (probs.gather(1, ids) <= 0).squeeze(1)
     if bool(massless.any()):

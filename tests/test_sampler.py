@@ -203,3 +203,16 @@ def test_the_sampling_step_leaves_a_verified_chunks_logits_as_the_model_gave_the
     alone = model_gave[:1].clone()
     step(alone, [ScheduledChunk(seq, 9, 1)])
     assert not torch.equal(alone, model_gave[:1])
+
+
+@pytest.mark.parametrize("vocab", [7, 3001, 4096, 49_152])  # padded to whole blocks, or split into them
+def test_inverse_transform_agrees_with_a_float64_sum_of_the_whole_row(vocab):
+    generator = torch.Generator().manual_seed(vocab)
+    probs = (torch.randn(64, vocab, generator=generator) * 3).softmax(dim=-1)
+    allowed = torch.rand(32, vocab, generator=generator) < 0.1
+    allowed[:, -1] = True  # half the rows masked down to a tenth of their tokens (and the last)
+    probs[::2] *= allowed
+    u = torch.rand(64, generator=generator)
+    cdf = probs.double().cumsum(dim=-1)
+    expected = torch.searchsorted(cdf, u[:, None].double() * cdf[:, -1:], right=True).squeeze(1)
+    assert torch.equal(inverse_transform(probs, u), expected)

@@ -63,6 +63,7 @@ from pdserve.bench.metrics import DEFAULT_SHORT_THRESHOLD, Goodput, cluster_delt
 from pdserve.client import DEFAULT_ADDRESS  # noqa: E402
 from pdserve.config import add_arguments, resolve  # noqa: E402
 from pdserve.engine.engine_config import EngineConfig  # noqa: E402
+from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
 from pdserve.process import free_port  # noqa: E402
 from pdserve.settings import KV_TRANSPORTS, ROUTING_POLICIES, ClusterSettings, RouterSettings, WorkerSettings  # noqa: E402
 
@@ -334,6 +335,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         Profile.load(args.profile)  # a bad profile is bad input, found before any stack starts
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    SamplingParams(temperature=args.temperature, top_p=args.top_p)  # the server's rules, checked before it starts
     for name in ("time_limit_s", "request_timeout_s", "connect_timeout_s"):
         if not (getattr(args, name) > 0 and math.isfinite(getattr(args, name))):
             raise ValueError(f"--{name.replace('_', '-')} must be a positive number, got {getattr(args, name)}")

@@ -514,6 +514,8 @@ def test_speculative_mode_suffixes_turn_it_on_per_stack():
         (["--short-threshold", "0"], "--short-threshold must be >= 1"),
         (["--input-len", "9:3"], "LO:HI"),
         (["--goodput", "ttft:abc"], "not a number"),
+        (["--temperature", "-1"], "sampling.temperature: must be in [0,"),
+        (["--top-p", "0"], "sampling.top_p: must be in (0, 1]"),
         (["--addr", "127.0.0.1:9", "--connect-timeout-s", "1"], "cannot reach a router at 127.0.0.1:9"),
     ],
 )

@@ -13,7 +13,9 @@ offers) and is checked to have streamed them.
         --pdserve= --pdserve="--quantization int4" --pdserve="--colocated --quantization int4"
 
 (each ``--pdserve=FLAGS`` is one pdserve configuration; write it with ``=``, since its flags
-start with dashes; an empty one is ``pdserve up``'s defaults)
+start with dashes; an empty one is ``pdserve up``'s defaults). Requests are greedy unless
+``--temperature``/``--top-p`` say otherwise; sampled, llama.cpp's own extra samplers are turned
+off so that both servers draw from the same distribution.
 
 Reported per server and concurrency, with the serving benchmark's definitions (bench/metrics.py,
 vLLM's): TTFT, TPOT ((last token - first token) / (tokens - 1) per request) and ITL (every gap
@@ -64,9 +66,13 @@ class Server:
         return [sys.executable, "-m", "pdserve.cli", "up", "--host", "127.0.0.1", "--port", grpc_port,
                 "--http-port", str(port), *self.flags]  # fmt: skip
 
-    def extra_body(self) -> dict:
+    def extra_body(self, sampled: bool = False) -> dict:
+        """Exact lengths, each server its own way; ``sampled``: llama.cpp's own default samplers
+        (top_k 40, min_p 0.05, repeat_penalty 1.1) off, so both servers draw from the same
+        distribution, the one temperature and top_p give."""
         if self.kind == "llama.cpp":
-            return {"logit_bias": {str(t): -100.0 for t in END_TOKEN_IDS}}
+            neutral = {"top_k": 0, "min_p": 0.0, "repeat_penalty": 1.0} if sampled else {}
+            return {"logit_bias": {str(t): -100.0 for t in END_TOKEN_IDS}, **neutral}
         return {"ignore_eos": True}
 
 
@@ -117,12 +123,20 @@ def prompts(count: int, length: int) -> list[str]:
     return [tokenizer.decode(ids[i * length : (i + 1) * length]) for i in range(1, count + 1)]
 
 
-async def _one(client, model: str, prompt: str, output_len: int, extra: dict) -> Timeline:
+async def _one(
+    client, model: str, prompt: str, output_len: int, extra: dict, temperature: float = 0.0, top_p: float = 1.0
+) -> Timeline:
     """One streamed request; an error, or an answer not exactly ``output_len`` tokens long, marks it failed."""
     timeline = Timeline(prompt_len=0, max_tokens=output_len, send_time=time.perf_counter())
     try:
         stream = await client.completions.create(
-            model=model, prompt=prompt, max_tokens=output_len, temperature=0.0, stream=True, extra_body=extra
+            model=model,
+            prompt=prompt,
+            max_tokens=output_len,
+            temperature=temperature,
+            top_p=top_p,
+            stream=True,
+            extra_body=extra,
         )
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].text:  # a server streams one token per chunk
@@ -138,7 +152,16 @@ async def _one(client, model: str, prompt: str, output_len: int, extra: dict) ->
     return timeline
 
 
-async def run_load(base: str, model: str, texts: list[str], concurrency: int, output_len: int, extra: dict) -> dict:
+async def run_load(
+    base: str,
+    model: str,
+    texts: list[str],
+    concurrency: int,
+    output_len: int,
+    extra: dict,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+) -> dict:
     import openai
 
     client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=REQUEST_TIMEOUT_S)
@@ -146,7 +169,7 @@ async def run_load(base: str, model: str, texts: list[str], concurrency: int, ou
 
     async def limited(text: str) -> Timeline:
         async with gate:
-            return await _one(client, model, text, output_len, extra)
+            return await _one(client, model, text, output_len, extra, temperature, top_p)
 
     try:
         started = time.perf_counter()
@@ -179,14 +202,12 @@ def measure(server: Server, args, texts: list[str], warm: str) -> list[dict]:
     base = f"http://127.0.0.1:{port}"
     try:
         model = _wait_up(process, base)
-        warmed = asyncio.run(run_load(base, model, [warm], 1, args.output_len, server.extra_body()))
+        extra, sampling = server.extra_body(sampled=args.temperature > 0), (args.temperature, args.top_p)
+        warmed = asyncio.run(run_load(base, model, [warm], 1, args.output_len, extra, *sampling))
         if warmed["failed"]:
             raise RuntimeError(f"the warm-up request failed: {warmed['failed'][0]}")
         return [
-            {
-                "server": server.label,
-                **asyncio.run(run_load(base, model, texts, c, args.output_len, server.extra_body())),
-            }
+            {"server": server.label, **asyncio.run(run_load(base, model, texts, c, args.output_len, extra, *sampling))}
             for c in args.concurrency
         ]
     finally:
@@ -200,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--concurrency", default="1,8", help="comma-separated client concurrencies")
+    parser.add_argument("--temperature", type=float, default=0.0, help="every request's temperature (0: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="every request's top_p")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp's threads")
     parser.add_argument(
         "--pdserve",
@@ -218,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         (args.rounds >= 1 and args.num_prompts >= 1, "--rounds and --num-prompts must be >= 1"),
         (args.input_len >= 1 and args.output_len >= 2, "--input-len must be >= 1 and --output-len >= 2"),
         (args.threads >= 1, "--threads must be >= 1"),
+        (0 <= args.temperature <= 2 and 0 < args.top_p <= 1, "--temperature must be in [0, 2] and --top-p in (0, 1]"),
     ):
         if not ok:
             parser.error(message)

@@ -21,6 +21,8 @@ from pdserve.bench import http_vs_llamacpp as bench
         (["--input-len", "0"], "--input-len must be >= 1 and --output-len >= 2"),
         (["--output-len", "1"], "--input-len must be >= 1 and --output-len >= 2"),
         (["--threads", "0"], "--threads must be >= 1"),
+        (["--temperature", "-1"], "--temperature must be in [0, 2] and --top-p in (0, 1]"),
+        (["--top-p", "0"], "--temperature must be in [0, 2] and --top-p in (0, 1]"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_message(argv, message, capsys):
@@ -34,7 +36,14 @@ def test_each_server_is_asked_for_exact_lengths_its_own_way():
     llama, default, int4 = bench.parse_servers(["", "--quantization int4"])
     assert (llama.label, default.label, int4.label) == ("llama.cpp", "pdserve", "pdserve --quantization int4")
     assert llama.extra_body() == {"logit_bias": {"0": -100.0, "2": -100.0}}
-    assert default.extra_body() == int4.extra_body() == {"ignore_eos": True}
+    assert default.extra_body() == int4.extra_body() == default.extra_body(sampled=True) == {"ignore_eos": True}
+    # sampling: llama.cpp's own extra samplers off, so both draw from the same distribution
+    assert llama.extra_body(sampled=True) == {
+        "logit_bias": {"0": -100.0, "2": -100.0},
+        "top_k": 0,
+        "min_p": 0.0,
+        "repeat_penalty": 1.0,
+    }
     assert int4.command(8000, 2)[-2:] == ["--quantization", "int4"]
     assert "--n_threads" in llama.command(8000, 2)
 
@@ -65,10 +74,23 @@ def test_a_short_answer_or_an_error_is_a_failed_request_not_a_faster_figure():
     assert failed.error == "ConnectionError: server went away" and not failed.success
 
 
+def test_every_request_carries_the_runs_sampling():
+    sent = []
+
+    async def create(**request):
+        sent.append(request)
+        return await _fake_client(["a", "b"]).completions.create()
+
+    client = types.SimpleNamespace(completions=types.SimpleNamespace(create=create))
+    timeline = asyncio.run(bench._one(client, "m", "p", 2, {"ignore_eos": True}, temperature=0.7, top_p=0.9))
+    assert timeline.success
+    assert (sent[0]["temperature"], sent[0]["top_p"], sent[0]["extra_body"]) == (0.7, 0.9, {"ignore_eos": True})
+
+
 @pytest.mark.e2e
 def test_pdserve_half_against_a_real_stack_over_http():
     server = bench.Server("pdserve", "pdserve", ("--colocated", "--kv-cache-memory", "256MiB"))
-    args = types.SimpleNamespace(threads=2, output_len=6, concurrency=[1, 3])
+    args = types.SimpleNamespace(threads=2, output_len=6, concurrency=[1, 3], temperature=0.8, top_p=0.9)
     texts = bench.prompts(4, 24)
     rows = bench.measure(server, args, texts[1:], texts[0])
     assert [r["concurrency"] for r in rows] == [1, 3]
@@ -82,7 +104,7 @@ def test_llamacpp_half_streams_exact_lengths_when_installed():
     # llama.cpp's server is an optional extra; where it is installed, its end-token bias must
     # give every answer the asked-for length (else the comparison would count short answers).
     pytest.importorskip("llama_cpp.server", reason="llama.cpp's server is optional: pip install 'pdserve[bench]'")
-    args = types.SimpleNamespace(threads=2, output_len=6, concurrency=[1, 2])
+    args = types.SimpleNamespace(threads=2, output_len=6, concurrency=[1, 2], temperature=0.0, top_p=1.0)
     texts = bench.prompts(4, 24)
     rows = bench.measure(bench.Server("llama.cpp", "llama.cpp"), args, texts[1:], texts[0])
     for row in rows:

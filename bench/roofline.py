@@ -18,6 +18,7 @@ import time
 import torch
 from torch import nn
 
+from pdserve.engine.host_memory import host_zeros
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.packed_linear import PackedBF16Linear
 from pdserve.engine.quantization import QuantizedLinear
@@ -111,11 +112,12 @@ def decode_attention_s(
     shape = (num_blocks, *engine.kv_cache.layers[0].shape[1:])
     distinct = 1 if resident else cfg.num_layers
     if layout.storage_dtype.is_floating_point:
-        caches = [torch.randn(shape, generator=generator).to(layout.storage_dtype) for _ in range(distinct)]
+        values = [torch.randn(shape, generator=generator).to(layout.storage_dtype) for _ in range(distinct)]
     else:  # 8-bit values with their scales packed in the slot: bytes that read as small, normal floats
-        caches = [
+        values = [
             torch.randint(40, 60, shape, generator=generator, dtype=layout.storage_dtype) for _ in range(distinct)
         ]
+    caches = [host_zeros(shape, layout.storage_dtype).copy_(v) for v in values]  # the engine's pages (2 MB)
     caches = caches * (cfg.num_layers // distinct)
     q = torch.randn(batch, cfg.num_heads, cfg.head_dim, generator=generator).to(engine.dtype)
     backend, scale = engine.model.backend, cfg.head_dim**-0.5

@@ -33,10 +33,6 @@ struct Partial {
   float* acc;  // [num_q_heads][dim]
 };
 
-inline void prefetch(const uint8_t* p, int64_t bytes) {
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
-}
-
 // ---------------------------------------------------------------------------------------------
 // The portable path (any head_dim): per KV head, scores, softmax, values, in plain loops.
 
@@ -173,7 +169,9 @@ void attend_avx512(const float* q, int64_t num_q_heads, const uint8_t* cache, co
       tokens[j] = cache + (table[t / block_size] * block_size + t % block_size) * tb;
       // The token read one chunk later (usually in another block), prefetched a slice at a time
       // while this chunk's values are summed: a burst of a whole block's lines would stall on
-      // the core's few outstanding-miss slots with nothing to compute meanwhile.
+      // the core's few outstanding-miss slots with nothing to compute meanwhile. Into L2, not
+      // L1: an L1 prefetch holds one of L1's few miss slots until its line arrives, while L2
+      // keeps many more in flight (and the L1 prefetcher brings each line the last step).
       later[j] = ahead < t1 ? cache + (table[ahead / block_size] * block_size + ahead % block_size) * tb : nullptr;
     }
     // Scores of every query head for these tokens.
@@ -245,7 +243,7 @@ void attend_avx512(const float* q, int64_t num_q_heads, const uint8_t* cache, co
         const int64_t first_line = h * lines / heads, end_line = (h + 1) * lines / heads;
         for (int64_t j = 0; j < n; ++j) {
           if (g0 == 0 && later[j] != nullptr) {
-            for (int64_t l = first_line; l < end_line; ++l) __builtin_prefetch(later[j] + 64 * l, 0, 3);
+            for (int64_t l = first_line; l < end_line; ++l) __builtin_prefetch(later[j] + 64 * l, 0, 2);
           }
           __m512 vr[NV];
           const float vs = load_vecs<T, KIND, NV>(tokens[j], fmt, 1, h, vr);

@@ -35,7 +35,7 @@ inline void tile(const uint16_t* w, int64_t block_stride, int64_t k, const uint1
     __m512i wv[NB];
     for (int j = 0; j < NB; ++j) {
       const uint16_t* p = w + j * block_stride + s * kCols * kStep;
-      _mm_prefetch(reinterpret_cast<const char*>(p + 16 * kCols * kStep), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p + 16 * kCols * kStep), _MM_HINT_T1);
       wv[j] = _mm512_loadu_si512(p);
     }
     for (int r = 0; r < MR; ++r) {

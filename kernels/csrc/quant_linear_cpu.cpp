@@ -148,8 +148,8 @@ inline void gemm_tile(const uint8_t* w, int64_t block_stride, const float* col_s
     const uint8_t* cell[NB];
     for (int j = 0; j < NB; ++j) {
       cell[j] = w + j * block_stride + g * CB;
-      _mm_prefetch(reinterpret_cast<const char*>(cell[j] + 8 * CB), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(cell[j] + 8 * CB + 256), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(cell[j] + 8 * CB), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(cell[j] + 8 * CB + 256), _MM_HINT_T1);
     }
     const int8_t* xg = xq + g * kGroup;
     if constexpr (F == kInt4Group) {

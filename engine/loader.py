@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 
 from pdserve.engine.decode_stack import build_decode_stack
+from pdserve.engine.host_memory import host_arena, trim_heap
 from pdserve.engine.model import CausalLM
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_store import NATIVE_CODES
@@ -138,6 +139,8 @@ def load_model(
         quantize_model(model, quantization, {} if shard else load_codes(folder / NATIVE_CODES), device)
     elif dtype == torch.bfloat16 and backend.cpu_kernels is not None and backend.cpu_kernels.has_dense_bf16():
         pack_bf16_model(model, backend.cpu_kernels)
+    if device.type == "cpu":
+        packed_onto_huge_pages(model)
     if shard is None and backend.cpu_kernels is not None and model.ops.name == "cpu" and backend.kv_format is not None:
         model.decode_stack = build_decode_stack(model, backend.cpu_kernels, backend.kv_format.kind)
     return model
@@ -176,6 +179,15 @@ def quantize_model(model: CausalLM, mode: str, native: dict[str, QuantizedWeight
     if head is None or head.fmt is not QuantFormat.INT8_GROUP:
         head = quantize(model.lm_head.weight.detach().cpu(), "int8")
     model.lm_head = QuantizedLinear(head, None, device, float_out=True)
+
+
+def packed_onto_huge_pages(model: CausalLM) -> None:
+    """Moves the decode kernels' packed weights (what a decode step streams) into one arena on
+    2 MB pages (``host_arena``), in layer order."""
+    owners = [m for m in model.modules() if isinstance(getattr(m, "packed", None), torch.Tensor)]
+    for owner, packed in zip(owners, host_arena([m.packed for m in owners])):
+        owner.packed = packed
+    trim_heap()  # the packed copies just freed
 
 
 def pack_bf16_model(model: CausalLM, kernels) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.engine.host_memory import HUGE_PAGE, host_bytes, host_zeros
+from pdserve.engine.host_memory import HUGE_PAGE, host_arena, host_bytes, host_zeros
 from pdserve.engine.kv_cache import KVCache, KVLayout
 from pdserve.kvtransfer.layout import StagingPool
 
@@ -57,3 +57,23 @@ def test_staging_buffers_of_two_megabytes_and_up_are_too():
     assert big.numel() == 4 << 20 and big.data_ptr() % HUGE_PAGE == 0 and advised_huge(big.data_ptr())
     small = host_bytes(1 << 20)  # under 2 MB: ordinary pages (a huge one would be half empty)
     assert small.numel() == 1 << 20 and not advised_huge(small.data_ptr())
+
+
+def test_an_arena_holds_equal_copies_end_to_end_on_64_byte_boundaries():
+    generator = torch.Generator().manual_seed(0)
+    tensors = [
+        torch.randn(3, 5, generator=generator),
+        torch.randint(0, 255, (1_500_000,), generator=generator, dtype=torch.uint8),
+        torch.randn(700, 1000, generator=generator).to(torch.bfloat16),
+    ]
+    copies = host_arena(tensors)
+    for original, copy in zip(tensors, copies):
+        assert copy.dtype == original.dtype and copy.shape == original.shape and torch.equal(copy, original)
+        assert copy.data_ptr() % 64 == 0 and copy.data_ptr() != original.data_ptr()
+    assert len({c.untyped_storage().data_ptr() for c in copies}) == 1
+    ends = [c.data_ptr() + c.numel() * c.element_size() for c in copies]
+    assert all(end <= nxt.data_ptr() < end + 64 for end, nxt in zip(ends, copies[1:]))  # no gaps but padding
+    if THP.exists() and "[never]" not in THP.read_text():
+        assert copies[0].data_ptr() % HUGE_PAGE == 0 and advised_huge(copies[-1].data_ptr())
+    copies[1][0] ^= 1  # copies, not views of the originals
+    assert not torch.equal(copies[1], tensors[1])

@@ -35,6 +35,7 @@ inline void tile(const uint16_t* w, int64_t block_stride, int64_t k, const uint1
     __m512i wv[NB];
     for (int j = 0; j < NB; ++j) {
       const uint16_t* p = w + j * block_stride + s * kCols * kStep;
+      // Into L2: an L1 prefetch would hold one of L1's few miss slots until its line lands.
       _mm_prefetch(reinterpret_cast<const char*>(p + 16 * kCols * kStep), _MM_HINT_T1);
       wv[j] = _mm512_loadu_si512(p);
     }

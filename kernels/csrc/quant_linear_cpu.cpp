@@ -148,6 +148,7 @@ inline void gemm_tile(const uint8_t* w, int64_t block_stride, const float* col_s
     const uint8_t* cell[NB];
     for (int j = 0; j < NB; ++j) {
       cell[j] = w + j * block_stride + g * CB;
+      // Into L2: an L1 prefetch would hold one of L1's few miss slots until its line lands.
       _mm_prefetch(reinterpret_cast<const char*>(cell[j] + 8 * CB), _MM_HINT_T1);
       _mm_prefetch(reinterpret_cast<const char*>(cell[j] + 8 * CB + 256), _MM_HINT_T1);
     }

@@ -149,8 +149,9 @@ inline void gemm_tile(const uint8_t* w, int64_t block_stride, const float* col_s
     for (int j = 0; j < NB; ++j) {
       cell[j] = w + j * block_stride + g * CB;
       // Into L2: an L1 prefetch would hold one of L1's few miss slots until its line lands.
-      _mm_prefetch(reinterpret_cast<const char*>(cell[j] + 8 * CB), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(cell[j] + 8 * CB + 256), _MM_HINT_T1);
+#pragma GCC unroll 8
+      for (int64_t line = 0; line < CB; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(cell[j] + 8 * CB + line), _MM_HINT_T1);
     }
     const int8_t* xg = xq + g * kGroup;
     if constexpr (F == kInt4Group) {

@@ -111,13 +111,15 @@ def decode_attention_s(
     context_lens = torch.tensor(lens, dtype=torch.int32)
     shape = (num_blocks, *engine.kv_cache.layers[0].shape[1:])
     distinct = 1 if resident else cfg.num_layers
-    if layout.storage_dtype.is_floating_point:
-        values = [torch.randn(shape, generator=generator).to(layout.storage_dtype) for _ in range(distinct)]
-    else:  # 8-bit values with their scales packed in the slot: bytes that read as small, normal floats
-        values = [
-            torch.randint(40, 60, shape, generator=generator, dtype=layout.storage_dtype) for _ in range(distinct)
-        ]
-    caches = [host_zeros(shape, layout.storage_dtype).copy_(v) for v in values]  # the engine's pages (2 MB)
+
+    def random_layer() -> torch.Tensor:  # on the engine's pages (2 MB), one temporary at a time
+        if layout.storage_dtype.is_floating_point:
+            values = torch.randn(shape, generator=generator)
+        else:  # 8-bit values with their scales packed in the slot: bytes that read as small, normal floats
+            values = torch.randint(40, 60, shape, generator=generator, dtype=layout.storage_dtype)
+        return host_zeros(shape, layout.storage_dtype).copy_(values)
+
+    caches = [random_layer() for _ in range(distinct)]
     caches = caches * (cfg.num_layers // distinct)
     q = torch.randn(batch, cfg.num_heads, cfg.head_dim, generator=generator).to(engine.dtype)
     backend, scale = engine.model.backend, cfg.head_dim**-0.5

@@ -74,6 +74,8 @@ def host_arena(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Copies of CPU ``tensors`` laid end to end in one ``host_bytes`` allocation, each at a
     64-byte boundary: weights that every decode step streams, in one run of 2 MB pages (one TLB
     entry per 2 MB instead of per 4 KB) rather than in separate 4 KB-page allocations."""
+    if any(t.device.type != "cpu" for t in tensors):
+        raise ValueError("host_arena holds CPU tensors only")
     sizes = [t.numel() * t.element_size() for t in tensors]
     offsets = [0]
     for size in sizes:

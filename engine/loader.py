@@ -185,6 +185,8 @@ def packed_onto_huge_pages(model: CausalLM) -> None:
     """Moves the decode kernels' packed weights (what a decode step streams) into one arena on
     2 MB pages (``host_arena``), in layer order."""
     owners = [m for m in model.modules() if isinstance(getattr(m, "packed", None), torch.Tensor)]
+    if not owners:  # no decode kernels here (fp32 weights, or a CPU without them)
+        return
     for owner, packed in zip(owners, host_arena([m.packed for m in owners])):
         owner.packed = packed
     trim_heap()  # the packed copies just freed

@@ -77,3 +77,8 @@ def test_an_arena_holds_equal_copies_end_to_end_on_64_byte_boundaries():
         assert copies[0].data_ptr() % HUGE_PAGE == 0 and advised_huge(copies[-1].data_ptr())
     copies[1][0] ^= 1  # copies, not views of the originals
     assert not torch.equal(copies[1], tensors[1])
+
+
+def test_an_arena_refuses_tensors_off_the_cpu():
+    with pytest.raises(ValueError, match="CPU tensors only"):
+        host_arena([torch.zeros(4), torch.zeros(4, device="meta")])

@@ -96,6 +96,21 @@ constexpr int64_t kChunk = 16;  // sum16 reduces exactly one vector of scores
 static_assert(kChunk == 16);
 constexpr int64_t kMaxQHeads = 64;
 
+// The token read one chunk later (usually in another block) is prefetched while this chunk is
+// computed, a few lines per step so that the requests spread over the whole chunk: its K half
+// while the scores are taken, one KV head's share at a time, and its V half while the values
+// are summed. A burst of a whole block's lines would stall on the core's outstanding-miss slots
+// with nothing to compute meanwhile. Into L2, not L1: an L1 prefetch holds one of L1's few miss
+// slots until its line arrives, while L2 keeps many more in flight (and the L1 prefetcher
+// brings each line the last step).
+inline void prefetch_share(const uint8_t* token, int64_t lines, int kv, int64_t h, int64_t heads) {
+  if (token == nullptr) return;
+  const int64_t half = lines / 2, first = kv ? half : 0, count = kv ? lines - half : half;
+  for (int64_t l = first + h * count / heads; l < first + (h + 1) * count / heads; ++l) {
+    __builtin_prefetch(token + 64 * l, 0, 2);
+  }
+}
+
 // One K or V row of head h as fp32 vectors, unscaled; returns the row's scale (1 for plain rows).
 template <typename T, int KIND, int NV>
 inline float load_vecs(const uint8_t* token, const KVFormat& fmt, int kv, int64_t h, __m512* out) {
@@ -148,7 +163,6 @@ inline void values_bf16_pairs(const uint8_t* const* tokens, const uint8_t* const
     _mm256_store_si256(reinterpret_cast<__m256i*>(pb[qh]), to_bf16(_mm512_load_ps(p[qh])));
   }
   for (int64_t h = 0; h < heads; ++h) {
-    const int64_t first_line = h * lines / heads, end_line = (h + 1) * lines / heads;
     for (int64_t g0 = 0; g0 < group; g0 += 4) {
       const int64_t gn = std::min<int64_t>(4, group - g0);
       float* acc_base = acc_out + (h * group + g0) * D;
@@ -158,10 +172,9 @@ inline void values_bf16_pairs(const uint8_t* const* tokens, const uint8_t* const
 #pragma GCC unroll 8
         for (int v = 0; v < NV; ++v) acc[g][v] = g < gn ? _mm512_loadu_ps(acc_base + g * D + 16 * v) : _mm512_setzero_ps();
       for (int64_t j = 0; j < n; j += 2) {
-        for (int64_t k = j; g0 == 0 && k < std::min(j + 2, n); ++k) {
-          if (later[k] != nullptr) {
-            for (int64_t l = first_line; l < end_line; ++l) __builtin_prefetch(later[k] + 64 * l, 0, 2);
-          }
+        if (g0 == 0) {
+          prefetch_share(later[j], lines, 1, h, heads);
+          if (j + 1 < n) prefetch_share(later[j + 1], lines, 1, h, heads);
         }
         const uint8_t* a = tokens[j] + fmt.code_offset(1, h);
         const uint8_t* b = j + 1 < n ? tokens[j + 1] + fmt.code_offset(1, h) : nullptr;
@@ -246,11 +259,6 @@ void attend_avx512(const float* q, int64_t num_q_heads, const uint8_t* cache, co
     for (int64_t j = 0; j < n; ++j) {
       const int64_t t = c0 + j, ahead = t + kChunk;
       tokens[j] = cache + (table[t / block_size] * block_size + t % block_size) * tb;
-      // The token read one chunk later (usually in another block), prefetched a slice at a time
-      // while this chunk's values are summed: a burst of a whole block's lines would stall on
-      // the core's few outstanding-miss slots with nothing to compute meanwhile. Into L2, not
-      // L1: an L1 prefetch holds one of L1's few miss slots until its line arrives, while L2
-      // keeps many more in flight (and the L1 prefetcher brings each line the last step).
       later[j] = ahead < t1 ? cache + (table[ahead / block_size] * block_size + ahead % block_size) * tb : nullptr;
     }
     // Scores of every query head for these tokens.
@@ -264,6 +272,7 @@ void attend_avx512(const float* q, int64_t num_q_heads, const uint8_t* cache, co
           const int64_t gn = std::min<int64_t>(4, group - g0), qh0 = h * group + g0;
           __m512 dots[4][kChunk];
           for (int64_t j = 0; j < kChunk; ++j) {
+            if (g0 == 0 && j < n) prefetch_share(later[j], lines, 0, h, heads);
             __m512bh k[NV / 2];
 #pragma GCC unroll 4
             for (int v = 0; v < NV / 2; ++v) {
@@ -284,6 +293,7 @@ void attend_avx512(const float* q, int64_t num_q_heads, const uint8_t* cache, co
       } else {
         // K of each KV head loaded once for its group, one reduction per score.
         for (int64_t j = 0; j < n; ++j) {
+          prefetch_share(later[j], lines, 0, h, heads);
           __m512 k[NV];
           const float ks = load_vecs<T, KIND, NV>(tokens[j], fmt, 0, h, k);
           for (int64_t g = 0; g < group; ++g) {
@@ -331,11 +341,8 @@ void attend_avx512(const float* q, int64_t num_q_heads, const uint8_t* cache, co
         for (int64_t g = 0; g < 4; ++g)
 #pragma GCC unroll 8
           for (int v = 0; v < NV; ++v) acc[g][v] = g < gn ? _mm512_loadu_ps(acc_base + g * D + 16 * v) : _mm512_setzero_ps();
-        const int64_t first_line = h * lines / heads, end_line = (h + 1) * lines / heads;
         for (int64_t j = 0; j < n; ++j) {
-          if (g0 == 0 && later[j] != nullptr) {
-            for (int64_t l = first_line; l < end_line; ++l) __builtin_prefetch(later[j] + 64 * l, 0, 2);
-          }
+          if (g0 == 0) prefetch_share(later[j], lines, 1, h, heads);
           __m512 vr[NV];
           const float vs = load_vecs<T, KIND, NV>(tokens[j], fmt, 1, h, vr);
 #pragma GCC unroll 4

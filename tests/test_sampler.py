@@ -3,6 +3,8 @@ the fast top-k/top-p and inverse-transform paths agree with their textbook defin
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from fuzzing import fuzz
@@ -11,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdserve.engine import sampler as sampler_module
-from pdserve.engine.sampler import Sampler, inverse_transform, sampling_probs, seeded_noise_
+from pdserve.engine.sampler import Sampler, hashed_noise, inverse_transform, sampling_probs, seeded_noise, token_seed
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -138,11 +140,27 @@ def test_seeded_draws_follow_the_distribution_and_repeat():
 
 
 def test_seeded_noise_is_exponential_and_keyed_by_seed_and_index():
-    generator = torch.Generator()
-    noise = seeded_noise_(torch.empty(200_000), generator, 3, 17)
-    assert abs(float(noise.mean()) - 1.0) < 0.01 and abs(float(noise.var()) - 1.0) < 0.02
-    assert torch.equal(noise, seeded_noise_(torch.empty(200_000), torch.Generator(), 3, 17))
-    assert not torch.equal(noise, seeded_noise_(torch.empty(200_000), generator, 3, 18))
+    noise = seeded_noise([(3, 17), (3, 17), (3, 18), (4, 17)], 200_003)
+    assert noise.shape == (4, 200_003) and bool((noise > 0).all()) and bool(noise.isfinite().all())
+    assert abs(float(noise[0].mean()) - 1.0) < 0.01 and abs(float(noise[0].var()) - 1.0) < 0.02
+    # Exponential's quantiles: P(E > 1) = 1/e, P(E > 3) = e^-3.
+    assert abs(float((noise[0] > 1).double().mean()) - math.exp(-1)) < 0.004
+    assert abs(float((noise[0] > 3).double().mean()) - math.exp(-3)) < 0.002
+    assert torch.equal(noise[0], noise[1])
+    assert not torch.equal(noise[0], noise[2]) and not torch.equal(noise[0], noise[3])
+    # Rows are independent of each other: no correlation between neighbouring keys.
+    assert abs(float(torch.corrcoef(noise[[0, 2]])[0, 1])) < 0.01
+
+
+def test_seeded_noise_kernel_and_torch_ops_agree():
+    """The C++ kernel (CPU) and the torch ops (every other device) hash to the same u; their
+    logarithms agree to float32 rounding, so their races pick the same tokens."""
+    keys = [(0, 0), (1, 5), (2**62, 3), (7, 2**40)] + [(s, s * 7) for s in range(60)]
+    kernel = seeded_noise(keys, 1001)  # a vocabulary that is not a multiple of the kernel's 16 lanes
+    ops = hashed_noise(torch.tensor([token_seed(s, i) for s, i in keys]), 1001)
+    torch.testing.assert_close(kernel, ops, rtol=1e-6, atol=0)
+    probs = torch.softmax(torch.randn(len(keys), 1001, generator=torch.Generator().manual_seed(0)), dim=-1)
+    assert torch.equal((probs / kernel).argmax(dim=-1), (probs / ops).argmax(dim=-1))
 
 
 def test_overwriting_the_logits_draws_the_same_tokens_and_only_then_changes_them():

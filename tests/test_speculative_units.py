@@ -153,9 +153,9 @@ def test_matching_a_coupled_draft_emits_the_targets_own_samples():
 
 
 def _seeded_noise(seed: int, index: int, vocab: int) -> torch.Tensor:
-    from pdserve.engine.sampler import seeded_noise_
+    from pdserve.engine.sampler import seeded_noise
 
-    return seeded_noise_(torch.empty(vocab), torch.Generator(), seed, index)
+    return seeded_noise([(seed, index)], vocab)[0]
 
 
 # -- back-off ---------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ draft's K/V of kept proposals stay; the rest are overwritten later.
 
 Proposals are drawn as the target will draw its tokens: greedy requests take the argmax;
 seeded requests take argmax(q / E) with E the very noise the target's sampler uses for that
-token (``sampler.seeded_noise_``), so the proposal predicts the target's own sample and the
+token (``sampler.seeded_noise``), so the proposal predicts the target's own sample and the
 result is reproducible anywhere; unseeded sampled requests draw from q and keep q for
 rejection sampling (``verify.rejection_sample``).
 """
@@ -26,7 +26,7 @@ import torch
 from pdserve.engine.forward_batch import ForwardBatch, PrefillSegment
 from pdserve.engine.kv_cache import KVCache, KVLayout
 from pdserve.engine.model import CausalLM
-from pdserve.engine.sampler import inverse_transform, sampling_probs, seeded_noise_
+from pdserve.engine.sampler import inverse_transform, sampling_probs, seeded_noise
 from pdserve.engine.scheduler import ScheduledChunk
 from pdserve.engine.sequence import Sequence
 
@@ -58,7 +58,6 @@ class DraftProposer:
         self.device = device
         self.free_blocks = list(range(num_blocks))
         self.states: dict[Sequence, DraftState] = {}
-        self.generator = torch.Generator(device=device)
 
     def release(self, seq: Sequence) -> None:
         state = self.states.pop(seq, None)
@@ -134,10 +133,8 @@ class DraftProposer:
                 self.states[chunk.seq].probs.append(probs)
                 tokens[i] = int(inverse_transform(probs[None], torch.rand(1)))
             else:
-                noise = seeded_noise_(
-                    torch.empty_like(probs), self.generator, sp.seed, chunk.seq.num_output_tokens + step
-                )
-                tokens[i] = int((probs / noise).argmax())
+                noise = seeded_noise([(sp.seed, chunk.seq.num_output_tokens + step)], probs.shape[0], probs.device)
+                tokens[i] = int((probs / noise[0]).argmax())
         return tokens
 
     def _forward(self, rows: list[_Row]) -> torch.Tensor:

@@ -19,6 +19,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("copy_rows_hashed", &copy_rows_hashed, py::arg("src"), py::arg("src_slots"), py::arg("dst") = py::none(),
         py::arg("dst_slots") = py::none(), py::arg("stream") = false, py::call_guard<py::gil_scoped_release>(),
         "XXH64 of each 1 KiB chunk of token rows, copied into other rows on the way");
+  m.def("race_noise_", &race_noise_, py::call_guard<py::gil_scoped_release>(), "seeded sampling's Exponential(1) noise, keyed per row");
   m.def("rope_write_kv", &rope_write_kv, py::call_guard<py::gil_scoped_release>(), "RoPE on q and k in place, then k and v into the cache");
 
   using Stack = DecoderStack;

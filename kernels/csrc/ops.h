@@ -30,3 +30,7 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
 // (kv_copy_cpu.cpp).
 torch::Tensor copy_rows_hashed(torch::Tensor src, torch::Tensor src_slots, c10::optional<torch::Tensor> dst,
                                c10::optional<torch::Tensor> dst_slots, bool stream);
+
+// Fills out [rows, vocab] (float32) with seeded sampling's Exponential(1) noise, row r keyed by
+// keys[r] (race_noise_cpu.cpp).
+void race_noise_(torch::Tensor out, torch::Tensor keys);

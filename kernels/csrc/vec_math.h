@@ -1,4 +1,4 @@
-// Vector math shared by the CPU kernels: exp, horizontal sums, bf16 conversions.
+// Vector math shared by the CPU kernels: exp, log, horizontal sums, bf16 conversions.
 #pragma once
 
 #if defined(__AVX512F__)
@@ -23,6 +23,30 @@ inline __m512 exp_neg(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
+}
+
+// log(x) for positive normal x (relative error ~1e-7): x = m 2^e with m in [sqrt(1/2), sqrt(2)),
+// then Cephes' polynomial for log(m), with ln 2 split in two so that e ln 2 stays exact.
+inline __m512 log_ps(__m512 x) {
+  __m512 m = _mm512_getmant_ps(x, _MM_MANT_NORM_1_2, _MM_MANT_SIGN_src);
+  __m512 e = _mm512_getexp_ps(x);
+  const __mmask16 high = _mm512_cmp_ps_mask(m, _mm512_set1_ps(1.41421356f), _CMP_GT_OQ);
+  m = _mm512_mask_mul_ps(m, high, m, _mm512_set1_ps(0.5f));
+  e = _mm512_mask_add_ps(e, high, e, _mm512_set1_ps(1.f));
+  const __m512 f = _mm512_sub_ps(m, _mm512_set1_ps(1.f)), z = _mm512_mul_ps(f, f);
+  __m512 p = _mm512_set1_ps(7.0376836292e-2f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(-1.1514610310e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.1676998740e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(-1.2420140846e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.4249322787e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(-1.6668057665e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.0000714765e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(-2.4999993993e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(3.3333331174e-1f));
+  __m512 y = _mm512_mul_ps(_mm512_mul_ps(p, f), z);
+  y = _mm512_fmadd_ps(e, _mm512_set1_ps(-2.12194440e-4f), y);
+  y = _mm512_fnmadd_ps(z, _mm512_set1_ps(0.5f), y);
+  return _mm512_fmadd_ps(e, _mm512_set1_ps(0.693359375f), _mm512_add_ps(f, y));
 }
 
 // The horizontal sums of 16 vectors at once: lane j of the result is the sum of v[j]'s lanes.

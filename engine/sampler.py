@@ -47,9 +47,12 @@ _GOLDEN, _MIX1, _MIX2 = (c - 2**64 for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E
 def seeded_noise(keys: list[tuple[int, int]], vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """[len(keys), vocab] Exponential(1) noise; row i is that of output token ``index`` of a
     request seeded ``seed``, for ``keys[i] = (seed, index)`` (a speculative draft draws the same).
-    u is an odd multiple of 2^-24 inside (0, 1), so the noise is finite and positive. On CPU the
+    u is an odd multiple of 2^-24 inside (0, 1), so the noise is finite and positive (and, as
+    with any float32 uniform, a token below ~1e-7 of its row's best is never drawn). On CPU the
     C++ kernel computes it (kernels/csrc/race_noise_cpu.cpp; ~30x faster than a generator); the
-    torch ops below compute the same u bit for bit."""
+    torch ops of ``hashed_noise`` compute the same u bit for bit, and −log u to within one unit
+    in the last place of float32, so only a near-exact tie can draw differently on another
+    device."""
     device = torch.device(device)
     row_keys = torch.tensor([token_seed(seed, index) for seed, index in keys], dtype=torch.int64)
     if device.type == "cpu":
@@ -57,23 +60,29 @@ def seeded_noise(keys: list[tuple[int, int]], vocab: int, device: torch.device |
 
         kernels = cpu_extension.load()
         if kernels is not None:
-            out = torch.empty(len(keys), vocab)
+            out = torch.empty(len(keys), vocab, dtype=torch.float32)
             kernels.race_noise_(out, row_keys)
             return out
     return hashed_noise(row_keys.to(device), vocab)
 
 
-def hashed_noise(row_keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    def shifted(x: torch.Tensor, n: int) -> torch.Tensor:  # a logical right shift of int64 bits
-        return (x >> n) & ((1 << (64 - n)) - 1)
-
-    v = torch.arange(vocab, device=row_keys.device, dtype=torch.int64)
-    x = row_keys[:, None] ^ (v * _GOLDEN)
-    x = (x ^ shifted(x, 30)) * _MIX1
-    x = (x ^ shifted(x, 27)) * _MIX2
-    x = x ^ shifted(x, 31)
-    u = ((shifted(x, 41) << 1) | 1).float().mul_(2.0**-24)
-    return u.log_().neg_()
+def hashed_noise(row_keys: torch.Tensor, vocab: int, rows_at_once: int = 16) -> torch.Tensor:
+    """``seeded_noise`` in torch ops, for ``row_keys`` (int64, one per row) on any device: a few
+    rows at a time, in place, so its int64 temporaries stay small beside a large vocabulary."""
+    out = torch.empty(len(row_keys), vocab, dtype=torch.float32, device=row_keys.device)
+    golden = torch.arange(vocab, device=row_keys.device, dtype=torch.int64).mul_(_GOLDEN)
+    for first in range(0, len(row_keys), rows_at_once):
+        keys = row_keys[first : first + rows_at_once, None]
+        x = golden.expand(len(keys), vocab) ^ keys
+        shifted = torch.empty_like(x)
+        for n, mix in ((30, _MIX1), (27, _MIX2), (31, None)):  # x ^= x >>> n, then x *= mix
+            torch.bitwise_right_shift(x, n, out=shifted).bitwise_and_((1 << (64 - n)) - 1)
+            x.bitwise_xor_(shifted)
+            if mix is not None:
+                x.mul_(mix)
+        u = x.bitwise_right_shift_(41).bitwise_and_((1 << 23) - 1).bitwise_left_shift_(1).bitwise_or_(1)
+        out[first : first + rows_at_once] = u.float().mul_(2.0**-24).log_().neg_()
+    return out
 
 
 def inverse_transform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,8 @@
 // instructions per token instead of a sequential generator's ~4 ns, and any token's noise can be
 // computed alone. The hash is SplitMix64's finalizer; u is the top 23 bits as an odd multiple of
 // 2^-24, strictly inside (0, 1), so E is finite and positive. The torch fallback in sampler.py
-// computes the same u bit for bit; E may differ from it in the last bit of the logarithm.
+// computes the same u bit for bit; E may differ from it in the last bit of the logarithm (log_ps
+// is within one unit in the last place).
 #include "ops.h"
 #include "vec_math.h"
 
@@ -49,6 +50,7 @@ inline __m512 noise16(__m512i key, int64_t v0) {
 }  // namespace
 
 void race_noise_(torch::Tensor out, torch::Tensor keys) {
+  TORCH_CHECK(out.device().is_cpu() && keys.device().is_cpu(), "race_noise_ runs on CPU tensors");
   TORCH_CHECK(out.dim() == 2 && out.scalar_type() == torch::kFloat32 && out.is_contiguous(),
               "out must be a contiguous [rows, vocab] float32 tensor");
   TORCH_CHECK(keys.dim() == 1 && keys.scalar_type() == torch::kInt64 && keys.size(0) == out.size(0),

@@ -157,18 +157,19 @@ inline void values_bf16_pairs(const uint8_t* const* tokens, const uint8_t* const
                               const KVFormat& fmt, int64_t num_q_heads, int64_t lines, const float (*p)[kChunk],
                               float* acc_out) {
   constexpr int64_t D = NV * 16;
+  constexpr int64_t kHeads = NV <= 4 ? 4 : 2;  // query heads at once: their accumulators stay in the 32 registers
   const int64_t heads = fmt.heads, group = num_q_heads / heads;
   alignas(64) uint16_t pb[kMaxQHeads][kChunk];  // p in bf16; lanes past n hold 0
   for (int64_t qh = 0; qh < num_q_heads; ++qh) {
     _mm256_store_si256(reinterpret_cast<__m256i*>(pb[qh]), to_bf16(_mm512_load_ps(p[qh])));
   }
   for (int64_t h = 0; h < heads; ++h) {
-    for (int64_t g0 = 0; g0 < group; g0 += 4) {
-      const int64_t gn = std::min<int64_t>(4, group - g0);
+    for (int64_t g0 = 0; g0 < group; g0 += kHeads) {
+      const int64_t gn = std::min<int64_t>(kHeads, group - g0);
       float* acc_base = acc_out + (h * group + g0) * D;
-      __m512 acc[4][NV];
+      __m512 acc[kHeads][NV];
 #pragma GCC unroll 4
-      for (int64_t g = 0; g < 4; ++g)
+      for (int64_t g = 0; g < kHeads; ++g)
 #pragma GCC unroll 8
         for (int v = 0; v < NV; ++v) acc[g][v] = g < gn ? _mm512_loadu_ps(acc_base + g * D + 16 * v) : _mm512_setzero_ps();
       for (int64_t j = 0; j < n; j += 2) {
@@ -187,7 +188,7 @@ inline void values_bf16_pairs(const uint8_t* const* tokens, const uint8_t* const
           hi[v] = _mm512_unpackhi_epi16(x, y);
         }
 #pragma GCC unroll 4
-        for (int64_t g = 0; g < 4; ++g) {
+        for (int64_t g = 0; g < kHeads; ++g) {
           if (g >= gn) break;
           uint32_t pair;
           std::memcpy(&pair, &pb[h * group + g0 + g][j], sizeof pair);

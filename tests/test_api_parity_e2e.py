@@ -198,11 +198,11 @@ async def test_structured_output_over_both_apis(stack, hf_reference):
     ]
     assert texts[0] == texts[1], "greedy + schema is deterministic"
     jsonschema.validate(json.loads(texts[0]), schema)
-    # At temperature 0.3 this model closes a free-form object within 200 tokens in about half its
-    # draws (6 of seeds 0-11, with this sampler and the one before it) and repeats a key in the
-    # rest; seed 4 is a draw that closes under both, so the check is on the constraint's output.
+    # At temperature 0.3 this model closes a free-form object within 200 tokens in most of its
+    # draws (9 of seeds 0-11 with the hashed seeded noise) and repeats a key in the rest; seed 2
+    # is a draw that closes (in 37 tokens), so the check is on the constraint's output.
     obj = await client.chat.completions.create(
-        model=model, messages=messages, max_tokens=200, temperature=0.3, seed=4, response_format={"type": "json_object"}
+        model=model, messages=messages, max_tokens=200, temperature=0.3, seed=2, response_format={"type": "json_object"}
     )
     content = obj.choices[0].message.content
     assert obj.choices[0].finish_reason == "stop", f"the object did not close within max_tokens: {content!r}"

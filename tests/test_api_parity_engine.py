@@ -246,6 +246,15 @@ def test_greedy_with_a_schema_is_deterministic(engine, tokenizer):
     assert outputs[0] == outputs[1] == batched[("g1", 0)]["ids"]
 
 
+def test_json_mode_takes_an_object_and_nothing_else(engine, tokenizer):
+    """``json_object`` is OpenAI's JSON mode: an object (any keys and values, any whitespace), not
+    any JSON value."""
+    cases = [('{"a": [1, {"b": null}]}', True), ('{\n  "k": "v"\n}', True), ("[1, 2]", False), ('"s"', False)]
+    for text, accepted in cases:
+        matcher = engine.grammars.state(Constraint("json_object")).matcher  # a fresh matcher each time
+        assert matcher.accept_string(text) is accepted, text
+
+
 def test_constraints_that_do_not_compile_are_refused_naming_the_field(engine):
     for constraint, field in [
         (Constraint("json_schema", '{"type": "object", "properties": {"a": {"$ref": "#/missing"}}}'), "json_schema"),

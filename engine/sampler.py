@@ -116,6 +116,10 @@ def inverse_transform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 class Sampler:
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        if device.type == "cpu":  # seeded noise's kernel: loaded (or built) now, not in a request's step
+            from pdserve.kernels import cpu_extension
+
+            cpu_extension.load()
 
     @torch.inference_mode()  # the model's logits are inference tensors: only there may they change in place
     def __call__(

@@ -131,8 +131,6 @@ def load_model(
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings and model.lm_head is not None:
         model.lm_head.weight = model.model.embed_tokens.weight
-    # Buffers are not in the checkpoint: build them for real, off the meta device.
-    model.rope = type(model.rope)(config)
     model = model.to(device).eval()
     if quantization != "none":
         # A GGUF's own blocks hold whole tensors: a shard quantizes its slices instead.

@@ -42,12 +42,16 @@ class RotaryEmbedding(torch.nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        inv_freq = inverse_frequencies(config)
-        positions = torch.arange(config.max_position, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        # Computed on the CPU (the model moves them) whatever device the model is built under:
+        # the loader builds on the meta device, where the tables would be empty and whose
+        # reference ops import torch._dynamo (a second of every worker's start).
+        with torch.device("cpu"):
+            inv_freq = inverse_frequencies(config)
+            positions = torch.arange(config.max_position, dtype=torch.float32)
+            freqs = positions[:, None] * inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self.register_buffer("cos", emb.cos(), persistent=False)
+            self.register_buffer("sin", emb.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hkv, D] -> rotated q, k."""

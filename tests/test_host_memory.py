@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,21 @@ def test_zeroed_with_the_shape_and_dtype_asked_for(shape, dtype):
     assert not tensor.any()
     tensor.view(-1)[-1] = 1  # every byte is writable, to the last
     assert tensor.sum() == 1
+
+
+def resident_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux's /proc")
+def test_zeros_take_no_memory_until_written_and_give_it_back_when_dropped():
+    before = resident_bytes()
+    tensor = host_zeros((256, 2**20), torch.uint8)  # 256 MiB: a worker's cache is never touched whole at start
+    assert resident_bytes() - before < 16 * 2**20
+    tensor[:64] = 1  # what is written is backed
+    assert resident_bytes() - before >= 60 * 2**20
+    del tensor
+    assert resident_bytes() - before < 16 * 2**20
 
 
 @pytest.mark.skipif(

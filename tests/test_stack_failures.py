@@ -19,11 +19,18 @@ pytestmark = pytest.mark.e2e
 
 
 def start(*args: str) -> tuple[Proc, dict]:
-    proc = Proc(list(args))
+    (started,) = start_together(args)
+    return started
+
+
+def start_together(*commands: tuple[str, ...]) -> list[tuple[Proc, dict]]:
+    """Starts the processes at once (each loads its model while the others do) and waits for all."""
+    procs = [Proc(list(args)) for args in commands]
     try:
-        return proc, proc.wait_ready()
+        return [(proc, proc.wait_ready()) for proc in procs]
     except Exception:
-        proc.stop()
+        for proc in procs:
+            proc.stop()
         raise
 
 
@@ -56,8 +63,9 @@ async def test_no_reachable_worker_is_unavailable_not_a_hang():
 async def test_handshake_mismatch_is_refused_cleanly(prefill_flags, decode_flags):
     """A decode worker whose KV slots hold something else refuses the prefill worker's KV handshake."""
     common = ("--port", "0", "--kv-cache-memory", "64MiB", "--num-threads", "1")
-    prefill, p_info = start("prefill", *common, *prefill_flags)
-    decode, d_info = start("decode", *common, *decode_flags)
+    (prefill, p_info), (decode, d_info) = start_together(
+        ("prefill", *common, *prefill_flags), ("decode", *common, *decode_flags)
+    )
     router, r_info = start(
         "router", "--port", "0", "--prefill-workers", p_info["grpc"], "--decode-workers", d_info["grpc"]
     )

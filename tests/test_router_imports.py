@@ -1,5 +1,5 @@
 """The router process never loads torch (nor the model code that needs it): it starts in about
-a second and holds a fraction of a worker's memory. bench/router_startup.py measures both."""
+a second and holds a fraction of a worker's memory. bench/startup.py measures both."""
 
 from __future__ import annotations
 

@@ -69,6 +69,8 @@ def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor, on 2 MB pages where the kernel allows (as ``host_bytes``). An anonymous
     mapping reads as zeros before anything writes it, so no page is touched here: a worker's
     2 GiB cache costs neither start-up time nor memory until its blocks are used."""
+    if not hasattr(mmap, "MAP_PRIVATE"):  # not a POSIX system
+        return torch.zeros(shape, dtype=dtype)
     nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
     span = -(-max(nbytes, 1) // HUGE_PAGE) * HUGE_PAGE
     mapping = mmap.mmap(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE)  # kept alive by the tensor

@@ -17,7 +17,6 @@ import json
 import logging
 import re
 import threading
-
 from typing import TYPE_CHECKING
 
 import torch

@@ -30,7 +30,8 @@ class PackedBF16Linear(nn.Module):
         self.padded_out = -(-self.out_features // COLUMN_BLOCK) * COLUMN_BLOCK
         self.register_buffer("weight", weight)
         self.register_buffer("bias", linear.bias.detach() if linear.bias is not None else None)
-        padded = F.pad(weight, (0, 0, 0, self.padded_out - self.out_features))
+        pad = self.padded_out - self.out_features
+        padded = F.pad(weight, (0, 0, 0, pad)) if pad else weight.contiguous()  # F.pad copies even by 0
         self.register_buffer("packed", kernels.pack_bf16(padded))
         bias = self.bias.float() if self.bias is not None else torch.zeros(0)
         self.register_buffer(

@@ -36,13 +36,16 @@ from __future__ import annotations
 
 import os
 
-# Before pdserve.kvtransfer.ucx imports ucxx: quiet, and on loopback for network transports
-# (same-host UCX endpoints use shared memory / CMA anyway). Like tests/conftest.py.
-os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-os.environ.setdefault("UCX_NET_DEVICES", "lo")
-# Before torch loads OpenMP: the TTFT part's prefill engine waits as a pdserve up prefill worker
-# does (--share-cores), its threads sleeping while the transfer's threads run.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+if __name__ == "__main__":  # as a script only: imported (the profiler, tests), it leaves the environment alone
+    # Before pdserve.kvtransfer.ucx imports ucxx: quiet, and on loopback for network transports
+    # (same-host UCX endpoints use shared memory / CMA anyway). Like tests/conftest.py.
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    # Before torch loads OpenMP: the TTFT part's prefill engine waits as a pdserve up prefill
+    # worker does (--share-cores), its threads sleeping while the transfer's threads run. Every
+    # process started from here inherits it, so it must not leak into stacks started by an
+    # importer (``pdserve profile`` measured its stacks with passive decode workers).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
 import gc  # noqa: E402

@@ -4,6 +4,9 @@ of the UCX scatter-gather probe."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -80,3 +83,18 @@ def test_ucx_iov_probe_without_ucx_says_why(monkeypatch, capsys):
     monkeypatch.setattr(ucx_iov_probe, "ucx_available", lambda: False)
     assert ucx_iov_probe.main(["--sizes-mib", "1"]) == 1
     assert "ucxx" in capsys.readouterr().err
+
+
+def test_importing_the_benchmark_leaves_the_environment_alone():
+    """``pdserve profile`` imports it and then starts stacks, which inherit the environment: its
+    script-only settings (passive OpenMP waiting) must not reach their workers."""
+    code = (
+        "import json, os; before = dict(os.environ); import pdserve.bench.kv_transfer_bench; "
+        "print(json.dumps(sorted(k for k in os.environ if os.environ[k] != before.get(k))))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY" and not k.startswith("UCX_")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
+    changed = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "OMP_WAIT_POLICY" not in changed
+    # What the import may set: the UCX bindings' own defaults (workers import them too).
+    assert all(k.startswith("UCX_") for k in changed), changed

@@ -24,13 +24,15 @@ def test_the_router_alone_starts_without_torch(capsys):
     assert name == "router" and not result["processes"]["router"]["torch_loaded"]
 
 
-def test_a_stack_reports_each_process_and_its_cache_is_not_resident_at_start(capsys, model_dir):
-    # A 2 GiB KV cache that nothing has written yet holds no memory (engine/host_memory.py).
-    result = report(capsys, ["up", "--runs", "1", "--", "--colocated", "--kv-cache-memory", "2GiB"])
-    assert result["command"] == "pdserve up --colocated --kv-cache-memory 2GiB"
+def test_a_stack_reports_each_process_and_no_cache_is_resident_at_start(capsys, model_dir):
+    # 2 GiB KV caches that nothing has written yet hold no memory (engine/host_memory.py for the
+    # prefill worker's, a shared-memory segment for the decode worker's).
+    result = report(capsys, ["up", "--runs", "1", "--", "--kv-cache-memory", "2GiB"])
+    assert result["command"] == "pdserve up --kv-cache-memory 2GiB"
     processes = result["processes"]
-    assert set(processes) == {"decode-0", "router"}
-    worker = processes["decode-0"]
-    assert worker["torch_loaded"] and not processes["router"]["torch_loaded"]
-    assert 0 < worker["rss_mib_median"] <= worker["peak_rss_mib_max"]
-    assert worker["rss_mib_median"] < 2048, f"the worker holds {worker['rss_mib_median']:.0f} MiB at start"
+    assert set(processes) == {"prefill-0", "decode-0", "router"}
+    assert not processes["router"]["torch_loaded"]
+    for name in ("prefill-0", "decode-0"):
+        worker = processes[name]
+        assert worker["torch_loaded"] and 0 < worker["rss_mib_median"] <= worker["peak_rss_mib_max"]
+        assert worker["rss_mib_median"] < 2048, f"{name} holds {worker['rss_mib_median']:.0f} MiB at start"

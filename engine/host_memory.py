@@ -20,7 +20,6 @@ import sys
 import torch
 
 HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14  # linux/mman.h
 
 
 @functools.cache
@@ -33,17 +32,6 @@ def _libc():
         return None
 
 
-@functools.cache
-def _madvise():
-    libc = _libc()
-    if libc is None:
-        return None
-    madvise = libc.madvise
-    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    madvise.restype = ctypes.c_int
-    return madvise
-
-
 def trim_heap() -> None:
     """Hands the heap's free memory back to the OS (glibc keeps freed blocks of a few MB, such
     as weights that were copied elsewhere, in the process)."""
@@ -52,33 +40,36 @@ def trim_heap() -> None:
         trim(0)
 
 
-def host_bytes(nbytes: int) -> torch.Tensor:
-    """An uninitialized uint8 CPU tensor, on 2 MB pages where the kernel allows (from 2 MB up:
-    a smaller buffer would hold a whole 2 MB page). Whatever touches it first backs it."""
-    madvise = _madvise()
-    if madvise is None or nbytes < HUGE_PAGE:
-        return torch.empty(nbytes, dtype=torch.uint8)
-    span = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
-    raw = torch.empty(span + HUGE_PAGE, dtype=torch.uint8)  # not touched yet: no page is backed
-    offset = -raw.data_ptr() % HUGE_PAGE
-    madvise(raw.data_ptr() + offset, span, _MADV_HUGEPAGE)  # refused: 4 KB pages
-    return raw[offset : offset + nbytes]
-
-
-def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor, on 2 MB pages where the kernel allows (as ``host_bytes``). An anonymous
-    mapping reads as zeros before anything writes it, so no page is touched here: a worker's
-    2 GiB cache costs neither start-up time nor memory until its blocks are used."""
-    if not hasattr(mmap, "MAP_PRIVATE"):  # not a POSIX system
-        return torch.zeros(shape, dtype=dtype)
-    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+def _mapped(nbytes: int) -> torch.Tensor | None:
+    """A uint8 tensor on a private anonymous mapping of its own, at a 2 MB boundary and advised
+    to use 2 MB pages where the kernel allows (refused: 4 KB pages); None where there are no
+    such mappings (not POSIX). It reads as zeros, and no page is backed until written: a
+    worker's 2 GiB cache costs neither start-up time nor memory until its blocks are used.
+    The mapping lives as long as any view of the tensor, and its memory goes back to the OS
+    with the last one."""
+    if not hasattr(mmap, "MAP_PRIVATE"):
+        return None
     span = -(-max(nbytes, 1) // HUGE_PAGE) * HUGE_PAGE
-    mapping = mmap.mmap(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE)  # kept alive by the tensor
+    mapping = mmap.mmap(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
     raw = torch.frombuffer(mapping, dtype=torch.uint8)
     offset = -raw.data_ptr() % HUGE_PAGE
     if hasattr(mmap, "MADV_HUGEPAGE"):
-        mapping.madvise(mmap.MADV_HUGEPAGE, offset, span)  # refused: 4 KB pages
-    return raw[offset : offset + nbytes].view(dtype).view(shape)
+        mapping.madvise(mmap.MADV_HUGEPAGE, offset, span)
+    return raw[offset : offset + nbytes]
+
+
+def host_bytes(nbytes: int) -> torch.Tensor:
+    """An uninitialized uint8 CPU tensor, on 2 MB pages where the kernel allows (from 2 MB up:
+    a smaller buffer would hold a whole 2 MB page). Whatever touches it first backs it."""
+    mapped = _mapped(nbytes) if nbytes >= HUGE_PAGE else None
+    return mapped if mapped is not None else torch.empty(nbytes, dtype=torch.uint8)
+
+
+def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor, on 2 MB pages where the kernel allows, untouched until written
+    (``_mapped``)."""
+    mapped = _mapped(math.prod(shape) * torch.empty(0, dtype=dtype).element_size())
+    return mapped.view(dtype).view(shape) if mapped is not None else torch.zeros(shape, dtype=dtype)
 
 
 def host_arena(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -20,6 +20,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -62,8 +63,11 @@ def start_once(what: str, extra: list[str], timeout_s: float) -> dict:
         text=True,
         env=env,
     )
+    # A process that hangs without printing would block the read below: killed at the deadline,
+    # its stdout ends and the start fails.
+    watchdog = threading.Timer(timeout_s, proc.kill)
+    watchdog.start()
     try:
-        deadline = started + timeout_s
         pids = {}
         for line in proc.stdout:
             if line.startswith(CLUSTER_LINE):
@@ -72,10 +76,9 @@ def start_once(what: str, extra: list[str], timeout_s: float) -> dict:
             if ready:
                 ready_s = time.perf_counter() - started
                 return {"ready_s": ready_s, "processes": {n: _memory(p) for n, p in (pids or {what: proc.pid}).items()}}
-            if time.perf_counter() > deadline:
-                break
-        raise RuntimeError(f"pdserve {what} did not get ready (exit code {proc.poll()})")
+        raise RuntimeError(f"pdserve {what} did not get ready within {timeout_s:g} s (exit code {proc.poll()})")
     finally:
+        watchdog.cancel()
         proc.terminate()
         try:
             proc.wait(30)

@@ -82,9 +82,7 @@ class GrammarCompiler:
         try:
             if c.kind == "json_schema":
                 return compiler.compile_json_schema(c.value, any_whitespace=False)
-            if (
-                c.kind == "json_object"
-            ):  # an object, as OpenAI's JSON mode promises (the builtin grammar takes any value)
+            if c.kind == "json_object":  # an object, as OpenAI's JSON mode promises (the builtin takes any value)
                 return compiler.compile_json_schema('{"type": "object"}', strict_mode=False)
             if c.kind == "regex":
                 return compiler.compile_regex(c.value)

@@ -90,9 +90,15 @@ def test_block_rows_copy_and_hash_like_token_rows(block_ids, start, end):
     assert hash_rows(dst, dst_slots) == whole
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["cached", "streamed"])
 @pytest.mark.parametrize("native", [True, False], ids=["c++", "numpy"])
-@pytest.mark.parametrize("token_bytes, tokens", [(96, 42), (1536, 364), (100, 33), (8, 1), (64, 0)])
-def test_host_chunk_digests_are_xxh64_per_chunk_and_copy_on_the_way(monkeypatch, native, token_bytes, tokens):
+@pytest.mark.parametrize(
+    "token_bytes, tokens",
+    # (1024, 100) and (3072, 40): every chunk lies in one token (hashed from registers);
+    # (1536, 364): some windows do and some do not; the others: gathered windows only
+    [(96, 42), (1536, 364), (1024, 100), (3072, 40), (100, 33), (8, 1), (64, 0)],
+)
+def test_host_chunk_digests_are_xxh64_per_chunk_and_copy_on_the_way(monkeypatch, native, stream, token_bytes, tokens):
     from pdserve.kvtransfer import integrity
 
     if native:
@@ -104,12 +110,17 @@ def test_host_chunk_digests_are_xxh64_per_chunk_and_copy_on_the_way(monkeypatch,
     rng = np.random.default_rng(token_bytes)
     src = rng.integers(0, 256, (400, token_bytes), dtype=np.uint8)
     dst = np.zeros_like(src)
+    if stream:  # streaming stores need 64-byte aligned rows (else the kernel stores through the cache)
+        spare = np.zeros(dst.size + 64, dtype=np.uint8)
+        skip = -spare.ctypes.data % 64
+        dst = spare[skip : skip + dst.size].reshape(dst.shape)
     src_slots, dst_slots = rng.permutation(400)[:tokens], rng.permutation(400)[:tokens]
     src_slots[: tokens // 2] = np.arange(tokens // 2) + 100  # runs consecutive on both sides, then scattered
     dst_slots[: tokens // 2] = np.arange(tokens // 2) + 7
     dst_slots[tokens // 2 :] = np.setdiff1d(np.arange(400), dst_slots[: tokens // 2])[: tokens - tokens // 2][::-1]
     expected = reference_chunk_digests(src[src_slots].tobytes())
-    assert np.array_equal(integrity.host_chunk_digests(src, src_slots, dst, dst_slots).view(np.uint64), expected)
+    digests = integrity.host_chunk_digests(src, src_slots, dst, dst_slots, stream)
+    assert np.array_equal(digests.view(np.uint64), expected)
     assert np.array_equal(dst[dst_slots], src[src_slots])
     assert not np.delete(dst, dst_slots, axis=0).any()  # nothing else written
     assert np.array_equal(integrity.host_chunk_digests(dst, dst_slots).view(np.uint64), expected)

@@ -4,10 +4,12 @@
 // A unit is tokens in order; token i is row src_slots[i] of `src` ([rows, token_bytes]) and
 // goes to row dst_slots[i] of `dst`. Its checksum is the XXH64 (seed 0) of every 1024-byte
 // chunk of the token-ordered bytes, the last chunk zero-padded: the digests the GPU path's
-// Triton kernel computes, folded by the caller the same way. The unit is walked one window
-// of a few chunks at a time: gathered into a buffer that stays in L1, hashed there, and
-// scattered from it with streaming stores, so the bytes cross memory once (read at the
-// source, written at the destination) and the hash never waits on memory.
+// Triton kernel computes, folded by the caller the same way. Eight chunks are hashed side by
+// side. Where each of the eight lies in one run of consecutive rows on both sides (always, for
+// runs of whole blocks of a 1 KiB multiple), their bytes go from the source into registers,
+// are hashed there and stored from there: one read and one write of each byte, with the rows
+// a few windows ahead prefetched, since every run starts where the hardware prefetcher cannot
+// guess. Other windows are gathered into a buffer that stays in L1 and hashed there.
 #include <cstring>
 #include <vector>
 
@@ -20,6 +22,7 @@ namespace {
 constexpr int64_t kChunk = 1024;
 constexpr int64_t kWindowChunks = 8;
 constexpr int64_t kWindow = kChunk * kWindowChunks;
+constexpr int64_t kPrefetchChunks = 4 * kWindowChunks;  // how far ahead the rows are asked for (32 KiB)
 constexpr uint64_t P1 = 0x9E3779B185EBCA87ULL, P2 = 0xC2B2AE3D27D4EB4FULL, P3 = 0x165667B19E3779F9ULL,
                    P4 = 0x85EBCA77C2B2AE63ULL;
 
@@ -83,6 +86,41 @@ void hash_chunks(const uint8_t* data, int64_t count, uint64_t* out) {
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#define KV_COPY_FUSED 1
+// One XXH64 round on eight chunks' lanes at once: register = two chunks' four lanes.
+inline __m512i xxh_round8(__m512i acc, __m512i x, __m512i p1, __m512i p2) {
+  return _mm512_mullo_epi64(_mm512_rol_epi64(_mm512_add_epi64(acc, _mm512_mullo_epi64(x, p2)), 31), p1);
+}
+
+// Eight whole chunks, chunk k at src[k], hashed from registers, and copied to dst[k] on the
+// way when dst is given (`stream`: with stores that bypass the cache; dst 64-byte aligned).
+inline void copy_hash8(const uint8_t* const src[8], uint8_t* const dst[8], bool copying, bool stream,
+                       uint64_t* out) {
+  const __m512i p1 = _mm512_set1_epi64(P1), p2 = _mm512_set1_epi64(P2);
+  const __m512i seed = _mm512_setr_epi64(P1 + P2, P2, 0, 0 - P1, P1 + P2, P2, 0, 0 - P1);
+  __m512i acc[4] = {seed, seed, seed, seed};
+  for (int64_t at = 0; at < kChunk; at += 64) {
+    for (int r = 0; r < 4; ++r) {  // four independent multiply chains in flight
+      const __m512i a = _mm512_loadu_si512(src[2 * r] + at), b = _mm512_loadu_si512(src[2 * r + 1] + at);
+      if (copying && stream) {
+        _mm512_stream_si512((__m512i*)(dst[2 * r] + at), a);
+        _mm512_stream_si512((__m512i*)(dst[2 * r + 1] + at), b);
+      } else if (copying) {
+        _mm512_storeu_si512(dst[2 * r] + at, a);
+        _mm512_storeu_si512(dst[2 * r + 1] + at, b);
+      }
+      // 64 bytes are two 32-byte stripes of each chunk: first stripes, then second stripes.
+      acc[r] = xxh_round8(acc[r], _mm512_shuffle_i64x2(a, b, 0x44), p1, p2);
+      acc[r] = xxh_round8(acc[r], _mm512_shuffle_i64x2(a, b, 0xEE), p1, p2);
+    }
+  }
+  alignas(64) uint64_t lanes[32];
+  for (int r = 0; r < 4; ++r) _mm512_store_si512((__m512i*)(lanes + 8 * r), acc[r]);
+  for (int k = 0; k < 8; ++k) out[k] = finish_chunk(lanes + 4 * k);
+}
+#endif
+
 // Writes a piece of the window to its destination; `stream`: bypassing the cache where it can
 // (the destination is another process's cache, which nothing here reads again, and a cached
 // store would first read every line it overwrites).
@@ -119,6 +157,36 @@ std::vector<Run> runs_of(const int64_t* src, int64_t src_rows, const int64_t* ds
   return runs;
 }
 
+// Where every whole chunk of the unit starts on each side, or null where it spans two runs
+// (or is the zero-padded last one).
+void chunk_starts(const std::vector<Run>& runs, int64_t token_bytes, const uint8_t* src, uint8_t* dst, int64_t total,
+                  std::vector<const uint8_t*>& src_at, std::vector<uint8_t*>& dst_at) {
+  src_at.assign(total / kChunk, nullptr);
+  dst_at.assign(total / kChunk, nullptr);
+  int64_t run_start = 0;  // where the run begins in the unit's bytes
+  for (const Run& r : runs) {
+    const int64_t run_end = run_start + r.tokens * token_bytes;
+    for (int64_t c = (run_start + kChunk - 1) / kChunk; (c + 1) * kChunk <= run_end; ++c) {
+      src_at[c] = src + r.src_row * token_bytes + (c * kChunk - run_start);
+      if (dst) dst_at[c] = dst + r.dst_row * token_bytes + (c * kChunk - run_start);
+    }
+    run_start = run_end;
+  }
+}
+
+// Eight chunks from `first` that each lie in one run on both sides; `aligned`: every
+// destination is 64-byte aligned (what streaming stores need).
+bool whole_window(const std::vector<const uint8_t*>& src_at, const std::vector<uint8_t*>& dst_at, int64_t first,
+                  bool copying, bool* aligned) {
+  if (first + kWindowChunks > (int64_t)src_at.size()) return false;
+  *aligned = true;
+  for (int64_t c = first; c < first + kWindowChunks; ++c) {
+    if (!src_at[c] || (copying && !dst_at[c])) return false;
+    if (copying && ((uintptr_t)dst_at[c] & 63)) *aligned = false;
+  }
+  return true;
+}
+
 void check_rows(const torch::Tensor& rows, const torch::Tensor& slots, const char* what) {
   TORCH_CHECK(rows.device().is_cpu() && rows.dtype() == torch::kUInt8 && rows.dim() == 2 && rows.is_contiguous(),
               what, ": expected contiguous uint8 CPU rows [slots, token_bytes]");
@@ -147,11 +215,31 @@ torch::Tensor copy_rows_hashed(torch::Tensor src, torch::Tensor src_slots, c10::
   const auto runs = runs_of(src_slots.data_ptr<int64_t>(), src.size(0),
                             copying ? dst_slots->data_ptr<int64_t>() : nullptr, copying ? dst->size(0) : 0, n);
 
+  std::vector<const uint8_t*> src_at;
+  std::vector<uint8_t*> dst_at;
+  chunk_starts(runs, token_bytes, src_base, dst_base, total, src_at, dst_at);
+
   alignas(64) uint8_t window[kWindow];
   size_t run = 0;
   int64_t run_offset = 0;  // bytes of the current run already taken
   for (int64_t at = 0, chunk = 0; chunk < num_chunks; at += kWindow, chunk += kWindowChunks) {
     const int64_t take = std::min(kWindow, total - at);
+#ifdef KV_COPY_FUSED
+    bool aligned;
+    if (whole_window(src_at, dst_at, chunk, copying, &aligned)) {
+      for (int64_t c = chunk + kPrefetchChunks; c < std::min<int64_t>(chunk + kPrefetchChunks + kWindowChunks, src_at.size()); ++c)
+        if (src_at[c])
+          for (int64_t line = 0; line < kChunk; line += 64) _mm_prefetch((const char*)src_at[c] + line, _MM_HINT_T0);
+      copy_hash8(&src_at[chunk], &dst_at[chunk], copying, stream && aligned, out + chunk);
+      for (int64_t left = kWindow; left > 0;) {  // keep the gathering path's place in the runs
+        const int64_t step = std::min(left, runs[run].tokens * token_bytes - run_offset);
+        left -= step;
+        run_offset += step;
+        if (run_offset == runs[run].tokens * token_bytes) ++run, run_offset = 0;
+      }
+      continue;
+    }
+#endif
     for (int64_t filled = 0; filled < take;) {
       const Run& r = runs[run];
       const int64_t piece = std::min(take - filled, r.tokens * token_bytes - run_offset);

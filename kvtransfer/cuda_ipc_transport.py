@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from pdserve.kvtransfer.integrity import device_checksum
-from pdserve.kvtransfer.protocol import FrameHeader, FrameKind
+from pdserve.kvtransfer.protocol import FrameHeader, FrameKind, ProtocolError
 from pdserve.kvtransfer.transport_api import ReceiveContext, SendContext, Unit
 
 IPC_LAZY_ENABLE_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
@@ -147,6 +147,7 @@ def _on(stream) -> contextlib.AbstractContextManager:
 
 class Sender:
     name = "cuda_ipc"
+    max_span_bytes = 0  # one layer per unit: each is copied and hashed on the device
 
     def __init__(self, ctx: SendContext) -> None:
         self.ctx = ctx
@@ -194,6 +195,8 @@ class Receiver:
 
     def _written(self, h: FrameHeader) -> None:
         ledger, cache = self.ctx.ledger, self.ctx.cache
+        if h.num_layers != 1:  # its sender never joins layers: each is copied and hashed on the device
+            raise ProtocolError(f"a CUDA IPC unit covers one layer, not {h.num_layers}")
         grant = ledger.admit(h.transfer_id, h.layer, h.start, h.end, (h.end - h.start) * cache.token_bytes, "WRITTEN")
         if grant is None:
             return

@@ -141,12 +141,17 @@ class GrantLedger:
             if grant.state is GrantState.ACTIVE:
                 grant.deadline = time.monotonic() + grant.lease_s
 
-    def admit(self, transfer_id: int, layer: int, start: int, end: int, nbytes: int, what: str) -> Grant | None:
-        """The grant a unit may write into (its write has begun: call ``end_write``), or None
-        (refused, counted and logged). Renews the lease."""
+    def admit(
+        self, transfer_id: int, layer: int, start: int, end: int, nbytes: int, what: str, num_layers: int = 1
+    ) -> Grant | None:
+        """The grant a unit (tokens [start, end) of layers [layer, layer + num_layers)) may write
+        into (its write has begun: call ``end_write``), or None (refused, counted and logged).
+        Renews the lease."""
         grant = self.lookup(transfer_id)
         problem = (
-            "unknown or finished transfer" if grant is None else self._check_range(grant, layer, start, end, nbytes)
+            "unknown or finished transfer"
+            if grant is None
+            else self._check_range(grant, layer, start, end, nbytes, num_layers)
         )
         if problem is None:
             with grant.lock:
@@ -159,15 +164,15 @@ class GrantLedger:
         self.counters["units_refused"] += 1
         return None
 
-    def _check_range(self, grant: Grant, layer: int, start: int, end: int, nbytes: int) -> str | None:
-        if not 0 <= layer < grant.num_layers:
-            return f"layer {layer} out of range"
+    def _check_range(self, grant: Grant, layer: int, start: int, end: int, nbytes: int, num_layers: int) -> str | None:
+        if not (0 <= layer and 1 <= num_layers and layer + num_layers <= grant.num_layers):
+            return f"layers [{layer}, {layer + num_layers}) out of range"
         if not 0 <= start < end <= grant.num_tokens:
             return f"tokens [{start}, {end}) outside the {grant.num_tokens} granted"
-        if nbytes != (end - start) * self.token_bytes:
-            return f"{nbytes} bytes do not match {end - start} tokens"
-        if grant.landed[layer, start:end].any():
-            return f"tokens [{start}, {end}) of layer {layer} sent twice"
+        if nbytes != (end - start) * self.token_bytes * num_layers:
+            return f"{nbytes} bytes do not match {end - start} tokens of {num_layers} layers"
+        if grant.landed[layer : layer + num_layers, start:end].any():
+            return f"tokens [{start}, {end}) of layers [{layer}, {layer + num_layers}) sent twice"
         return None
 
     def on_cancel(self, grant: Grant, canceller: Callable[[], None]) -> None:
@@ -186,6 +191,7 @@ class GrantLedger:
         end: int,
         checksum_ok: bool | None,
         canceller: Callable[[], None] | None = None,
+        num_layers: int = 1,
     ) -> None:
         """A write admitted by ``admit`` is over. ``checksum_ok`` None: it broke off and
         nothing usable landed."""
@@ -194,8 +200,8 @@ class GrantLedger:
             if canceller is not None and canceller in grant.cancellers:
                 grant.cancellers.remove(canceller)
             if grant.state is GrantState.ACTIVE and checksum_ok is not None:
-                grant.landed[layer, start:end] = True
-                grant.nbytes += (end - start) * self.token_bytes
+                grant.landed[layer : layer + num_layers, start:end] = True
+                grant.nbytes += (end - start) * self.token_bytes * num_layers
                 if not checksum_ok:
                     grant.corrupted = True
                     self.counters["checksum_mismatch"] += 1

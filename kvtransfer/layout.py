@@ -100,6 +100,28 @@ def identity(n: int) -> np.ndarray:
     return np.arange(n, dtype=np.int64)
 
 
+def span_rows(slots: Slots, layer: int, num_layers: int, total_layers: int, slots_per_layer: int) -> np.ndarray:
+    """The rows holding ``slots`` in layers [layer, layer + num_layers) of a cache whose layers
+    are stored one after another, layer after layer (``ValueError`` if they are not all there)."""
+    if layer < 0 or num_layers < 1 or layer + num_layers > total_layers:
+        raise ValueError(f"layers [{layer}, {layer + num_layers}) are outside the cache's {total_layers}")
+    layers = np.arange(layer, layer + num_layers, dtype=np.int64)
+    return (layers[:, None] * slots_per_layer + slots.array).reshape(-1)
+
+
+def stacked_rows(layers: list[np.ndarray]) -> np.ndarray | None:
+    """``layers`` (equal [slots, token_bytes] arrays) as one array of all their rows, when each
+    starts where the one before ends; else None."""
+    first = layers[0]
+    if not first.flags.c_contiguous or any(
+        layer.shape != first.shape or layer.ctypes.data != first.ctypes.data + i * first.nbytes
+        for i, layer in enumerate(layers)
+    ):
+        return None
+    shape = (len(layers) * first.shape[0], first.shape[1])
+    return np.lib.stride_tricks.as_strided(first, shape, first.strides)
+
+
 class StagingPool:
     """Reusable byte buffers for units that cannot be read or written in place (a fragmented
     range, a GPU cache behind a host transport): no allocation per unit. Pinned when the
@@ -157,6 +179,11 @@ class KVCacheView:
         self.device_staging = StagingPool(device=self.device)
         self._numpy = [rows.numpy() for rows in self.rows] if self.device.type == "cpu" else None
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # Every layer's rows as one [num_layers * slots_per_layer, token_bytes] array, when the
+        # layers lie one after another in memory (an engine's cache, a shared pool): a unit of
+        # several layers is then one set of rows, copied and hashed in one pass.
+        self.slots_per_layer = self.rows[0].shape[0]
+        self.flat = stacked_rows(self._numpy) if self._numpy is not None and self.on_host else None
 
     @property
     def num_layers(self) -> int:
@@ -168,6 +195,25 @@ class KVCacheView:
     def host_rows(self, layer: int) -> np.ndarray:
         """Layer ``layer`` as a [num_slots, token_bytes] numpy array (CPU caches)."""
         return self._numpy[layer]
+
+    def span_rows(self, layer: int, slots: Slots, num_layers: int) -> np.ndarray:
+        """The rows of ``flat`` holding ``slots`` in layers [layer, layer + num_layers), layer after layer."""
+        return span_rows(slots, layer, num_layers, self.num_layers, self.slots_per_layer)
+
+    def hash_landed(self, layer: int, slots: Slots, num_layers: int = 1) -> int:
+        """The checksum of ``slots`` in layers [layer, layer + num_layers), read where they are."""
+        if num_layers == 1 and self.on_host:
+            return hash_rows(self._numpy[layer], slots)
+        if self.flat is not None:
+            return fold(
+                host_chunk_digests(self.flat, self.span_rows(layer, slots, num_layers)), self._nbytes(slots, num_layers)
+            )
+        data, digest = self.read_hashed(layer, slots, num_layers=num_layers)
+        data.release()
+        return digest
+
+    def _nbytes(self, slots: Slots, num_layers: int = 1) -> int:
+        return len(slots) * self.token_bytes * num_layers
 
     # -- reading (sender side; the receiver verifying what landed) -------------------------------
     def read(self, layer: int, slots: Slots, ready=None) -> "HostBytes":
@@ -189,8 +235,11 @@ class KVCacheView:
             self.stream.synchronize()
         return HostBytes(host[:nbytes].numpy(), self.host_staging, host)
 
-    def read_hashed(self, layer: int, slots: Slots, ready=None) -> tuple["HostBytes", int]:
-        """``read``, with the checksum of the bytes taken in the pass that gathers them."""
+    def read_hashed(self, layer: int, slots: Slots, ready=None, num_layers: int = 1) -> tuple["HostBytes", int]:
+        """``read`` (of ``num_layers`` layers from ``layer``, one after another), with the
+        checksum of the bytes taken in the pass that gathers them."""
+        if num_layers > 1:
+            return self._read_span_hashed(layer, slots, ready, num_layers)
         if self.device.type != "cpu":
             data = self.read(layer, slots, ready)
             return data, checksum(data.data)
@@ -206,21 +255,45 @@ class KVCacheView:
             raise
         return HostBytes(staged.reshape(-1), self.host_staging, buffer), digest
 
+    def _read_span_hashed(self, layer: int, slots: Slots, ready, num_layers: int) -> tuple["HostBytes", int]:
+        total = self._nbytes(slots, num_layers)
+        buffer = self.host_staging.take(total)
+        staged = buffer[:total].numpy()
+        try:
+            if self.flat is not None:  # one gathering pass over every layer, hashed on the way
+                rows = staged.reshape(-1, self.token_bytes)
+                digests = host_chunk_digests(
+                    self.flat, self.span_rows(layer, slots, num_layers), rows, identity(len(rows))
+                )
+                return HostBytes(staged, self.host_staging, buffer), fold(digests, total)
+            size = self._nbytes(slots)
+            for i in range(num_layers):  # a staged cache (a GPU's): layer by layer into one buffer
+                part = self.read(layer + i, slots, ready)
+                staged[i * size : (i + 1) * size] = part.data
+                part.release()
+        except BaseException:
+            self.host_staging.give(buffer)
+            raise
+        return HostBytes(staged, self.host_staging, buffer), checksum(staged)
+
     def gather_on_device(self, layer: int, slots: Slots) -> torch.Tensor:
         if slots.contiguous:
             return self.rows[layer][slots.first : slots.first + len(slots)]
         return self.rows[layer].index_select(0, slots.index)
 
     # -- writing (receiver side) -----------------------------------------------------------------
-    def write_target(self, layer: int, slots: Slots) -> "WriteTarget":
-        """Where to put the bytes of ``slots`` in ``layer``: in place, or a staging buffer that
-        ``commit`` scatters into the cache."""
-        if self.on_host and slots.contiguous:
+    def write_target(self, layer: int, slots: Slots, num_layers: int = 1) -> "WriteTarget":
+        """Where to put the bytes of ``slots`` in ``num_layers`` layers from ``layer``: in place
+        (one contiguous range of one layer), or a staging buffer that ``commit`` scatters into the cache."""
+        if self.on_host and slots.contiguous and num_layers == 1:
             return WriteTarget(
                 self, layer, slots, self._numpy[layer][slots.first : slots.first + len(slots)].reshape(-1)
             )
-        host = self.host_staging.take(len(slots) * self.token_bytes)
-        return WriteTarget(self, layer, slots, host[: len(slots) * self.token_bytes].numpy(), host)
+        if num_layers > 1 and layer + num_layers > self.num_layers:
+            raise ValueError(f"layers [{layer}, {layer + num_layers}) are outside the cache's {self.num_layers}")
+        total = self._nbytes(slots, num_layers)
+        host = self.host_staging.take(total)
+        return WriteTarget(self, layer, slots, host[:total].numpy(), host, num_layers)
 
     def scatter(self, layer: int, slots: Slots, data: np.ndarray) -> None:
         """Copies token-ordered bytes into the slots of ``layer``."""
@@ -262,12 +335,19 @@ class HostBytes:
 class WriteTarget:
     """A buffer to receive one unit into, and how it reaches the cache."""
 
-    __slots__ = ("view", "layer", "slots", "data", "_buffer")
+    __slots__ = ("view", "layer", "slots", "data", "_buffer", "num_layers")
 
     def __init__(
-        self, view: KVCacheView, layer: int, slots: Slots, data: np.ndarray, buffer: torch.Tensor | None = None
+        self,
+        view: KVCacheView,
+        layer: int,
+        slots: Slots,
+        data: np.ndarray,
+        buffer: torch.Tensor | None = None,
+        num_layers: int = 1,
     ) -> None:
         self.view, self.layer, self.slots, self.data, self._buffer = view, layer, slots, data, buffer
+        self.num_layers = num_layers
 
     @property
     def in_place(self) -> bool:
@@ -275,19 +355,25 @@ class WriteTarget:
 
     def commit(self) -> None:
         """Scatters a staged unit into the cache (nothing to do in place)."""
-        if self._buffer is not None:
-            self.view.scatter(self.layer, self.slots, self.data)
+        if self._buffer is None:
+            return
+        size = len(self.slots) * self.view.token_bytes
+        for i in range(self.num_layers):
+            self.view.scatter(self.layer + i, self.slots, self.data[i * size : (i + 1) * size])
 
     def commit_hashed(self) -> int:
         """``commit``, returning the checksum of the unit's bytes, taken in the same pass."""
-        view, n = self.view, len(self.slots)
-        if self._buffer is None or view.device.type != "cpu":
+        view = self.view
+        if self._buffer is None or view.device.type != "cpu" or (self.num_layers > 1 and view.flat is None):
             digest = checksum(self.data)
             self.commit()
             return digest
-        staged = self.data.reshape(n, view.token_bytes)
-        digests = host_chunk_digests(staged, identity(n), view.host_rows(self.layer), self.slots.array)
-        return fold(digests, n * view.token_bytes)
+        staged = self.data.reshape(-1, view.token_bytes)
+        if self.num_layers > 1:
+            rows, index = view.flat, view.span_rows(self.layer, self.slots, self.num_layers)
+        else:
+            rows, index = view.host_rows(self.layer), self.slots.array
+        return fold(host_chunk_digests(staged, identity(len(staged)), rows, index), staged.size)
 
     def release(self) -> None:
         if self._buffer is not None:

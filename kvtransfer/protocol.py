@@ -1,9 +1,9 @@
 """The KV-transfer wire format: fixed-size frame headers, then raw K/V bytes.
 
 Every frame starts with a 52-byte little-endian header. A unit is tokens ``[start, end)`` of
-one layer of one transfer, token-major, each token ``token_bytes`` bytes exactly as both
-caches store them (so block sizes may differ between the two sides); its frame carries the
-checksum of those bytes. A DATA frame brings the bytes along (TCP); WRITTEN says they were
+``num_layers`` consecutive layers from ``layer`` of one transfer: layer after layer, each
+token-major, each token ``token_bytes`` bytes exactly as both caches store them (so block
+sizes may differ between the two sides); its frame carries the checksum of those bytes. A DATA frame brings the bytes along (TCP); WRITTEN says they were
 written into the receiver's memory already (shared memory, CUDA IPC); UCX_DATA says they
 follow as one UCX tagged message.
 
@@ -18,7 +18,7 @@ import struct
 from dataclasses import dataclass
 
 MAGIC = b"PDKV"
-VERSION = 3  # 3: chunked XXH64 checksums (2: HMAC challenge-response, token_bytes in the layout check, RENEW)
+VERSION = 4  # 4: units of several layers (3: chunked XXH64 checksums; 2: HMAC challenge-response, token_bytes in the layout check, RENEW)
 HEADER = struct.Struct("<4sBBHQIIIqQQ")
 HEADER_SIZE = HEADER.size
 # Handshake and control payloads are small; K/V payloads are bounded by the grant they target.
@@ -29,11 +29,11 @@ class FrameKind(enum.IntEnum):
     HELLO = 1  # prefill -> decode: PeerInfo as JSON
     HELLO_OK = 2  # decode -> prefill: PeerInfo as JSON
     REJECT = 3  # decode -> prefill: reason (utf-8); the connection closes
-    DATA = 4  # prefill -> decode: K/V of tokens [start, end) of one layer
+    DATA = 4  # prefill -> decode: K/V of tokens [start, end) of layers [layer, layer + num_layers)
     DONE = 5  # prefill -> decode: all layers sent; aux = first generated token; payload = the other choices' (n > 1), int64 LE
     ACK = 6  # decode -> prefill: aux = AckStatus; payload = message
-    WRITTEN = 7  # prefill -> decode: a one-sided write of [start, end) of a layer landed (shm, CUDA IPC)
-    UCX_DATA = 8  # prefill -> decode: [start, end) of a layer follows over UCX; aux = the message's tag
+    WRITTEN = 7  # prefill -> decode: a one-sided write of a unit landed (shm, CUDA IPC)
+    UCX_DATA = 8  # prefill -> decode: a unit's bytes follow over UCX; aux = the message's tag
     CHALLENGE = 9  # decode -> prefill: payload = a nonce to authenticate with
     AUTH = 10  # prefill -> decode: payload = HMAC of the nonces under the cluster credential
     RENEW = 11  # prefill -> decode: the transfer is still wanted (queued or computing): extend its lease
@@ -61,14 +61,14 @@ class FrameHeader:
     aux: int = 0
     payload_len: int = 0
     checksum: int = 0
-    flags: int = 0
+    num_layers: int = 1  # the unit's layers (on the wire: one less, so 0 is one layer)
 
     def pack(self) -> bytes:
         return HEADER.pack(
             MAGIC,
             VERSION,
             int(self.kind),
-            self.flags,
+            self.num_layers - 1,
             self.transfer_id,
             self.layer,
             self.start,
@@ -80,7 +80,9 @@ class FrameHeader:
 
     @classmethod
     def unpack(cls, data: bytes | bytearray | memoryview) -> "FrameHeader":
-        magic, version, kind, flags, transfer_id, layer, start, end, aux, payload_len, checksum = HEADER.unpack(data)
+        magic, version, kind, more_layers, transfer_id, layer, start, end, aux, payload_len, checksum = HEADER.unpack(
+            data
+        )
         if magic != MAGIC:
             raise ProtocolError(f"bad magic {magic!r}")
         if version != VERSION:
@@ -91,4 +93,4 @@ class FrameHeader:
             raise ProtocolError(f"unknown frame kind {kind}") from None
         if kind not in (FrameKind.DATA,) and payload_len > MAX_CONTROL_PAYLOAD:
             raise ProtocolError(f"{kind.name} frame of {payload_len} bytes exceeds {MAX_CONTROL_PAYLOAD}")
-        return cls(FrameKind(kind), transfer_id, layer, start, end, aux, payload_len, checksum, flags)
+        return cls(FrameKind(kind), transfer_id, layer, start, end, aux, payload_len, checksum, more_layers + 1)

@@ -70,6 +70,7 @@ class ReshardedView:
     the part of ``KVCacheView`` that senders use."""
 
     on_host = False  # units are assembled, never read in place
+    flat = None  # nor several layers at once
 
     def __init__(
         self, source: KVCacheView, stored_as: str, num_kv_heads: int, head_dim: int, src_tp: int, dst_tp: int
@@ -116,7 +117,9 @@ class ReshardedView:
             part.release()
         return HostBytes(out.reshape(-1), self.host_staging, buffer)
 
-    def read_hashed(self, layer: int, slots: Slots, ready=None) -> tuple[HostBytes, int]:
+    def read_hashed(self, layer: int, slots: Slots, ready=None, num_layers: int = 1) -> tuple[HostBytes, int]:
+        if num_layers != 1:  # it has no ``flat`` rows, so its connection never joins layers
+            raise ValueError("a resharded cache is sent one layer at a time")
         data = self.read(layer, slots, ready)
         return data, checksum(data.data)
 

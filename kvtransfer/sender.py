@@ -16,7 +16,7 @@ import socket
 import struct
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -32,6 +32,7 @@ from pdserve.kvtransfer.transport_api import IO_TIMEOUT_S, SendContext, Unit
 
 log = logging.getLogger(__name__)
 HANDSHAKE_TIMEOUT_S = 10.0
+_NOTHING = object()
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +162,11 @@ class KVConnection:
         lease_s = self.remote.extra.get("lease_s")
         self.renew_interval_s = max(0.05, lease_s / 3) if isinstance(lease_s, (int, float)) and lease_s > 0 else 10.0
         self.broken: Exception | None = None
+        # Consecutive layers queued together (sending after the prefill, or catching up) travel as
+        # one unit, as large as the transport likes them (a CPU cache stored layer after layer).
+        self.max_span_bytes = self.sender.max_span_bytes if cache.flat is not None else 0
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._held = _NOTHING  # an item taken from the queue while joining layers, handled next
         self._transfers: dict[int, OutgoingTransfer] = {}  # open transfers: renewed, answered by ACKs
         self._lock = threading.Lock()
         threading.Thread(target=self._send_loop, name="kv-send", daemon=True).start()
@@ -197,7 +202,7 @@ class KVConnection:
         try:
             while True:
                 try:
-                    item = self._queue.get(timeout=max(0.0, next_renewal - time.monotonic()))
+                    item = self._next(timeout=max(0.0, next_renewal - time.monotonic()))
                 except queue.Empty:
                     item = ()
                 if item is None:
@@ -206,14 +211,43 @@ class KVConnection:
                     self._renew_all()
                     next_renewal = time.monotonic() + self.renew_interval_s
                 if item:
-                    self._handle(*item)
-                if self._queue.empty():
+                    self._handle(*self._joined(item))
+                if self._held is _NOTHING and self._queue.empty():
                     self.ctx.flush()  # out of work: whatever was deferred leaves now
         except Exception as e:  # noqa: BLE001 - a dead sender must fail every waiter, not hang them
             log.warning("KV sender to %s stopped: %s", self.address, e)
             self._break(e)
         finally:
             self.sender.close()
+
+    def _next(self, timeout: float):
+        if self._held is not _NOTHING:
+            item, self._held = self._held, _NOTHING
+            return item
+        return self._queue.get(timeout=timeout)
+
+    def _joined(self, item: tuple) -> tuple:
+        """``item``, or, for a unit, one unit of it and the layers queued right behind it
+        (up to ``max_span_bytes``); the first item that does not join is held for next."""
+        transfer, unit = item
+        if not isinstance(unit, Unit):
+            return item
+        layer_bytes = unit.num_tokens * self.cache.token_bytes
+        while (unit.num_layers + 1) * layer_bytes <= self.max_span_bytes:
+            try:
+                following = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if (
+                following is None
+                or following[0] is not transfer
+                or not isinstance(following[1], Unit)
+                or not following[1].follows(unit)
+            ):
+                self._held = following
+                break
+            unit = replace(unit, num_layers=unit.num_layers + 1)
+        return transfer, unit
 
     def _handle(self, transfer: OutgoingTransfer, what: Unit | _Done | None) -> None:
         if transfer.cancelled:
@@ -228,7 +262,7 @@ class KVConnection:
                     log.warning("transfer %016x: %s", transfer.transfer_id, e)
                     transfer.failed = str(e)
                     return
-                transfer.nbytes += what.num_tokens * self.cache.token_bytes
+                transfer.nbytes += what.num_tokens * what.num_layers * self.cache.token_bytes
         elif transfer.failed is not None:
             self._fail(transfer, transfer.failed)
         elif self.ctx.faults.take("stall"):

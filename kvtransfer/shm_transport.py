@@ -2,9 +2,10 @@
 segment that prefill workers on the same machine map and write into directly (the CPU
 analogue of a one-sided RDMA write); a WRITTEN frame then carries the checksum.
 
-Sender: one pass of the C++ kernel copies the unit from its slots into the destination slots
-(streaming stores: the bytes are for another process) and hashes it on the way. Receiver:
-hashes what landed. One pass over the bytes on each side, the GIL released for both.
+Sender: one pass of the C++ kernel copies the unit from its slots (in every layer it covers)
+into the destination slots (streaming stores: the bytes are for another process) and hashes
+it on the way. Receiver: hashes what landed. One pass over the bytes on each side, the GIL
+released for both.
 
 The decode side creates the segment; Python's resource tracker unlinks it even if the worker
 is killed. The prefill side maps it by name with a plain ``mmap`` (not ``SharedMemory``,
@@ -22,7 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pdserve.kvtransfer.layout import copy_and_hash, hash_rows, scatter
+from pdserve.kvtransfer.integrity import fold, host_chunk_digests
+from pdserve.kvtransfer.layout import Slots, copy_and_hash, scatter, span_rows
 from pdserve.kvtransfer.protocol import FrameHeader, FrameKind
 from pdserve.kvtransfer.transport_api import ReceiveContext, SendContext, Unit
 
@@ -87,10 +89,15 @@ class MappedKVPool:
             self._map = mmap.mmap(fd, nbytes)
         finally:
             os.close(fd)
-        self.layers = list(np.frombuffer(self._map, dtype=np.uint8).reshape(num_layers, -1, token_bytes))
+        self.flat = np.frombuffer(self._map, dtype=np.uint8).reshape(-1, token_bytes)  # every layer's rows
+        self.layers = list(self.flat.reshape(num_layers, -1, token_bytes))
+
+    def span_rows(self, layer: int, slots: Slots, num_layers: int) -> np.ndarray:
+        return span_rows(slots, layer, num_layers, len(self.layers), self.layers[0].shape[0])
 
     def close(self) -> None:
         self.layers = []
+        self.flat = None
         try:
             self._map.close()
         except BufferError:
@@ -123,18 +130,27 @@ class Sender:
 
     device = None  # it writes host memory
 
+    max_span_bytes = 1 << 20  # small layers join; larger ones pipeline (copy, verify) one by one
+
     def send(self, unit: Unit) -> None:
-        cache, rows = self.ctx.cache, self.pool.layers[unit.layer]
-        if cache.on_host:
-            digest = copy_and_hash(cache.host_rows(unit.layer), unit.src, rows, unit.dst, stream=True)
+        cache, pool, layer, num_layers = self.ctx.cache, self.pool, unit.layer, unit.num_layers
+        if cache.on_host and num_layers == 1:
+            digest = copy_and_hash(cache.host_rows(layer), unit.src, pool.layers[layer], unit.dst, stream=True)
+        elif cache.flat is not None:  # several layers: one pass over all of them
+            src, dst = cache.span_rows(layer, unit.src, num_layers), pool.span_rows(layer, unit.dst, num_layers)
+            digest = fold(host_chunk_digests(cache.flat, src, pool.flat, dst, True), len(src) * cache.token_bytes)
         else:  # a staged copy (a GPU cache, or a test forcing that path)
-            data, digest = cache.read_hashed(unit.layer, unit.src, unit.ready)
-            scatter(rows, unit.dst, data.data)
+            data, digest = cache.read_hashed(layer, unit.src, unit.ready, num_layers)
+            size = len(unit.src) * cache.token_bytes
+            for i in range(num_layers):
+                scatter(pool.layers[layer + i], unit.dst, data.data[i * size : (i + 1) * size])
             data.release()
         if self.ctx.faults.take("corrupt"):
-            rows[unit.dst.first, 0] ^= 0x5A  # a data byte of what landed, never our own cache
+            pool.layers[layer][unit.dst.first, 0] ^= 0x5A  # a data byte of what landed, never our own cache
         self.ctx.send_frame(
-            FrameHeader(FrameKind.WRITTEN, unit.transfer_id, unit.layer, unit.start, unit.end, checksum=digest),
+            FrameHeader(
+                FrameKind.WRITTEN, unit.transfer_id, layer, unit.start, unit.end, checksum=digest, num_layers=num_layers
+            ),
             defer=True,
         )
 
@@ -154,22 +170,17 @@ class Receiver:
         return {}
 
     def _written(self, h: FrameHeader) -> None:
-        """The peer wrote [start, end) of a layer into our shared pool; verify it."""
+        """The peer wrote a unit into our shared pool; verify it."""
         ledger, cache = self.ctx.ledger, self.ctx.cache
-        grant = ledger.admit(h.transfer_id, h.layer, h.start, h.end, (h.end - h.start) * cache.token_bytes, "WRITTEN")
+        nbytes = (h.end - h.start) * cache.token_bytes * h.num_layers
+        grant = ledger.admit(h.transfer_id, h.layer, h.start, h.end, nbytes, "WRITTEN", h.num_layers)
         if grant is None:
             return
         ok = None
         try:
-            slots = grant.slots(cache, h.start, h.end)
-            if cache.on_host:
-                ok = hash_rows(cache.host_rows(h.layer), slots) == h.checksum
-            else:
-                landed, digest = cache.read_hashed(h.layer, slots)
-                landed.release()
-                ok = digest == h.checksum
+            ok = cache.hash_landed(h.layer, grant.slots(cache, h.start, h.end), h.num_layers) == h.checksum
         finally:
-            ledger.end_write(grant, h.layer, h.start, h.end, ok)
+            ledger.end_write(grant, h.layer, h.start, h.end, ok, num_layers=h.num_layers)
 
     def close(self) -> None:
         pass

@@ -1,7 +1,7 @@
 """TCP: the unit's bytes follow its DATA header on the control connection.
 
 Sender: one ``sendmsg`` of header + bytes, read in place from the cache when the unit is one
-contiguous range, else gathered into a staging buffer, hashed in the same pass. Receiver: one
+contiguous range of one layer, else gathered into a staging buffer, hashed in the same pass. Receiver: one
 ``recv`` (MSG_WAITALL) of the whole payload, in place when the destination is contiguous,
 else into a staging buffer scattered into the cache, the checksum taken in the pass that
 scatters it. Works everywhere; a GPU cache goes through pinned host buffers.
@@ -26,8 +26,10 @@ class Sender:
     def __init__(self, ctx: SendContext) -> None:
         self.ctx = ctx
 
+    max_span_bytes = 1 << 20  # small layers join; larger ones pipeline (gather, socket, scatter) one by one
+
     def send(self, unit: Unit) -> None:
-        data, digest = self.ctx.cache.read_hashed(unit.layer, unit.src, unit.ready)
+        data, digest = self.ctx.cache.read_hashed(unit.layer, unit.src, unit.ready, unit.num_layers)
         try:
             payload = data.data
             if self.ctx.faults.take("corrupt"):
@@ -40,6 +42,7 @@ class Sender:
                 unit.end,
                 payload_len=payload.nbytes,
                 checksum=digest,
+                num_layers=unit.num_layers,
             )
             self.ctx.send_frame(header, payload)
         finally:
@@ -56,7 +59,7 @@ class Receiver:
     def __init__(self, ctx: ReceiveContext) -> None:
         self.ctx = ctx
         cache = ctx.cache
-        self.max_payload = cache.rows[0].shape[0] * cache.token_bytes  # a whole layer
+        self.max_payload = cache.num_layers * cache.rows[0].shape[0] * cache.token_bytes  # the whole cache
         self.scratch = bytearray(1 << 20)
         self.handlers = {FrameKind.DATA: self._data}
 
@@ -67,19 +70,19 @@ class Receiver:
         if h.payload_len > self.max_payload:
             raise ProtocolError(f"DATA frame of {h.payload_len} bytes exceeds the {self.max_payload}-byte limit")
         ledger, cache = self.ctx.ledger, self.ctx.cache
-        grant = ledger.admit(h.transfer_id, h.layer, h.start, h.end, h.payload_len, "DATA")
+        grant = ledger.admit(h.transfer_id, h.layer, h.start, h.end, h.payload_len, "DATA", h.num_layers)
         if grant is None:
             discard(self.ctx.sock, h.payload_len, self.scratch)
             return
         ok, target = None, None
         try:
-            target = cache.write_target(h.layer, grant.slots(cache, h.start, h.end))
+            target = cache.write_target(h.layer, grant.slots(cache, h.start, h.end), h.num_layers)
             recv_exact(self.ctx.sock, target.data)
             ok = target.commit_hashed() == h.checksum
         finally:
             if target is not None:
                 target.release()
-            ledger.end_write(grant, h.layer, h.start, h.end, ok)
+            ledger.end_write(grant, h.layer, h.start, h.end, ok, num_layers=h.num_layers)
 
     def close(self) -> None:
         pass

@@ -5,7 +5,9 @@ A transport (one module, listed in ``registry``) provides:
 * ``unavailable_reason(device) -> str | None``: why it cannot run in this process, or None.
 * ``class Sender(ctx: SendContext)``: ``send(unit)`` moves one unit (on the connection's
   sender thread, in order) and announces it on the control channel; ``flush(transfer_id)``
-  returns once every unit of the transfer has left (or raises); ``close()``.
+  returns once every unit of the transfer has left (or raises); ``close()``;
+  ``max_span_bytes``: how large a unit of several consecutive layers ``send`` takes (the
+  connection joins layers queued together up to that size; 0: one layer per unit).
 * ``class Receiver(ctx: ReceiveContext)``: ``handlers`` maps the frame kinds it owns to
   functions of the frame header (run on the connection's thread); ``hello_extra()`` is what
   the peer needs to use it (merged into HELLO_OK); ``close()``.
@@ -34,19 +36,33 @@ MAX_DEFERRED_FRAMES = 4
 
 @dataclass(frozen=True, slots=True)
 class Unit:
-    """Tokens [start, end) of one layer of one transfer, as the sender thread sends them."""
+    """Tokens [start, end) of layers [layer, layer + num_layers) of one transfer, as the
+    sender thread sends them."""
 
     transfer_id: int
     layer: int
     start: int
     end: int
-    src: Slots  # where they are in our cache
-    dst: Slots | None  # where they go in the receiver's cache (one-sided transports only)
+    src: Slots  # where they are in each layer of our cache
+    dst: Slots | None  # where they go in each layer of the receiver's cache (one-sided transports only)
     ready: object = None  # a CUDA event the K/V are written by (GPU caches)
+    num_layers: int = 1
 
     @property
     def num_tokens(self) -> int:
         return self.end - self.start
+
+    def follows(self, other: "Unit") -> bool:
+        """This unit is the layer right after ``other``'s, for the same tokens and slots (they can travel as one)."""
+        return (
+            self.transfer_id == other.transfer_id
+            and self.layer == other.layer + other.num_layers
+            and (self.start, self.end) == (other.start, other.end)
+            and self.src is other.src
+            and self.dst is other.dst
+            and self.ready is None
+            and other.ready is None
+        )
 
 
 @dataclass

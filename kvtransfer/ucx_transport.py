@@ -43,8 +43,10 @@ class Sender:
         self._errors: dict[int, BaseException] = {}
         self._done = threading.Condition()
 
+    max_span_bytes = 8 << 20  # each message costs a frame, a rendezvous and a completion: fewer, larger ones
+
     def send(self, unit: Unit) -> None:
-        data, digest = self.ctx.cache.read_hashed(unit.layer, unit.src, unit.ready)
+        data, digest = self.ctx.cache.read_hashed(unit.layer, unit.src, unit.ready, unit.num_layers)
         try:
             payload = data.data
             if self.ctx.faults.take("corrupt"):
@@ -59,6 +61,7 @@ class Sender:
                     unit.end,
                     aux=sequence & _SEQUENCE_MASK,
                     checksum=digest,
+                    num_layers=unit.num_layers,
                 )
             )
         except BaseException:
@@ -94,7 +97,7 @@ class Receiver:
     def __init__(self, ctx: ReceiveContext) -> None:
         self.ctx = ctx
         self.tag = secrets.randbits(23) + 1
-        self.max_bytes = ctx.cache.rows[0].shape[0] * ctx.cache.token_bytes  # a whole layer
+        self.max_bytes = ctx.cache.num_layers * ctx.cache.rows[0].shape[0] * ctx.cache.token_bytes  # the whole cache
         self.handlers = {FrameKind.UCX_DATA: self._ucx_data}
 
     def hello_extra(self) -> dict:
@@ -104,19 +107,21 @@ class Receiver:
         ucx, ledger, cache = self.ctx.ucx, self.ctx.ledger, self.ctx.cache
         if ucx is None:
             raise ProtocolError("UCX_DATA frame, but UCX is not running here")
-        nbytes = (h.end - h.start) * cache.token_bytes
+        nbytes = (h.end - h.start) * cache.token_bytes * h.num_layers
         if not 0 < nbytes <= self.max_bytes:
-            raise ProtocolError(f"UCX_DATA frame for tokens [{h.start}, {h.end}) of a {self.max_bytes}-byte layer")
+            raise ProtocolError(
+                f"UCX_DATA frame for tokens [{h.start}, {h.end}) of {h.num_layers} layers of a {self.max_bytes}-byte cache"
+            )
         tag = (self.tag << TAG_BITS) | (h.aux & _SEQUENCE_MASK)
-        grant = ledger.admit(h.transfer_id, h.layer, h.start, h.end, nbytes, "UCX_DATA")
+        grant = ledger.admit(h.transfer_id, h.layer, h.start, h.end, nbytes, "UCX_DATA", h.num_layers)
         if grant is None:  # drain the message anyway, so the sender's send completes
             scratch = cache.host_staging.take(nbytes)
             ucx.recv(scratch[:nbytes].numpy(), tag, lambda error: cache.host_staging.give(scratch))
             return
         try:
-            target = cache.write_target(h.layer, grant.slots(cache, h.start, h.end))
+            target = cache.write_target(h.layer, grant.slots(cache, h.start, h.end), h.num_layers)
         except BaseException:
-            ledger.end_write(grant, h.layer, h.start, h.end, None)
+            ledger.end_write(grant, h.layer, h.start, h.end, None, num_layers=h.num_layers)
             raise
         cancelled = threading.Event()
 
@@ -131,7 +136,7 @@ class Receiver:
                     ok = target.commit_hashed() == h.checksum
             finally:
                 target.release()
-                ledger.end_write(grant, h.layer, h.start, h.end, ok, cancel)
+                ledger.end_write(grant, h.layer, h.start, h.end, ok, cancel, h.num_layers)
 
         ledger.on_cancel(grant, cancel)
         ucx.recv(target.data, tag, landed)

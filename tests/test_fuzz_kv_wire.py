@@ -78,7 +78,7 @@ def header_blobs(draw) -> bytes:
 @fuzz(500)
 @given(blob=st.binary(min_size=HEADER_SIZE, max_size=HEADER_SIZE) | header_blobs())
 def test_frame_decoder_returns_a_header_or_protocol_error(blob):
-    magic, version, kind, flags, tid, layer, start, end, aux, plen, csum = HEADER.unpack(blob)
+    magic, version, kind, more_layers, tid, layer, start, end, aux, plen, csum = HEADER.unpack(blob)
     acceptable = (
         magic == MAGIC
         and version == VERSION
@@ -92,9 +92,9 @@ def test_frame_decoder_returns_a_header_or_protocol_error(blob):
         return
     assert acceptable
     assert isinstance(h.kind, FrameKind) and h.pack() == blob
-    assert (h.kind, h.flags, h.transfer_id, h.layer, h.start, h.end, h.aux, h.payload_len, h.checksum) == (
+    assert (h.kind, h.num_layers, h.transfer_id, h.layer, h.start, h.end, h.aux, h.payload_len, h.checksum) == (
         kind,
-        flags,
+        more_layers + 1,
         tid,
         layer,
         start,
@@ -118,7 +118,7 @@ def valid_headers(draw) -> FrameHeader:
         draw(st.integers(INT64_MIN, INT64_MAX)),
         draw(st.integers(0, UINT64_MAX if kind is FrameKind.DATA else MAX_CONTROL_PAYLOAD)),
         draw(st.integers(0, UINT64_MAX)),
-        draw(st.integers(0, 2**16 - 1)),
+        draw(st.integers(1, 2**16)),  # num_layers: one to 65536 (the wire holds one less)
     )
 
 

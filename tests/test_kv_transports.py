@@ -42,6 +42,34 @@ def test_transfer_lands_with_reblocking(transport, staging):
         decode.close()
 
 
+@pytest.mark.parametrize("receiver", ["in-place", "staged"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_layers_queued_together_travel_as_one_unit(transport, receiver, monkeypatch):
+    """Sending after the prefill: the connection joins the queued layers into one unit (one
+    frame, one checksum), which lands re-blocked, also in a staged (GPU-like) cache."""
+    decode = Decode(transport, block_size=8, force_staging=receiver == "staged")
+    prefill = Prefill(transport, block_size=16)
+    try:
+        conn = prefill.connect(decode.address)
+        assert conn.max_span_bytes >= LAYERS * 45 * TOKEN_BYTES
+        sent_units = []
+        real_send = conn.sender.send
+        monkeypatch.setattr(conn.sender, "send", lambda unit: (sent_units.append(unit.num_layers), real_send(unit)))
+        n, dst, src = 45, [9, 3, 17, 4, 25, 0], [5, 2, 11]
+        tid = decode.grant(dst, n)
+        with conn.ctx.send_lock:  # the sender thread waits on its first frame while every layer is queued
+            transfer = prefill.start(conn, tid, src, dst, 8, n)
+            time.sleep(0.05)
+        sent = prefill.finish(transfer)
+        assert sent.ok and sent.nbytes == n * LAYERS * TOKEN_BYTES and sent_units == [LAYERS]
+        assert decode.outcome(tid).ok
+        assert_same_tokens(prefill.layers, src, decode.layers, dst, n)
+        conn.close()
+    finally:
+        prefill.close()
+        decode.close()
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_contiguous_blocks_travel_in_place(transport):
     decode, prefill = Decode(transport, block_size=16), Prefill(transport, block_size=16)
@@ -234,8 +262,8 @@ def test_a_failed_ucx_send_fails_the_transfer(monkeypatch):
 
         monkeypatch.setattr(prefill.ucx, "send", failing)
         tid = decode.grant([1, 2], 10)
-        outcome = prefill.ship(conn, tid, [0], [1, 2], 8, 10)
-        assert not outcome.ok and "UCX send failed" in outcome.reason
+        outcome = prefill.ship(conn, tid, [0], [1, 2], 8, 10, chunks=(0, 5))  # two units: the second fails
+        assert len(calls) == 2 and not outcome.ok and "UCX send failed" in outcome.reason
     finally:
         prefill.close()
         decode.close()
@@ -246,6 +274,7 @@ def test_a_cancelled_ucx_receive_holds_its_blocks_until_ucx_lets_go(monkeypatch)
     decode, prefill = Decode("ucx"), Prefill("ucx")
     try:
         conn = prefill.connect(decode.address)
+        conn.max_span_bytes = 0  # one receive per layer, however the layers are queued
         monkeypatch.setattr(prefill.ucx, "send", lambda peer, buffer, tag, done: done(None))  # announced, never sent
         tid = decode.grant([1, 2], 10)
         transfer = prefill.start(conn, tid, [0], [1, 2], 8, 10)

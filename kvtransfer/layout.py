@@ -22,6 +22,10 @@ import torch
 from pdserve.engine.host_memory import host_bytes
 from pdserve.kvtransfer.integrity import checksum, fold, host_chunk_digests
 
+# Units from this size are gathered and scattered with streaming stores: they do not stay in a
+# core's L2 anyway, and a cached store first reads every line it overwrites (UCX: 12% faster).
+STREAM_BYTES = 4 << 20
+
 
 @dataclass(frozen=True, slots=True)
 class Slots:
@@ -262,9 +266,8 @@ class KVCacheView:
         try:
             if self.flat is not None:  # one gathering pass over every layer, hashed on the way
                 rows = staged.reshape(-1, self.token_bytes)
-                digests = host_chunk_digests(
-                    self.flat, self.span_rows(layer, slots, num_layers), rows, identity(len(rows))
-                )
+                span = self.span_rows(layer, slots, num_layers)
+                digests = host_chunk_digests(self.flat, span, rows, identity(len(rows)), total >= STREAM_BYTES)
                 return HostBytes(staged, self.host_staging, buffer), fold(digests, total)
             size = self._nbytes(slots)
             for i in range(num_layers):  # a staged cache (a GPU's): layer by layer into one buffer
@@ -373,7 +376,8 @@ class WriteTarget:
             rows, index = view.flat, view.span_rows(self.layer, self.slots, self.num_layers)
         else:
             rows, index = view.host_rows(self.layer), self.slots.array
-        return fold(host_chunk_digests(staged, identity(len(staged)), rows, index), staged.size)
+        stream = staged.nbytes >= STREAM_BYTES
+        return fold(host_chunk_digests(staged, identity(len(staged)), rows, index, stream), staged.size)
 
     def release(self) -> None:
         if self._buffer is not None:

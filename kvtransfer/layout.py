@@ -4,9 +4,9 @@ Whatever the cache's element type (floats, or quantized values with their scales
 each token), one token's K and V in one layer are ``token_bytes`` contiguous bytes, slots are
 ordered block by block, and tokens ``[start, end)`` of a request are the slots its block table
 maps them to. Each side maps the same token range with its own block ids and block size:
-that is the re-blocking. Everything here works on a whole unit (one layer, one token range)
-with vectorized index operations over rows of whole blocks where it can: Python work per
-layer, never per block.
+that is the re-blocking. Everything here works on a whole unit (one token range of one or
+more layers) with vectorized index operations over rows of whole blocks where it can: Python
+work per unit, never per block.
 """
 
 from __future__ import annotations
@@ -109,6 +109,8 @@ def span_rows(slots: Slots, layer: int, num_layers: int, total_layers: int, slot
     are stored one after another, layer after layer (``ValueError`` if they are not all there)."""
     if layer < 0 or num_layers < 1 or layer + num_layers > total_layers:
         raise ValueError(f"layers [{layer}, {layer + num_layers}) are outside the cache's {total_layers}")
+    if len(slots) and not (0 <= slots.array.min() and slots.array.max() < slots_per_layer):
+        raise IndexError(f"slots outside a layer's {slots_per_layer}")  # would land in another layer
     layers = np.arange(layer, layer + num_layers, dtype=np.int64)
     return (layers[:, None] * slots_per_layer + slots.array).reshape(-1)
 
@@ -117,8 +119,10 @@ def stacked_rows(layers: list[np.ndarray]) -> np.ndarray | None:
     """``layers`` (equal [slots, token_bytes] arrays) as one array of all their rows, when each
     starts where the one before ends; else None."""
     first = layers[0]
-    if not first.flags.c_contiguous or any(
-        layer.shape != first.shape or layer.ctypes.data != first.ctypes.data + i * first.nbytes
+    if any(
+        not layer.flags.c_contiguous
+        or layer.shape != first.shape
+        or layer.ctypes.data != first.ctypes.data + i * first.nbytes
         for i, layer in enumerate(layers)
     ):
         return None
@@ -165,8 +169,9 @@ class StagingPool:
 class KVCacheView:
     """Byte access to a cache's layers for the transports (registered once per worker).
 
-    On a CPU cache, units are read and written in place when their slots are contiguous and
-    gathered/scattered through a staging buffer otherwise. On a GPU cache, host transports go
+    On a CPU cache, units of one layer are read and written in place when their slots are
+    contiguous, and other units gathered/scattered through a staging buffer (several layers in
+    one pass over ``flat``). On a GPU cache, host transports go
     through pinned staging buffers. ``force_staging`` takes the staged path on a CPU cache too
     (how the GPU path is tested without a GPU).
     """
@@ -253,7 +258,8 @@ class KVCacheView:
         buffer = self.host_staging.take(n * self.token_bytes)
         staged = buffer[: n * self.token_bytes].numpy().reshape(n, self.token_bytes)
         try:
-            digest = fold(host_chunk_digests(rows, slots.array, staged, identity(n)), n * self.token_bytes)
+            stream = n * self.token_bytes >= STREAM_BYTES
+            digest = fold(host_chunk_digests(rows, slots.array, staged, identity(n), stream), n * self.token_bytes)
         except BaseException:
             self.host_staging.give(buffer)
             raise

@@ -3,9 +3,9 @@
 Every frame starts with a 52-byte little-endian header. A unit is tokens ``[start, end)`` of
 ``num_layers`` consecutive layers from ``layer`` of one transfer: layer after layer, each
 token-major, each token ``token_bytes`` bytes exactly as both caches store them (so block
-sizes may differ between the two sides); its frame carries the checksum of those bytes. A DATA frame brings the bytes along (TCP); WRITTEN says they were
-written into the receiver's memory already (shared memory, CUDA IPC); UCX_DATA says they
-follow as one UCX tagged message.
+sizes may differ between the two sides); its frame carries the checksum of those bytes. A
+DATA frame brings the bytes along (TCP); WRITTEN says they were written into the receiver's
+memory already (shared memory, CUDA IPC); UCX_DATA says they follow as one UCX tagged message.
 
 Handshake: HELLO (PeerInfo as JSON); with a cluster credential, CHALLENGE (a nonce) and AUTH
 (an HMAC proving the credential); then HELLO_OK or REJECT.
@@ -18,11 +18,16 @@ import struct
 from dataclasses import dataclass
 
 MAGIC = b"PDKV"
-VERSION = 4  # 4: units of several layers (3: chunked XXH64 checksums; 2: HMAC challenge-response, token_bytes in the layout check, RENEW)
+# 4: units of several layers; 3: chunked XXH64 checksums; 2: HMAC challenge-response, token_bytes
+# in the layout check, RENEW
+VERSION = 4
 HEADER = struct.Struct("<4sBBHQIIIqQQ")
 HEADER_SIZE = HEADER.size
 # Handshake and control payloads are small; K/V payloads are bounded by the grant they target.
 MAX_CONTROL_PAYLOAD = 64 * 1024
+# A unit of one layer carries at most that layer; one of several layers at most this (receivers
+# refuse more before they allocate anything for it).
+MAX_SPAN_BYTES = 16 << 20
 
 
 class FrameKind(enum.IntEnum):

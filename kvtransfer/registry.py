@@ -1,7 +1,7 @@
 """Every KV transport in one place: its name, where it works, and how its pool is made.
 
 Each transport is one module (``kvtransfer/<name>_transport.py``) implementing both halves:
-``Sender`` (prefill side: move one unit, tokens [start, end) of one layer) and ``Receiver``
+``Sender`` (prefill side: move one unit, tokens [start, end) of one or more layers) and ``Receiver``
 (decode side: land the frames that announce units), plus ``unavailable_reason(device)`` and,
 for a transport that writes into the decode worker's memory, ``make_pool``. Adding a transport
 is that file and one line in ``TRANSPORTS``.

@@ -4,8 +4,9 @@ A connection handshakes over TCP (which stays the control channel) and builds th
 half of the transport the decode worker chose. The engine thread queues units (a transfer's
 ``send_layer``, once per layer as the forward pass writes it); the connection's sender thread
 moves them in order, so sending layer i overlaps computing layer i+1, and a reader thread
-collects acknowledgements. While a transfer waits (its request queued behind other prompts,
-or computing), the sender thread renews its lease on the decode side.
+collects acknowledgements. Layers that queue up together (sent after the prefill, or while the
+sender catches up) leave as one unit of several layers. While a transfer waits (its request
+queued behind other prompts, or computing), the sender thread renews its lease on the decode side.
 """
 
 from __future__ import annotations
@@ -25,7 +26,14 @@ from pdserve.kvtransfer import registry
 from pdserve.kvtransfer.faults import FaultPlan
 from pdserve.kvtransfer.handshake import HandshakeError, PeerInfo, client_handshake
 from pdserve.kvtransfer.layout import KVCacheView, Slots, slots_of
-from pdserve.kvtransfer.protocol import HEADER_SIZE, AckStatus, FrameHeader, FrameKind, ProtocolError
+from pdserve.kvtransfer.protocol import (
+    HEADER_SIZE,
+    MAX_SPAN_BYTES,
+    AckStatus,
+    FrameHeader,
+    FrameKind,
+    ProtocolError,
+)
 from pdserve.kvtransfer.resharding import ReshardedView
 from pdserve.kvtransfer.sockets import IdleTimeout, configure, recv_header, recv_payload, shutdown, split_address
 from pdserve.kvtransfer.transport_api import IO_TIMEOUT_S, SendContext, Unit
@@ -164,7 +172,8 @@ class KVConnection:
         self.broken: Exception | None = None
         # Consecutive layers queued together (sending after the prefill, or catching up) travel as
         # one unit, as large as the transport likes them (a CPU cache stored layer after layer).
-        self.max_span_bytes = self.sender.max_span_bytes if cache.flat is not None else 0
+        span_bytes = min(getattr(self.sender, "max_span_bytes", 0), MAX_SPAN_BYTES)
+        self.max_span_bytes = span_bytes if cache.flat is not None else 0
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._held = _NOTHING  # an item taken from the queue while joining layers, handled next
         self._transfers: dict[int, OutgoingTransfer] = {}  # open transfers: renewed, answered by ACKs
@@ -230,8 +239,8 @@ class KVConnection:
         """``item``, or, for a unit, one unit of it and the layers queued right behind it
         (up to ``max_span_bytes``); the first item that does not join is held for next."""
         transfer, unit = item
-        if not isinstance(unit, Unit):
-            return item
+        if not isinstance(unit, Unit) or (unit.src.contiguous and not self.one_sided):
+            return item  # (one range of one layer is read in place: joined, it would be gathered)
         layer_bytes = unit.num_tokens * self.cache.token_bytes
         while (unit.num_layers + 1) * layer_bytes <= self.max_span_bytes:
             try:

@@ -1,7 +1,7 @@
 """Blocking-socket I/O for the control channel and the TCP data path.
 
 Sockets stay in blocking mode (no per-call timeout juggling) with kernel-level send/receive
-timeouts, and receives ask for the whole buffer at once (MSG_WAITALL): a layer's payload
+timeouts, and receives ask for the whole buffer at once (MSG_WAITALL): a unit's payload
 arrives in one system call, straight into its destination.
 """
 

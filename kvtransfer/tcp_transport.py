@@ -58,8 +58,6 @@ class Sender:
 class Receiver:
     def __init__(self, ctx: ReceiveContext) -> None:
         self.ctx = ctx
-        cache = ctx.cache
-        self.max_payload = cache.num_layers * cache.rows[0].shape[0] * cache.token_bytes  # the whole cache
         self.scratch = bytearray(1 << 20)
         self.handlers = {FrameKind.DATA: self._data}
 
@@ -67,8 +65,9 @@ class Receiver:
         return {}
 
     def _data(self, h: FrameHeader) -> None:
-        if h.payload_len > self.max_payload:
-            raise ProtocolError(f"DATA frame of {h.payload_len} bytes exceeds the {self.max_payload}-byte limit")
+        limit = self.ctx.max_unit_bytes(h.num_layers)
+        if h.payload_len > limit:
+            raise ProtocolError(f"DATA frame of {h.payload_len} bytes for {h.num_layers} layers exceeds {limit}")
         ledger, cache = self.ctx.ledger, self.ctx.cache
         grant = ledger.admit(h.transfer_id, h.layer, h.start, h.end, h.payload_len, "DATA", h.num_layers)
         if grant is None:

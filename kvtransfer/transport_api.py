@@ -27,7 +27,7 @@ from typing import Callable
 from pdserve.kvtransfer.faults import FaultPlan
 from pdserve.kvtransfer.grants import GrantLedger
 from pdserve.kvtransfer.layout import KVCacheView, Slots
-from pdserve.kvtransfer.protocol import FrameHeader
+from pdserve.kvtransfer.protocol import MAX_SPAN_BYTES, FrameHeader
 from pdserve.kvtransfer.sockets import send_buffers
 
 IO_TIMEOUT_S = 10.0  # once a unit has started, the rest of it must arrive within this
@@ -103,3 +103,8 @@ class ReceiveContext:
     peer: str = ""
     local_extra: dict = field(default_factory=dict)  # what this decode worker announced (its pool, ...)
     ack: Callable = None  # ack(transfer_id, AckStatus): thread-safe
+
+    def max_unit_bytes(self, num_layers: int) -> int:
+        """The most bytes a unit of ``num_layers`` layers may carry here (a larger one breaks the protocol)."""
+        layer_bytes = self.cache.rows[0].shape[0] * self.cache.token_bytes
+        return layer_bytes if num_layers == 1 else min(MAX_SPAN_BYTES, layer_bytes * self.cache.num_layers)

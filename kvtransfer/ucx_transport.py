@@ -97,7 +97,6 @@ class Receiver:
     def __init__(self, ctx: ReceiveContext) -> None:
         self.ctx = ctx
         self.tag = secrets.randbits(23) + 1
-        self.max_bytes = ctx.cache.num_layers * ctx.cache.rows[0].shape[0] * ctx.cache.token_bytes  # the whole cache
         self.handlers = {FrameKind.UCX_DATA: self._ucx_data}
 
     def hello_extra(self) -> dict:
@@ -108,10 +107,8 @@ class Receiver:
         if ucx is None:
             raise ProtocolError("UCX_DATA frame, but UCX is not running here")
         nbytes = (h.end - h.start) * cache.token_bytes * h.num_layers
-        if not 0 < nbytes <= self.max_bytes:
-            raise ProtocolError(
-                f"UCX_DATA frame for tokens [{h.start}, {h.end}) of {h.num_layers} layers of a {self.max_bytes}-byte cache"
-            )
+        if not 0 < nbytes <= self.ctx.max_unit_bytes(h.num_layers):  # before anything is allocated for it
+            raise ProtocolError(f"UCX_DATA frame for tokens [{h.start}, {h.end}) of {h.num_layers} layers is too large")
         tag = (self.tag << TAG_BITS) | (h.aux & _SEQUENCE_MASK)
         grant = ledger.admit(h.transfer_id, h.layer, h.start, h.end, nbytes, "UCX_DATA", h.num_layers)
         if grant is None:  # drain the message anyway, so the sender's send completes

@@ -127,3 +127,18 @@ def test_host_chunk_digests_are_xxh64_per_chunk_and_copy_on_the_way(monkeypatch,
     if tokens:  # a slot outside the rows is this unit's IndexError, as the senders expect
         with pytest.raises(IndexError):
             integrity.host_chunk_digests(src, src_slots, dst, np.where(dst_slots == dst_slots[0], 400, dst_slots))
+
+
+def test_a_span_of_layers_refuses_slots_that_would_fall_in_another_layer():
+    from pdserve.kvtransfer.layout import KVCacheView
+
+    layers = torch.zeros(3, 4, 16, 8, dtype=torch.uint8)  # 3 layers of 4 blocks of 16 tokens
+    view = KVCacheView(list(layers.unbind(0)), 16, 8)
+    assert view.flat is not None and view.flat.shape == (3 * 64, 8)
+    inside = view.slots([3, 0], 0, 32)
+    assert list(view.span_rows(1, inside, 2)[:3]) == [64 + 48, 64 + 49, 64 + 50]
+    with pytest.raises(IndexError, match="outside a layer"):
+        view.span_rows(0, view.slots([4, 0], 0, 32), 2)  # block 4 is the next layer's block 0
+    with pytest.raises(ValueError, match="outside the cache"):
+        view.span_rows(2, inside, 2)
+    assert KVCacheView([layers[0], layers[2]], 16, 8).flat is None  # not one after another

@@ -46,7 +46,8 @@ def test_transfer_lands_with_reblocking(transport, staging):
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_layers_queued_together_travel_as_one_unit(transport, receiver, monkeypatch):
     """Sending after the prefill: the connection joins the queued layers into one unit (one
-    frame, one checksum), which lands re-blocked, also in a staged (GPU-like) cache."""
+    frame, one checksum) and stops at DONE, which follows; the unit lands re-blocked, also in a
+    staged (GPU-like) cache."""
     decode = Decode(transport, block_size=8, force_staging=receiver == "staged")
     prefill = Prefill(transport, block_size=16)
     try:
@@ -57,13 +58,34 @@ def test_layers_queued_together_travel_as_one_unit(transport, receiver, monkeypa
         monkeypatch.setattr(conn.sender, "send", lambda unit: (sent_units.append(unit.num_layers), real_send(unit)))
         n, dst, src = 45, [9, 3, 17, 4, 25, 0], [5, 2, 11]
         tid = decode.grant(dst, n)
-        with conn.ctx.send_lock:  # the sender thread waits on its first frame while every layer is queued
+        with conn.ctx.send_lock:  # the sender thread waits on its first frame while all is queued
             transfer = prefill.start(conn, tid, src, dst, 8, n)
+            transfer.finish(42, prefill.outcomes.reporter(transfer))
             time.sleep(0.05)
-        sent = prefill.finish(transfer)
+        sent = prefill.outcomes.wait(transfer)
         assert sent.ok and sent.nbytes == n * LAYERS * TOKEN_BYTES and sent_units == [LAYERS]
         assert decode.outcome(tid).ok
         assert_same_tokens(prefill.layers, src, decode.layers, dst, n)
+        conn.close()
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_unit_of_several_layers_is_no_larger_than_the_transport_takes(monkeypatch):
+    decode, prefill = Decode("tcp", block_size=8), Prefill("tcp", block_size=16)
+    try:
+        conn = prefill.connect(decode.address)
+        conn.max_span_bytes = 2 * 45 * TOKEN_BYTES  # two layers of this transfer
+        sent_units = []
+        real_send = conn.sender.send
+        monkeypatch.setattr(conn.sender, "send", lambda unit: (sent_units.append(unit.num_layers), real_send(unit)))
+        tid = decode.grant([9, 3, 17, 4, 25, 0], 45)
+        with conn.ctx.send_lock:
+            transfer = prefill.start(conn, tid, [5, 2, 11], [9, 3, 17, 4, 25, 0], 8, 45)
+            time.sleep(0.05)
+        assert prefill.finish(transfer).ok and decode.outcome(tid).ok
+        assert sent_units == [2, 1]
         conn.close()
     finally:
         prefill.close()
@@ -183,10 +205,13 @@ def test_malformed_and_oversized_frames_drop_only_that_peer():
         conn = prefill.connect(decode.address)
         tid = decode.grant([1], 8)
         conn.ctx.send_frame(FrameHeader(FrameKind.DATA, tid, 0, 0, 8, payload_len=1 << 40))  # bigger than any layer
+        spans = prefill.connect(decode.address)
+        too_big = FrameHeader(FrameKind.DATA, tid, 0, 0, 8, payload_len=(16 << 20) + 1, num_layers=2)
+        spans.ctx.send_frame(too_big)  # refused before anything is allocated or read for it
         deadline = time.monotonic() + 5
-        while decode.ledger.counters["protocol_errors"] < 2 and time.monotonic() < deadline:
+        while decode.ledger.counters["protocol_errors"] < 3 and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert decode.ledger.counters["protocol_errors"] == 2
+        assert decode.ledger.counters["protocol_errors"] == 3
 
         good = prefill.connect(decode.address)
         tid2 = decode.grant([2], 8)
@@ -207,15 +232,18 @@ def test_units_outside_the_grant_are_refused():
             FrameHeader(FrameKind.DATA, tid, LAYERS + 5, 0, 8, payload_len=len(payload)),  # no such layer
             FrameHeader(FrameKind.DATA, tid, 0, 4, 12, payload_len=len(payload)),  # past the grant
             FrameHeader(FrameKind.DATA, 12345, 0, 0, 8, payload_len=len(payload)),  # not a transfer we granted
+            FrameHeader(
+                FrameKind.DATA, tid, LAYERS - 1, 0, 8, payload_len=2 * len(payload), num_layers=2
+            ),  # past the last layer
         ):
-            conn.ctx.send_frame(bad, payload)
+            conn.ctx.send_frame(bad, payload * bad.num_layers)
         transfer = conn.open(tid, [1], 8, 8)
         transfer.send_layer(0, [0], 0, 8)
         transfer.send_layer(0, [0], 0, 8)  # the same tokens twice
         for layer in range(1, LAYERS):
             transfer.send_layer(layer, [0], 0, 8)
         assert prefill.finish(transfer).ok
-        assert decode.ledger.counters["units_refused"] == 4 and decode.ledger.counters["protocol_errors"] == 0
+        assert decode.ledger.counters["units_refused"] == 5 and decode.ledger.counters["protocol_errors"] == 0
         conn.close()
     finally:
         prefill.close()
@@ -262,8 +290,8 @@ def test_a_failed_ucx_send_fails_the_transfer(monkeypatch):
 
         monkeypatch.setattr(prefill.ucx, "send", failing)
         tid = decode.grant([1, 2], 10)
-        outcome = prefill.ship(conn, tid, [0], [1, 2], 8, 10, chunks=(0, 5))  # two units: the second fails
-        assert len(calls) == 2 and not outcome.ok and "UCX send failed" in outcome.reason
+        outcome = prefill.ship(conn, tid, [0], [1, 2], 8, 10, chunks=(0, 5))  # two units at least: the second fails
+        assert len(calls) >= 2 and not outcome.ok and "UCX send failed" in outcome.reason
     finally:
         prefill.close()
         decode.close()

@@ -46,46 +46,6 @@ inline void seed_lanes(uint64_t lanes[4]) {
   lanes[3] = 0 - P1;
 }
 
-// XXH64 of `count` consecutive chunks at `data`.
-void hash_chunks(const uint8_t* data, int64_t count, uint64_t* out) {
-  int64_t c = 0;
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
-  // Eight chunks side by side: a register holds two chunks' four lanes, and four registers
-  // keep four independent multiply chains in flight (one chain alone waits on its latency).
-  const __m512i p1 = _mm512_set1_epi64(P1), p2 = _mm512_set1_epi64(P2);
-  const __m512i seed = _mm512_setr_epi64(P1 + P2, P2, 0, 0 - P1, P1 + P2, P2, 0, 0 - P1);
-  constexpr int kRegs = 4;
-  for (; c + 2 * kRegs <= count; c += 2 * kRegs) {
-    __m512i acc[kRegs];
-    for (int r = 0; r < kRegs; ++r) acc[r] = seed;
-    for (int64_t stripe = 0; stripe < kChunk; stripe += 32) {
-      for (int r = 0; r < kRegs; ++r) {
-        const uint8_t* a = data + (c + 2 * r) * kChunk + stripe;
-        __m512i x = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)a)),
-                                       _mm256_loadu_si256((const __m256i*)(a + kChunk)), 1);
-        acc[r] = _mm512_mullo_epi64(_mm512_rol_epi64(_mm512_add_epi64(acc[r], _mm512_mullo_epi64(x, p2)), 31), p1);
-      }
-    }
-    alignas(64) uint64_t lanes[8 * kRegs];
-    for (int r = 0; r < kRegs; ++r) _mm512_store_si512((__m512i*)(lanes + 8 * r), acc[r]);
-    for (int k = 0; k < 2 * kRegs; ++k) out[c + k] = finish_chunk(lanes + 4 * k);
-  }
-#endif
-  for (; c < count; ++c) {
-    uint64_t lanes[4];
-    seed_lanes(lanes);
-    const uint8_t* p = data + c * kChunk;
-    for (int64_t stripe = 0; stripe < kChunk; stripe += 32) {
-      for (int i = 0; i < 4; ++i) {
-        uint64_t word;
-        std::memcpy(&word, p + stripe + 8 * i, 8);
-        lanes[i] = xxh_round(lanes[i], word);
-      }
-    }
-    out[c] = finish_chunk(lanes);
-  }
-}
-
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
 #define KV_COPY_FUSED 1
 // One XXH64 round on eight chunks' lanes at once: register = two chunks' four lanes.
@@ -120,6 +80,31 @@ inline void copy_hash8(const uint8_t* const src[8], uint8_t* const dst[8], bool 
   for (int k = 0; k < 8; ++k) out[k] = finish_chunk(lanes + 4 * k);
 }
 #endif
+
+// XXH64 of `count` consecutive chunks at `data`.
+void hash_chunks(const uint8_t* data, int64_t count, uint64_t* out) {
+  int64_t c = 0;
+#ifdef KV_COPY_FUSED
+  for (; c + 8 <= count; c += 8) {
+    const uint8_t* chunks[8];
+    for (int k = 0; k < 8; ++k) chunks[k] = data + (c + k) * kChunk;
+    copy_hash8(chunks, nullptr, false, false, out + c);
+  }
+#endif
+  for (; c < count; ++c) {
+    uint64_t lanes[4];
+    seed_lanes(lanes);
+    const uint8_t* p = data + c * kChunk;
+    for (int64_t stripe = 0; stripe < kChunk; stripe += 32) {
+      for (int i = 0; i < 4; ++i) {
+        uint64_t word;
+        std::memcpy(&word, p + stripe + 8 * i, 8);
+        lanes[i] = xxh_round(lanes[i], word);
+      }
+    }
+    out[c] = finish_chunk(lanes);
+  }
+}
 
 // Writes a piece of the window to its destination; `stream`: bypassing the cache where it can
 // (the destination is another process's cache, which nothing here reads again, and a cached
@@ -157,6 +142,7 @@ std::vector<Run> runs_of(const int64_t* src, int64_t src_rows, const int64_t* ds
   return runs;
 }
 
+#ifdef KV_COPY_FUSED
 // Where every whole chunk of the unit starts on each side, or null where it spans two runs
 // (or is the zero-padded last one).
 void chunk_starts(const std::vector<Run>& runs, int64_t token_bytes, const uint8_t* src, uint8_t* dst, int64_t total,
@@ -186,6 +172,7 @@ bool whole_window(const std::vector<const uint8_t*>& src_at, const std::vector<u
   }
   return true;
 }
+#endif
 
 void check_rows(const torch::Tensor& rows, const torch::Tensor& slots, const char* what) {
   TORCH_CHECK(rows.device().is_cpu() && rows.dtype() == torch::kUInt8 && rows.dim() == 2 && rows.is_contiguous(),
@@ -215,9 +202,11 @@ torch::Tensor copy_rows_hashed(torch::Tensor src, torch::Tensor src_slots, c10::
   const auto runs = runs_of(src_slots.data_ptr<int64_t>(), src.size(0),
                             copying ? dst_slots->data_ptr<int64_t>() : nullptr, copying ? dst->size(0) : 0, n);
 
+#ifdef KV_COPY_FUSED
   std::vector<const uint8_t*> src_at;
   std::vector<uint8_t*> dst_at;
   chunk_starts(runs, token_bytes, src_base, dst_base, total, src_at, dst_at);
+#endif
 
   alignas(64) uint8_t window[kWindow];
   size_t run = 0;

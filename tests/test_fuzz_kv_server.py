@@ -247,7 +247,7 @@ class FrameSpec:
     send: tuple  # ("full",), ("short", k) or ("extra", bytes)
     checksum: str | int  # "correct", "wrong" or a raw value
     aux: int = 0
-    flags: int = 0
+    flags: int = 0  # the header's u16 after the kind: a unit's layer count minus one
     magic: bytes = MAGIC
     version: int = VERSION
     seed: int = 0
@@ -281,6 +281,7 @@ def frame_specs(draw, sizes: tuple[int, int]) -> FrameSpec:
             ("natural", draw(st.sampled_from([0] * 8 + [-1, 1, -TOKEN_BYTES, TOKEN_BYTES]))),
             draw(st.sampled_from([("full",)] * 8 + [("short", 1), ("short", 100)])),
             draw(st.sampled_from(["correct"] * 3 + ["wrong"])),
+            flags=draw(st.sampled_from([0] * 6 + [1, 2])),  # one layer, or a unit of two or three
             seed=draw(st.integers(0, 255)),
         )
     if shape == "done":
@@ -345,7 +346,8 @@ SEND_CAP = 40_000  # never send more than this for one frame's payload (the serv
 
 def render(spec: FrameSpec, grant_ids: list[int]) -> bytes:
     tid = grant_ids[spec.tid[1]] if isinstance(spec.tid, tuple) else spec.tid
-    natural = max(0, spec.end - spec.start) * TOKEN_BYTES
+    layers = spec.flags + 1 if spec.kind == FrameKind.DATA else 1  # the header's field: layers - 1
+    natural = max(0, spec.end - spec.start) * TOKEN_BYTES * layers
     plen = natural + spec.plen[1] if spec.plen[0] == "natural" else spec.plen[1]
     plen = min(max(plen, 0), UINT64_MAX)
     body = random.Random(spec.seed).randbytes(min(plen, SEND_CAP))

@@ -54,7 +54,10 @@ def _mapped(nbytes: int) -> torch.Tensor | None:
     raw = torch.frombuffer(mapping, dtype=torch.uint8)
     offset = -raw.data_ptr() % HUGE_PAGE
     if hasattr(mmap, "MADV_HUGEPAGE"):
-        mapping.madvise(mmap.MADV_HUGEPAGE, offset, span)
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE, offset, span)
+        except OSError:  # a kernel built without transparent huge pages: 4 KB pages, not a failed start
+            pass
     return raw[offset : offset + nbytes]
 
 

@@ -106,5 +106,5 @@ class ReceiveContext:
 
     def max_unit_bytes(self, num_layers: int) -> int:
         """The most bytes a unit of ``num_layers`` layers may carry here (a larger one breaks the protocol)."""
-        layer_bytes = self.cache.rows[0].shape[0] * self.cache.token_bytes
+        layer_bytes = self.cache.slots_per_layer * self.cache.token_bytes
         return layer_bytes if num_layers == 1 else min(MAX_SPAN_BYTES, layer_bytes * self.cache.num_layers)

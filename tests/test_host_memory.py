@@ -98,3 +98,14 @@ def test_an_arena_holds_equal_copies_end_to_end_on_64_byte_boundaries():
 def test_an_arena_refuses_tensors_off_the_cpu():
     with pytest.raises(ValueError, match="CPU tensors only"):
         host_arena([torch.zeros(4), torch.zeros(4, device="meta")])
+
+
+def test_a_kernel_that_refuses_huge_pages_still_gets_its_memory(monkeypatch):
+    import mmap
+
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        pytest.skip("no madvise here")
+    monkeypatch.setattr(mmap, "MADV_HUGEPAGE", 0x7FFF)  # advice no kernel knows: madvise fails (EINVAL)
+    tensor = host_zeros((4, 2**20), torch.uint8)
+    assert tensor.shape == (4, 2**20) and not tensor.any()
+    assert host_bytes(4 << 20).numel() == 4 << 20

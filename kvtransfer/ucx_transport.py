@@ -8,20 +8,29 @@ succeeded, and a failed send fails the transfer. Receiver: one receive per unit,
 the destination itself when it is contiguous (else into a staging buffer scattered on
 arrival), verified when it completes (in the scattering pass). A grant that fails while receives are posted cancels
 them, and its blocks are not reported free until UCX has completed each one.
+
+A refused unit's message is still received (into a scratch buffer), so the sender's send
+completes. Those drains are bounded per connection: past ``MAX_DRAINING_BYTES`` the connection
+waits for earlier ones to land (a live sender's bytes are on their way), and a peer whose
+announced messages do not come within ``DRAIN_TIMEOUT_S`` is dropped; the drains still posted
+when a connection ends are cancelled, so their buffers come back.
 """
 
 from __future__ import annotations
 
+import itertools
 import secrets
 import threading
 from collections import Counter
 
-from pdserve.kvtransfer.protocol import FrameHeader, FrameKind, ProtocolError
+from pdserve.kvtransfer.protocol import MAX_SPAN_BYTES, FrameHeader, FrameKind, ProtocolError
 from pdserve.kvtransfer.tcp_transport import flipped
 from pdserve.kvtransfer.transport_api import IO_TIMEOUT_S, ReceiveContext, SendContext, Unit
 from pdserve.kvtransfer.ucx_worker import TAG_BITS, ucx_available, ucx_unavailable_reason
 
 _SEQUENCE_MASK = (1 << TAG_BITS) - 1
+MAX_DRAINING_BYTES = 4 * MAX_SPAN_BYTES  # refused units' bytes one connection may have posted and not landed
+DRAIN_TIMEOUT_S = IO_TIMEOUT_S  # how long announced messages may keep the next drain waiting
 
 
 def unavailable_reason(device) -> str | None:
@@ -98,6 +107,9 @@ class Receiver:
         self.ctx = ctx
         self.tag = secrets.randbits(23) + 1
         self.handlers = {FrameKind.UCX_DATA: self._ucx_data}
+        self._draining: dict[int, tuple[int, int]] = {}  # drain -> (tag, bytes): refused units' messages not landed yet
+        self._drains = itertools.count()  # a drain's key: a peer may repeat tags
+        self._drained = threading.Condition()
 
     def hello_extra(self) -> dict:
         return {"ucx_address": self.ctx.ucx.address.hex(), "ucx_tag": self.tag} if self.ctx.ucx else {}
@@ -111,9 +123,8 @@ class Receiver:
             raise ProtocolError(f"UCX_DATA frame for tokens [{h.start}, {h.end}) of {h.num_layers} layers is too large")
         tag = (self.tag << TAG_BITS) | (h.aux & _SEQUENCE_MASK)
         grant = ledger.admit(h.transfer_id, h.layer, h.start, h.end, nbytes, "UCX_DATA", h.num_layers)
-        if grant is None:  # drain the message anyway, so the sender's send completes
-            scratch = cache.host_staging.take(nbytes)
-            ucx.recv(scratch[:nbytes].numpy(), tag, lambda error: cache.host_staging.give(scratch))
+        if grant is None:
+            self._drain(tag, nbytes)
             return
         try:
             target = cache.write_target(h.layer, grant.slots(cache, h.start, h.end), h.num_layers)
@@ -138,5 +149,32 @@ class Receiver:
         ledger.on_cancel(grant, cancel)
         ucx.recv(target.data, tag, landed)
 
+    def _drain(self, tag: int, nbytes: int) -> None:
+        """Receives a refused unit's message into scratch, so the sender's send completes."""
+
+        def held() -> int:
+            return sum(n for _, n in self._draining.values())
+
+        with self._drained:
+            if not self._drained.wait_for(lambda: held() + nbytes <= MAX_DRAINING_BYTES, DRAIN_TIMEOUT_S):
+                raise ProtocolError(
+                    f"{held()} bytes of refused units were announced and not sent in {DRAIN_TIMEOUT_S} s"
+                )
+            key = next(self._drains)
+            self._draining[key] = (tag, nbytes)
+        staging = self.ctx.cache.host_staging
+        scratch = staging.take(nbytes)
+
+        def drained(error: BaseException | None) -> None:  # on the UCX thread
+            staging.give(scratch)
+            with self._drained:
+                del self._draining[key]
+                self._drained.notify_all()
+
+        self.ctx.ucx.recv(scratch[:nbytes].numpy(), tag, drained)
+
     def close(self) -> None:
-        pass
+        with self._drained:
+            posted = [tag for tag, _ in self._draining.values()]
+        for tag in posted:  # the peer is gone: its messages may never come
+            self.ctx.ucx.cancel_recv(tag)

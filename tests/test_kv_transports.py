@@ -1,7 +1,7 @@
 """Every KV transport in one process over real sockets (and real UCX / shared memory):
 re-blocking between block sizes, prefix-aware partial transfers, the staged path a GPU cache
-takes (forced here over host memory), corrupted data, stalls, bad units, UCX send errors and
-cancelled receives, and CUDA IPC's data path on CPU tensors."""
+takes (forced here over host memory), corrupted data, stalls, bad units, UCX send errors,
+cancelled receives and refused units never sent, and CUDA IPC's data path on CPU tensors."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 from kv_sides import LAYERS, TOKEN_BYTES, UCX_SKIP_REASON, Decode, Prefill, assert_same_tokens, peer
 
-from pdserve.kvtransfer import cuda_ipc_transport
+from pdserve.kvtransfer import cuda_ipc_transport, ucx_transport
 from pdserve.kvtransfer.protocol import FrameHeader, FrameKind
 
 UCX = pytest.param("ucx", marks=pytest.mark.skipif(UCX_SKIP_REASON is not None, reason=str(UCX_SKIP_REASON)))
@@ -315,6 +315,59 @@ def test_a_cancelled_ucx_receive_holds_its_blocks_until_ucx_lets_go(monkeypatch)
         landed = decode.outcome(tid)  # comes only once every posted receive has completed
         assert not landed.ok and grant.writers == 0 and decode.ledger.num_active == 0
         transfer.cancel()
+        conn.close()
+    finally:
+        prefill.close()
+        decode.close()
+
+
+@pytest.mark.skipif(UCX_SKIP_REASON is not None, reason=str(UCX_SKIP_REASON))
+def test_refused_ucx_units_never_sent_are_bounded_and_dropped(monkeypatch):
+    """A peer that announces units the decode side refuses and never sends their messages holds
+    at most MAX_DRAINING_BYTES of scratch; then its connection ends and every drain is given back."""
+    decode, prefill = Decode("ucx"), Prefill("ucx")
+    unit_bytes = 10 * TOKEN_BYTES
+    monkeypatch.setattr(ucx_transport, "MAX_DRAINING_BYTES", 2 * unit_bytes)
+    monkeypatch.setattr(ucx_transport, "DRAIN_TIMEOUT_S", 0.5)
+    staging, taken = decode.cache.host_staging, []
+    real_take, real_give = staging.take, staging.give
+    monkeypatch.setattr(staging, "take", lambda n: taken.append(n) or real_take(n))
+    monkeypatch.setattr(staging, "give", lambda buffer: taken.pop() and real_give(buffer))
+    try:
+        conn = prefill.connect(decode.address)
+        conn.max_span_bytes = 0
+        monkeypatch.setattr(prefill.ucx, "send", lambda peer, buffer, tag, done: done(None))  # announced, never sent
+        transfer = prefill.start(conn, 0x5EED, [0], [1, 2], 8, 10)  # never granted: each layer is refused
+        deadline = time.monotonic() + 10
+        while decode.ledger.counters["protocol_errors"] == 0 and time.monotonic() < deadline:
+            assert sum(taken) <= 2 * unit_bytes
+            time.sleep(0.01)
+        assert decode.ledger.counters["protocol_errors"] == 1 and decode.ledger.counters["units_refused"] == LAYERS
+        while taken and time.monotonic() < deadline:  # the connection's drains are cancelled
+            time.sleep(0.01)
+        assert taken == []
+        transfer.cancel()
+        conn.close()
+    finally:
+        prefill.close()
+        decode.close()
+
+
+@pytest.mark.skipif(UCX_SKIP_REASON is not None, reason=str(UCX_SKIP_REASON))
+def test_refused_ucx_units_that_are_sent_drain_past_the_bound(monkeypatch):
+    """Refused units whose messages do come (a grant that ended mid-transfer) only wait for room:
+    all of them drain, and the connection carries the next transfer."""
+    decode, prefill = Decode("ucx"), Prefill("ucx")
+    monkeypatch.setattr(ucx_transport, "MAX_DRAINING_BYTES", 5 * TOKEN_BYTES)  # one unit at a time
+    try:
+        conn = prefill.connect(decode.address)
+        conn.max_span_bytes = 0
+        late = prefill.ship(conn, 0x5EED, [0], [1, 2], 8, 10, chunks=(0, 5))  # never granted
+        assert not late.ok and decode.ledger.counters["units_refused"] == 2 * LAYERS
+        tid = decode.grant([3, 4], 10)
+        assert prefill.ship(conn, tid, [0], [3, 4], 8, 10).ok and decode.outcome(tid).ok
+        assert_same_tokens(prefill.layers, [0], decode.layers, [3, 4], 10)
+        assert decode.ledger.counters["protocol_errors"] == 0
         conn.close()
     finally:
         prefill.close()

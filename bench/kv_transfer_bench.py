@@ -48,407 +48,21 @@ if __name__ == "__main__":  # as a script only: imported (the profiler, tests), 
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
-import gc  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
-import random  # noqa: E402
-import resource  # noqa: E402
-import statistics  # noqa: E402
 import sys  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from pdserve.bench.kv_links import (  # noqa: E402
-    IO_TIMEOUT_S,
-    MemcpyLink,
-    RawSocketLink,
-    RawUcxLink,
-    TransportLink,
-    connect,
-    decode_side,
-    layer_checksums,
-)
-from pdserve.engine.host_memory import host_zeros  # noqa: E402
-from pdserve.engine.kv_cache import KVLayout  # noqa: E402
+from pdserve.bench.kv_payloads import MIB, Geometry, measure_payload, samples_for  # noqa: E402
+from pdserve.bench.kv_ttft import measure_ttft  # noqa: E402
+from pdserve.bench.machine_load import LoadProbe  # noqa: E402
 from pdserve.kvtransfer import registry  # noqa: E402
-from pdserve.kvtransfer.handshake import PeerInfo, host_id  # noqa: E402
-from pdserve.kvtransfer.integrity import checksum  # noqa: E402
-from pdserve.kvtransfer.layout import KVCacheView  # noqa: E402
 from pdserve.kvtransfer.ucx_worker import UcxWorker, ucx_available  # noqa: E402
 from pdserve.placement import shared_prefill_threads  # noqa: E402
 
-MIB = 1 << 20
 ALL_TRANSPORTS = tuple(name for name in registry.TRANSPORT_NAMES if name != "cuda_ipc")  # CPU caches here
-MAX_SAMPLE_MULTIPLIER = 8  # small payloads get more samples: repeats x min(8, 64 MiB / size)
-MAX_ENGINE_STEPS = 64  # a 1k-token prefill takes one step (two with a smaller token budget)
-
-
-# -- the machine -------------------------------------------------------------------------------------
-
-
-def loadavg() -> list[float]:
-    try:
-        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
-    except OSError:
-        return []
-
-
-def busy_cpu_seconds() -> float | None:
-    """CPU time spent by everything on the machine (all cores), from /proc/stat."""
-    try:
-        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    except OSError:
-        return None
-    ticks = [int(x) for x in fields] + [0] * 8
-    # user + nice + system + irq + softirq; idle, iowait and steal (the hypervisor's) are not ours to count
-    return (ticks[0] + ticks[1] + ticks[2] + ticks[5] + ticks[6]) / os.sysconf("SC_CLK_TCK")
-
-
-def steal_seconds() -> float | None:
-    try:
-        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    except OSError:
-        return None
-    return int(fields[7]) / os.sysconf("SC_CLK_TCK") if len(fields) > 7 else None
-
-
-def own_cpu_seconds() -> float:
-    """This process's CPU time and its finished children's (the decode sides)."""
-    return sum(
-        usage.ru_utime + usage.ru_stime
-        for usage in (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN))
-    )
-
-
-class LoadProbe:
-    """Load average at start and end, and how much CPU other processes used meanwhile."""
-
-    def __init__(self) -> None:
-        self.start_load = loadavg()
-        self.start_wall = time.monotonic()
-        self.start_busy = busy_cpu_seconds()
-        self.start_own = own_cpu_seconds()
-        self.start_steal = steal_seconds()
-
-    def report(self) -> dict:
-        wall = time.monotonic() - self.start_wall
-        cores = os.cpu_count() or 1
-        busy = busy_cpu_seconds()
-        other = steal = None
-        if busy is not None and self.start_busy is not None:
-            other = max(0.0, (busy - self.start_busy) - (own_cpu_seconds() - self.start_own))
-        if self.start_steal is not None:
-            steal = steal_seconds() - self.start_steal
-        return {
-            "cpu_count": cores,
-            "loadavg_start": self.start_load,
-            "loadavg_end": loadavg(),
-            "wall_s": round(wall, 2),
-            "other_cpu_s": None if other is None else round(other, 2),
-            "other_cpu_share": None if other is None else round(other / (wall * cores), 3),
-            "steal_cpu_s": None if steal is None else round(steal, 2),
-            # Load from others at start (1-min average) or CPU they used during the run.
-            "other_load_present": bool(
-                (self.start_load and self.start_load[0] >= 0.5)
-                or (other is not None and other / (wall * cores) >= 0.05)
-            ),
-        }
-
-
-# -- payloads ----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Geometry:
-    num_layers: int = 30
-    num_kv_heads: int = 3
-    head_dim: int = 64
-    block_size: int = 16
-    dtype: torch.dtype = torch.float32
-
-    def layout(self) -> KVLayout:
-        return KVLayout(
-            num_layers=self.num_layers,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            block_size=self.block_size,
-            dtype=self.dtype,
-        )
-
-    @property
-    def token_bytes(self) -> int:
-        return self.layout().token_bytes
-
-    @property
-    def dtype_name(self) -> str:
-        return str(self.dtype).removeprefix("torch.")
-
-    def tokens_for(self, nbytes: int) -> int:
-        return max(1, round(nbytes / (self.num_layers * self.token_bytes)))
-
-
-def fill_pattern(buf: np.ndarray, seed: int) -> None:
-    """Position-dependent bytes (a misplaced run shows up), cheap to make for 256 MiB."""
-    words = buf.view(np.uint32)
-    words[:] = np.arange(words.size, dtype=np.uint32)
-    words *= np.uint32(2654435761)
-    words ^= np.uint32((seed * 0x9E3779B1) & 0xFFFFFFFF)
-
-
-def host_view(tensor: torch.Tensor) -> np.ndarray:
-    return tensor.view(torch.uint8).reshape(-1).numpy()
-
-
-def block_ids(count: int, arrangement: str, seed: int) -> list[int]:
-    ids = list(range(count))
-    if arrangement == "shuffled":
-        random.Random(seed).shuffle(ids)
-    return ids
-
-
-def synthetic_peer(geometry: Geometry, transport: str, role: str) -> PeerInfo:
-    return PeerInfo(
-        model_fingerprint="kv-transfer-bench",
-        dtype=geometry.dtype_name,
-        num_layers=geometry.num_layers,
-        num_kv_heads=geometry.num_kv_heads,
-        head_dim=geometry.head_dim,
-        block_size=geometry.block_size,
-        transports=(transport,),
-        host_id=host_id(),
-        role=role,
-        token_bytes=geometry.token_bytes,
-    )
-
-
-# -- throughput of one payload, every method ------------------------------------------------------------
-
-
-def measure_payload(
-    label: str,
-    geometry: Geometry,
-    num_tokens: int,
-    samples: int,
-    transports: list[str],
-    arrangement: str,
-    seed: int,
-    ucx_pair,
-    in_process: bool = False,
-) -> dict:
-    layout = geometry.layout()
-    nblocks = -(-num_tokens // geometry.block_size)
-    nbytes = num_tokens * geometry.num_layers * geometry.token_bytes
-
-    src_tensor = host_zeros(layout.shape(nblocks), geometry.dtype)  # as a prefill engine allocates its cache
-    fill_pattern(host_view(src_tensor), seed)
-    src = KVCacheView(list(src_tensor.unbind(0)), geometry.block_size, geometry.token_bytes)
-    src_blocks = block_ids(nblocks, arrangement, seed)
-    dst_blocks = block_ids(nblocks, arrangement, seed + 1)
-    src_sums = layer_checksums(src, src_blocks, num_tokens)
-
-    flat_src = np.empty(nbytes, dtype=np.uint8)
-    fill_pattern(flat_src, seed)
-    flat_dst = np.zeros(nbytes, dtype=np.uint8)
-    flat_sum = checksum(flat_src)
-
-    links: list = [MemcpyLink(flat_src, flat_dst, flat_sum)]
-    try:
-        links.append(RawSocketLink(flat_src, flat_dst, flat_sum))
-        if "ucx" in transports:
-            links.append(RawUcxLink(flat_src, flat_dst, flat_sum, ucx_pair))
-        for transport in transports:
-            links.append(
-                TransportLink(
-                    transport,
-                    layout,
-                    src,
-                    src_blocks,
-                    dst_blocks,
-                    num_tokens,
-                    src_sums,
-                    synthetic_peer(geometry, transport, "decode"),
-                    synthetic_peer(geometry, transport, "prefill"),
-                    ucx_pair,
-                    in_process,
-                )
-            )
-        for link in links:  # warm-up: connection, page tables, caches; not timed
-            link.sample()
-        times: dict[str, list[float]] = {link.name: [] for link in links}
-        for i in range(samples):
-            shift = i % len(links)  # rotate the order so no method always runs first
-            for link in links[shift:] + links[:shift]:
-                times[link.name].append(link.sample())
-    finally:
-        for link in links:
-            link.close()
-        del links
-        gc.collect()
-
-    seconds = {name: statistics.median(ts) for name, ts in times.items()}
-    gbps = {name: nbytes / s / 1e9 for name, s in seconds.items()}
-    return {
-        "label": label,
-        "bytes": nbytes,
-        "num_tokens": num_tokens,
-        "dtype": geometry.dtype_name,
-        "num_layers": geometry.num_layers,
-        "token_bytes": geometry.token_bytes,
-        "block_size": geometry.block_size,
-        "block_arrangement": arrangement,
-        "samples": samples,
-        "seconds_median": seconds,
-        "gbps": gbps,
-        "gbps_min_max": {name: [nbytes / max(ts) / 1e9, nbytes / min(ts) / 1e9] for name, ts in times.items()},
-        "ratios": ratios(gbps),
-    }
-
-
-def ratios(gbps: dict[str, float]) -> dict[str, float]:
-    out = {}
-    if "tcp" in gbps:
-        out["tcp_vs_raw_socket"] = gbps["tcp"] / gbps["raw_socket"]
-    if "shm" in gbps:
-        out["shm_vs_memcpy"] = gbps["shm"] / gbps["memcpy"]
-    if "ucx" in gbps:
-        out["ucx_vs_raw_socket"] = gbps["ucx"] / gbps["raw_socket"]
-        out["ucx_vs_raw_ucx"] = gbps["ucx"] / gbps["raw_ucx"]
-        if "tcp" in gbps:
-            out["ucx_vs_tcp"] = gbps["ucx"] / gbps["tcp"]
-    return out
-
-
-def samples_for(nbytes: int, repeats: int) -> int:
-    return repeats * min(MAX_SAMPLE_MULTIPLIER, max(1, (64 * MIB) // max(1, nbytes)))
-
-
-# -- TTFT: per-layer pipelining vs send-after-prefill ----------------------------------------------------
-
-
-def measure_ttft(args, transports: list[str], ucx_pair) -> dict:
-    from pdserve.engine.engine_config import EngineConfig
-    from pdserve.engine.kv_connector import KVSend
-    from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.sampling_params import SamplingParams
-
-    # No prefix caching: every run must compute its whole prompt (prompts also differ).
-    config = EngineConfig(
-        dtype="float32", kv_cache_memory="512MiB", enable_prefix_caching=False, num_threads=args.prefill_threads
-    )
-    engine = LLMEngine(config)
-    woken = threading.Event()
-    engine.connector.wake = woken.set
-    layout, block_size = engine.kv_layout, engine.config.block_size
-    src = KVCacheView(engine.kv_cache.layers, block_size, layout.token_bytes)
-    geometry = Geometry(layout.num_layers, layout.num_kv_heads, layout.head_dim, block_size, layout.dtype)
-    n = args.prompt_tokens
-    dst_blocks = list(range(-(-n // block_size)))
-    first_only = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)  # prefill alone ends at the first token
-    handed_off = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    rng = random.Random(args.seed)
-    counter = iter(range(10**9))
-
-    def prefill(mode: str, t: str | None) -> tuple[float, float]:
-        """One prompt; (seconds to the first token, seconds to the ACK), its KV checked."""
-        rid = f"ttft-{next(counter)}"
-        prompt = [rng.randrange(1000, 40000) for _ in range(n)]
-        kv = landed = acked = None
-        if t is not None:
-            decode = decodes[t]
-            decode.zero()
-            transfer_id, landed = decode.grant(dst_blocks, n)
-            kv = KVSend(conns[t].open(transfer_id, dst_blocks, block_size, n), ack_timeout_s=IO_TIMEOUT_S)
-            engine.connector.pipelined = mode == "pipelined"
-        started = time.perf_counter()
-        engine.add_request(rid, prompt, first_only if t is None else handed_off, kv_send=kv)
-        first_s = None
-        deadline = started + IO_TIMEOUT_S
-        while acked is None and time.perf_counter() < deadline:
-            for out in engine.step():
-                if out.request_id != rid:
-                    continue
-                if first_s is None:
-                    first_s = time.perf_counter() - started
-                    src_blocks = list(engine.requests[rid].block_table) if t is not None else None
-                if out.finished:
-                    if out.error is not None:
-                        raise RuntimeError(f"ttft {mode} over {t}: {out.error}")
-                    acked = time.perf_counter() - started
-            if acked is None and first_s is not None:
-                woken.wait(0.05)
-                woken.clear()
-        if acked is None:
-            raise RuntimeError(f"ttft {mode} over {t}: no answer within {IO_TIMEOUT_S} s")
-        if t is not None:
-            landed.wait(f"ttft {mode} over {t}")
-            if decodes[t].checksums(dst_blocks, n) != layer_checksums(src, src_blocks, n):
-                raise RuntimeError(f"ttft {mode} over {t}: the KV that landed differs from the engine's")
-        return first_s, acked
-
-    decodes: dict = {}
-    conns: dict = {}
-    triples: dict[str, list[dict[str, tuple[float, float]]]] = {t: [] for t in transports}
-    try:
-        for t in transports:
-            ucx_decode, ucx_prefill = ucx_pair if t == "ucx" else (None, None)
-            peer = synthetic_peer(geometry, t, "decode")
-            decodes[t] = decode_side(t, layout, len(dst_blocks), peer, ucx_decode, args.decode_in_process)
-            conns[t] = connect(decodes[t].address, synthetic_peer(geometry, t, "prefill"), src, t, ucx_prefill)
-        prefill("none", None)  # the first forward pays one-time costs
-        for t in transports:
-            prefill("after", t)  # warm each connection
-        # Each repeat runs the three modes back to back (in a rotating order) and the figures are
-        # medians of the differences within a triple: the machine's drift cancels out.
-        for i in range(args.ttft_repeats):
-            for t in transports:
-                modes = ["none", "pipelined", "after"]
-                modes = modes[i % 3 :] + modes[: i % 3]
-                triples[t].append({mode: prefill(mode, None if mode == "none" else t) for mode in modes})
-    finally:
-        for conn in conns.values():
-            conn.close()
-        for decode in decodes.values():
-            decode.close()
-
-    def median_ms(values) -> float:
-        return statistics.median(values) * 1e3
-
-    per_transport = {}
-    for t, runs in triples.items():
-        a = [r["none"][1] for r in runs]
-        b = [r["pipelined"][1] for r in runs]
-        c = [r["after"][1] for r in runs]
-        per_transport[t] = {
-            "prefill_ms": median_ms(a),
-            "pipelined_ms": median_ms(b),
-            "after_prefill_ms": median_ms(c),
-            "transfer_ms": median_ms([ci - ai for ai, ci in zip(a, c)]),  # (c) - (a)
-            "exposed_pipelined_ms": median_ms([bi - ai for ai, bi in zip(a, b)]),  # (b) - (a): what the handoff adds
-            "pipelined_minus_after_ms": median_ms([bi - ci for bi, ci in zip(b, c)]),
-            "tail_pipelined_ms": median_ms([r["pipelined"][1] - r["pipelined"][0] for r in runs]),  # first token -> ACK
-            "tail_after_prefill_ms": median_ms([r["after"][1] - r["after"][0] for r in runs]),
-        }
-    all_prefill = [r["none"][1] for runs in triples.values() for r in runs]
-    return {
-        "model_dir": engine.model_dir,
-        "dtype": "float32",
-        "prompt_tokens": n,
-        "block_size": block_size,
-        "transfer_bytes": n * layout.num_layers * layout.token_bytes,
-        "repeats": args.ttft_repeats,
-        "torch_threads": torch.get_num_threads(),
-        "prefill_ms": median_ms(all_prefill) if all_prefill else None,
-        "per_transport": per_transport,
-        "runs_ms": {
-            t: [{mode: [f * 1e3, ack * 1e3] for mode, (f, ack) in r.items()} for r in runs]
-            for t, runs in triples.items()
-        },
-    }
 
 
 # -- targets, table, main ----------------------------------------------------------------------------------
@@ -460,12 +74,15 @@ TARGETS = {  # ratio key -> minimum, at 16 MiB and up
     "shm_vs_memcpy": 0.5,
     "tcp_vs_raw_socket": 0.9,
 }
+MIN_TARGET_BYTES = 15 * MIB  # "16 MiB and up": that payload is whole tokens, a little under 16 MiB
 MAX_HANDOFF_MS = 10.0  # what a real request's handoff may add to TTFT over prefill alone (shm, UCX)
 
 
 def check_targets(rows: list[dict], ttft: dict | None) -> list[dict]:
     checks = []
     for row in rows:
+        if row["bytes"] < MIN_TARGET_BYTES:
+            continue
         for key, minimum in TARGETS.items():
             if key in row["ratios"]:
                 value = row["ratios"][key]
@@ -482,13 +99,14 @@ def check_targets(rows: list[dict], ttft: dict | None) -> list[dict]:
                     "met": r["pipelined_minus_after_ms"] <= 0,
                 }
             )
-            if t in ("shm", "ucx"):
+            if t in ("shm", "ucx"):  # as deployed: a prefill engine on every core sends after its forward
+                added = r["exposed_pipelined_ms" if ttft["deployed_mode"] == "pipelined" else "transfer_ms"]
                 checks.append(
                     {
                         "row": f"ttft {t}",
-                        "target": f"handoff adds <= {MAX_HANDOFF_MS} ms",
-                        "value": r["exposed_pipelined_ms"],
-                        "met": r["exposed_pipelined_ms"] <= MAX_HANDOFF_MS,
+                        "target": f"handoff adds <= {MAX_HANDOFF_MS} ms ({ttft['deployed_mode']}, as deployed)",
+                        "value": added,
+                        "met": added <= MAX_HANDOFF_MS,
                     }
                 )
     return checks

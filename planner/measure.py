@@ -9,7 +9,7 @@ Parts (``--parts``, all by default; a few minutes with a progress bar):
   batches with a prompt chunk beside them. Each step's exact shape comes from the engine's
   own schedule; the step cost model is fitted to the medians (``fit``).
 - ``kv``: one request's KV (this model's layout and dtype) through every transport that
-  works here, 128 to 4096 tokens (``bench/kv_transfer_bench.py``'s measurement).
+  works here, 128 to 4096 tokens (``bench/kv_payloads.py``, as ``kv_transfer_bench`` measures).
 - ``stack``: a real colocated stack and a real 1P1D stack: requests one at a time (TTFT and
   batch-1 ITL) and eight at once (batch-8 ITL). What the engine model and the transfer do
   not explain is the serving overhead: before the first token, on the disaggregated path,
@@ -233,16 +233,16 @@ class EngineProbe:
 def measure_kv(engine, repeats: int, transports: list[str]) -> dict[str, TransferCost]:
     import numpy as np
 
-    from pdserve.bench import kv_transfer_bench as kvb
+    from pdserve.bench.kv_payloads import Geometry, measure_payload
     from pdserve.kvtransfer.ucx_worker import UcxWorker
 
     mc = engine.model_config
-    geometry = kvb.Geometry(mc.num_layers, mc.num_kv_heads, mc.head_dim, engine.config.block_size, engine.dtype)
+    geometry = Geometry(mc.num_layers, mc.num_kv_heads, mc.head_dim, engine.config.block_size, engine.dtype)
     ucx_pair = (UcxWorker(), UcxWorker()) if "ucx" in transports else None
     points: dict[str, list[tuple[float, float]]] = {t: [] for t in transports}
     try:
         for tokens in KV_TOKENS:
-            row = kvb.measure_payload(
+            row = measure_payload(
                 f"{tokens} tokens", geometry, tokens, repeats, transports, "contiguous", tokens, ucx_pair
             )
             for t in transports:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from pdserve.bench.kv_transfer_bench import main
+from pdserve.bench.kv_transfer_bench import check_targets, main
 from pdserve.kvtransfer.ucx_worker import ucx_available, ucx_unavailable_reason
 
 
@@ -34,13 +34,36 @@ def test_micro_part_reports_positive_throughput(tmp_path, capsys, where):
     assert set(row["gbps"]) == {"memcpy", "raw_socket", "tcp", "shm"}
     assert all(v > 0 for v in row["gbps"].values()) and all(v > 0 for v in row["seconds_median"].values())
     assert set(row["ratios"]) == {"tcp_vs_raw_socket", "shm_vs_memcpy"} and all(v > 0 for v in row["ratios"].values())
-    assert {c["target"] for c in result["targets"]} == {"shm_vs_memcpy >= 0.5", "tcp_vs_raw_socket >= 0.9"}
+    assert result["targets"] == []  # the targets are for 16 MiB and up: smaller payloads are reported, not judged
     assert "GB/s" in capsys.readouterr().out
+
+
+def test_targets_judge_large_payloads_and_the_handoff_as_deployed():
+    ratios = {"shm_vs_memcpy": 0.6, "tcp_vs_raw_socket": 0.5}
+    rows = [
+        {"label": "1 MiB", "bytes": 1 << 20, "ratios": ratios},
+        {"label": "16 MiB", "bytes": 364 * 30 * 1536, "ratios": ratios},  # whole tokens, a little under 16 MiB
+    ]
+    per = {"exposed_pipelined_ms": 30.0, "transfer_ms": 4.0, "pipelined_minus_after_ms": 26.0}
+    checks = check_targets(rows, {"deployed_mode": "after", "per_transport": {"shm": per}})
+    got = {(c["row"], c["target"].split(" (")[0]): (c["value"], c["met"]) for c in checks}
+    assert got == {
+        ("16 MiB", "shm_vs_memcpy >= 0.5"): (0.6, True),
+        ("16 MiB", "tcp_vs_raw_socket >= 0.9"): (0.5, False),
+        ("ttft shm", "pipelined - after prefill <= 0 ms"): (26.0, False),
+        ("ttft shm", "handoff adds <= 10.0 ms"): (4.0, True),  # sent after the forward, as such a worker does
+    }
+    (pipelined,) = [
+        c["value"]
+        for c in check_targets([], {"deployed_mode": "pipelined", "per_transport": {"shm": per}})
+        if c["target"].startswith("handoff")
+    ]
+    assert pipelined == 30.0
 
 
 def test_a_decode_side_that_cannot_start_says_why():
     from pdserve.bench.kv_links import RemoteDecodeSide
-    from pdserve.bench.kv_transfer_bench import Geometry, synthetic_peer
+    from pdserve.bench.kv_payloads import Geometry, synthetic_peer
 
     geometry = Geometry()
     with pytest.raises(RuntimeError, match="decode side: .*no-such-transport"):

@@ -46,7 +46,7 @@ from pdserve.planner import capacity  # noqa: E402
 from pdserve.planner.plan_cli import unit_summary  # noqa: E402
 from pdserve.planner.planner import UnitResult, best_fill, estimate, plan, unit_devices, unit_goodput  # noqa: E402
 from pdserve.planner.profile import Overheads, Profile, StepCost, TransferCost  # noqa: E402
-from pdserve.planner.simulator import SimConfig, Topology  # noqa: E402
+from pdserve.planner.sim_topology import SimConfig, Topology  # noqa: E402
 
 # DistServe's OPT-13B / A100 fits at pipeline parallel 1: TP -> (prefill a, b, c), (decode a, b, c), ms.
 DISTSERVE_OPT13B = {

@@ -22,7 +22,7 @@ from pdserve.bench import serve, workloads
 from pdserve.bench.metrics import Goodput, RunMetrics
 from pdserve.planner.planner import FleetPlan, UnitResult, plan
 from pdserve.planner.profile import Profile
-from pdserve.planner.simulator import SimConfig
+from pdserve.planner.sim_topology import SimConfig
 
 PROG = "pdserve plan"
 

@@ -26,7 +26,8 @@ from pdserve.bench.metrics import Goodput, RunMetrics, compute
 from pdserve.bench.workloads import RequestSpec, variant
 from pdserve.planner import capacity
 from pdserve.planner.profile import Profile
-from pdserve.planner.simulator import SimConfig, SimRun, Topology, simulate
+from pdserve.planner.sim_topology import SimConfig, SimRun, Topology
+from pdserve.planner.simulator import simulate
 
 BISECT_STEPS = 7
 MAX_DOUBLINGS = 8

@@ -25,7 +25,8 @@ from pdserve.bench.arrivals import arrival_offsets
 from pdserve.bench.metrics import compute
 from pdserve.engine.kv_cache import parse_memory
 from pdserve.planner.profile import Profile
-from pdserve.planner.simulator import SimConfig, Topology, simulate
+from pdserve.planner.sim_topology import SimConfig, Topology
+from pdserve.planner.simulator import simulate
 
 PROG = "pdserve simulate"
 

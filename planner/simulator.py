@@ -42,176 +42,20 @@ from pdserve.bench.workloads import RequestSpec
 from pdserve.engine.kv_connector import KVReceive, KVSend, TransferOutcome
 from pdserve.engine.request_output import KVReservation, KVSent, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.placement import borrowed_threads, shared_prefill_threads
 from pdserve.planner.chunking import sizer_for
 from pdserve.planner.profile import Profile
-from pdserve.planner.sim_engine import EngineLimits, SimEngine, SimTransfer
+from pdserve.planner.sim_engine import EngineLimits, SimTransfer
+from pdserve.planner.sim_topology import SimConfig, SimRun, Topology
+from pdserve.planner.sim_worker import SimWorker
 from pdserve.planner.thresholds import conditional_config
 from pdserve.router.conditional import ConditionalRouter
 from pdserve.router.policy import make_policy
 from pdserve.router.validation import ValidatedRequest
-from pdserve.router.workers import PromptBlocks, Role, Worker
+from pdserve.router.workers import PromptBlocks
 
 RESERVE_WAIT_S = 30.0  # the decode worker's lease: how long a reservation may wait for blocks (decode_worker.servicer)
 STRAGGLER_GRACE_S = 5.0  # as the load generator: a run's stragglers are cancelled this long after its limit
 DEFAULT_KV_TOKENS = 64 * 2048  # KV capacity of a worker when neither the profile nor the config bounds it
-
-
-@dataclass(frozen=True, slots=True)
-class Topology:
-    prefill: int = 1
-    decode: int = 1
-    colocated: bool = False
-    conditional: bool = False
-    policy: str = "kv_aware"
-    chunked_prefill: bool = True
-    prefill_degree: int | None = None  # threads / TP per prefill worker; None: as ``pdserve up`` gives them
-    decode_degree: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.decode < 1 or self.prefill < 0 or (not self.colocated and self.prefill < 1):
-            raise ValueError(
-                f"a topology needs >= 1 decode worker and, unless colocated, >= 1 prefill worker "
-                f"(got {self.prefill}P{self.decode}D)"
-            )
-        if self.colocated and self.conditional:
-            raise ValueError("conditional disaggregation needs a prefill pool; colocated has none")
-
-    @property
-    def label(self) -> str:
-        base = "colocated" if self.colocated else f"{self.prefill}p{self.decode}d"
-        return base + ("-conditional" if self.conditional else "")
-
-    @property
-    def num_workers(self) -> int:
-        return self.decode + (0 if self.colocated else self.prefill)
-
-    def degrees(self, profile: Profile, num_threads: int | None = None) -> tuple[int, int]:
-        """(prefill, decode) degrees. On a shared CPU the launcher's rule: ``num_threads``, else
-        the machine's cores split evenly over the workers."""
-        default = profile.degrees[0]
-        if profile.cores is not None:
-            default = num_threads or max(1, profile.cores // self.num_workers)
-        return self.prefill_degree or default, self.decode_degree or default
-
-    def borrowed_degree(self, profile: Profile, num_threads: int | None = None) -> int | None:
-        """The threads a decode step borrows while no prefill computes for it, as ``pdserve up``
-        sets them on a shared CPU."""
-        return self._on_shared_cpu(borrowed_threads, profile, by_hand=bool(num_threads or self.decode_degree))
-
-    def shared_prefill_degree(self, profile: Profile, num_threads: int | None = None) -> int | None:
-        """A prefill worker's degree when it shares the machine's cores, as ``pdserve up`` sets
-        it on a shared CPU: it computes on the cores the decode workers leave idle."""
-        return self._on_shared_cpu(shared_prefill_threads, profile, by_hand=bool(num_threads or self.prefill_degree))
-
-    def _on_shared_cpu(self, rule: Callable[..., int | None], profile: Profile, by_hand: bool) -> int | None:
-        if profile.cores is None:  # a worker per device: no cores to share
-            return None
-        return rule(profile.cores, prefill=self.prefill, decode=self.decode, colocated=self.colocated, by_hand=by_hand)
-
-    def devices(self, profile: Profile) -> int:
-        p, d = self.degrees(profile)
-        return d * self.decode + (0 if self.colocated else p * self.prefill)
-
-
-@dataclass(frozen=True, slots=True)
-class SimConfig:
-    """The engine and router settings of the simulated stack (``EngineConfig``/``RouterSettings``)."""
-
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    kv_cache_tokens: int | None = None  # per worker; None: the profile's capacity at the worker's degree
-    num_threads: int | None = None  # per worker (CPU); None: the launcher's rule
-    slo_tpot_ms: float | None = None  # size prefill chunks from the profile for this TPOT (planner.chunking)
-    conditional_threshold_tokens: int | None = None  # None: from the profile
-    request_timeout_s: float = 120.0
-    time_limit_s: float = 600.0
-    max_concurrency: int | None = None
-
-
-@dataclass
-class SimRun:
-    timelines: list[Timeline]
-    duration: float
-    counters: Counter = field(default_factory=Counter)
-
-
-class SimWorker:
-    """One worker: its engine, the router's record of it, and its step loop."""
-
-    def __init__(
-        self,
-        sim: "Simulation",
-        role: str,
-        name: str,
-        degree: int,
-        limits: EngineLimits,
-        borrow: int | None = None,
-        yields: bool = False,
-    ) -> None:
-        self.sim, self.role, self.own, self.degree = sim, role, degree, degree
-        self.borrowed = borrow if borrow is not None and borrow > degree else degree  # engine/thread_budget.py
-        self.yields = yields  # its threads sleep while they wait: it runs on the cores others leave
-        self.engine = SimEngine(limits)
-        self.engine.connector.wake = lambda: sim._wake(self)  # a transfer's outcome is waiting in its inbox
-        # An acknowledged prefill answers the router at once, not at the engine's next step.
-        self.engine.connector.deliver_early = lambda out: self._hand_out([out])
-        self.record = Worker(name, Role.PREFILL if role == "prefill" else Role.DECODE, channel=None)
-        self.handlers: dict[str, Callable[[RequestOutput], None]] = {}
-        self.prefill_rate = 0.0  # tokens/s of its recent prefill steps, as LLMEngine reports it
-        self.schedule = None  # the step in progress
-        self.shape = None  # its shape (for its cost at fewer threads)
-        self.work_ms = 0.0  # what is left of it, in ms at full speed
-        self.speed = 1.0  # of the step in progress, while the busy set stays as it is
-        self.version = 0  # bumped whenever its end is rescheduled (stale end events are dropped)
-        self.charged_at = 0.0  # when work_ms was last brought up to date
-
-    @property
-    def busy(self) -> bool:
-        return self.schedule is not None
-
-    def kick(self) -> None:
-        """The engine thread's loop: an idle worker with requests begins a step. The outputs it
-        has at once (reservations, acknowledged handoffs) go out now; the forward pass, if
-        anything is scheduled, ends after its cost."""
-        if self.busy or not self.engine.has_unfinished():
-            return
-        outputs, schedule = self.engine.begin_step()
-        self._hand_out(outputs)
-        if schedule.empty:
-            return  # waiting for blocks or for K/V: a finish, a release or an outcome kicks it again
-        shape = self.engine.shape(schedule)
-        overheads = self.sim.profile.overheads
-        # A decode-only step with nothing waiting for remote KV borrows the prefill pool's cores.
-        borrow = not schedule.prefills and not self.engine.scheduler.waiting_for_kv
-        self.degree = self.borrowed if borrow else self.own
-        cost = self.sim.profile.step_cost(self.degree)
-        self.shape = shape
-        self.work_ms = cost.ms(shape) + overheads.step_ms + overheads.seq_ms * len(schedule.chunks)
-        if schedule.prefills:
-            rate = (shape.prefill_tokens + shape.decodes) / (self.work_ms / 1e3)
-            self.prefill_rate = rate if not self.prefill_rate else 0.8 * self.prefill_rate + 0.2 * rate
-        self.schedule = schedule
-        self.sim.reshare(started=self)
-
-    def step_done(self, version: int) -> None:
-        if version != self.version:
-            return  # rescheduled since
-        schedule, self.schedule = self.schedule, None
-        self.sim.reshare()
-        self._hand_out(self.engine.finish_step(schedule))
-        self.kick()
-
-    def _hand_out(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            handler = self.handlers.get(out.request_id)
-            if handler is not None:
-                handler(out)
-
-    def publish_stats(self) -> None:
-        self.record.update_stats(self.engine.stats(self.record.address, self.role, self.prefill_rate))
 
 
 @dataclass(slots=True)

@@ -10,7 +10,8 @@ import pytest
 from pdserve.bench.workloads import RequestSpec
 from pdserve.engine.block_manager import block_hashes
 from pdserve.planner.profile import Overheads, Profile, StepCost, TransferCost
-from pdserve.planner.simulator import SimConfig, Topology, simulate
+from pdserve.planner.sim_topology import SimConfig, Topology
+from pdserve.planner.simulator import simulate
 from pdserve.planner.thresholds import break_even_tokens, conditional_config
 from pdserve.router.conditional import ConditionalConfig, ConditionalRouter
 from pdserve.router.workers import Role, Worker

@@ -20,7 +20,8 @@ from pdserve.planner.chunking import ChunkSizer
 from pdserve.planner.fit import StepSample, fit_step_cost
 from pdserve.planner.planner import plan, run_at
 from pdserve.planner.profile import Overheads, Profile, StepCost, StepShape, TransferCost
-from pdserve.planner.simulator import SimConfig, Topology, simulate
+from pdserve.planner.sim_topology import SimConfig, Topology
+from pdserve.planner.simulator import simulate
 
 MIB = 2**20
 SPAN_S = 12.0  # simulated seconds of arrivals per planner run: long enough for queues to show, short enough for a test

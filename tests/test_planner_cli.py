@@ -12,7 +12,8 @@ from pdserve.bench import workloads
 from pdserve.bench.arrivals import arrival_offsets
 from pdserve.planner import plan_cli, simulate_cli
 from pdserve.planner.profile import Overheads, Profile, StepCost, TransferCost
-from pdserve.planner.simulator import SimConfig, Topology, simulate
+from pdserve.planner.sim_topology import SimConfig, Topology
+from pdserve.planner.simulator import simulate
 
 
 @pytest.fixture(scope="module")

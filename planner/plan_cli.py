@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from pdserve.bench import serve, workloads
+from pdserve.bench import serve_plan, workloads
 from pdserve.bench.metrics import Goodput, RunMetrics
 from pdserve.planner.planner import FleetPlan, UnitResult, plan
 from pdserve.planner.profile import Profile
@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", type=Path, default=None, help="write the plan and every candidate here")
     p.add_argument("--disable-tqdm", action="store_true")
-    serve.add_workload_arguments(p.add_argument_group("workload (as pdserve bench)"))
+    serve_plan.add_workload_arguments(p.add_argument_group("workload (as pdserve bench)"))
     return p
 
 
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.request_rate is not None and not args.request_rate > 0:
             raise ValueError(f"--request-rate must be > 0, got {args.request_rate}")
         profile = Profile.load(args.profile)
-        specs = workloads.build(serve.workload_config(args), lambda: _tokenizer())
+        specs = workloads.build(serve_plan.workload_config(args), lambda: _tokenizer())
         config = SimConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,

@@ -20,7 +20,7 @@ import sys
 
 from tqdm import tqdm
 
-from pdserve.bench import plots, results, serve, workloads
+from pdserve.bench import plots, results, serve, serve_plan, workloads
 from pdserve.bench.arrivals import arrival_offsets
 from pdserve.bench.metrics import compute
 from pdserve.engine.kv_cache import parse_memory
@@ -32,7 +32,7 @@ PROG = "pdserve simulate"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = serve.build_parser()
+    parser = serve_plan.build_parser()
     parser.prog = PROG
     parser.description = (
         "Simulated serving benchmark: pdserve bench's options and result files, from a profile "
@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def topology(mode: serve.Mode, plan: serve.Plan) -> Topology:
+def topology(mode: serve_plan.Mode, plan: serve_plan.Plan) -> Topology:
     return Topology(
         prefill=mode.prefill,
         decode=mode.decode,
@@ -52,7 +52,7 @@ def topology(mode: serve.Mode, plan: serve.Plan) -> Topology:
     )
 
 
-def sim_config(plan: serve.Plan, profile: Profile) -> SimConfig:
+def sim_config(plan: serve_plan.Plan, profile: Profile) -> SimConfig:
     """The settings of the stacks ``pdserve bench`` would start with the same flags."""
     e = plan.engine
     nbytes, _ = parse_memory(e.kv_cache_memory) if e.kv_cache_memory != "auto" else (None, None)
@@ -71,7 +71,7 @@ def sim_config(plan: serve.Plan, profile: Profile) -> SimConfig:
     )
 
 
-def run(plan: serve.Plan, profile: Profile, specs: list[workloads.RequestSpec]) -> list[dict]:
+def run(plan: serve_plan.Plan, profile: Profile, specs: list[workloads.RequestSpec]) -> list[dict]:
     config = sim_config(plan, profile)
     collected = []
     runs = [(mode, k, rate) for mode in plan.modes for k, rate in enumerate(plan.rates)]
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not args.profile:
             raise ValueError("--profile FILE is required (make one with: pdserve profile --output FILE)")
-        plan = serve.make_plan(args)
+        plan = serve_plan.make_plan(args)
         unsupported = [m.label for m in plan.modes if m.kind != "stack"]
         if unsupported:
             raise ValueError(f"mode {', '.join(unsupported)} cannot be simulated; give colocated or NpMd modes")

@@ -13,7 +13,8 @@ import pytest
 
 from pdserve.bench import arrivals, plots, results, workloads
 from pdserve.bench.metrics import Goodput, Timeline, cluster_delta, cluster_snapshot, compute, ttft_by_length
-from pdserve.bench.serve import _stack_config, build_parser, main, make_plan, parse_mode
+from pdserve.bench.serve import _stack_config, main
+from pdserve.bench.serve_plan import build_parser, make_plan, parse_mode
 
 # -- metrics -------------------------------------------------------------------------------
 

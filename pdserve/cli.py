@@ -20,7 +20,7 @@ from pdserve.settings import ClusterSettings, RouterSettings, WorkerSettings
 
 log = logging.getLogger("pdserve")
 PLANNER_COMMANDS = {
-    "profile": "measure",
+    "profile": "profile_cli",
     "simulate": "simulate_cli",
     "plan": "plan_cli",
 }  # command -> pdserve.planner module

@@ -60,11 +60,13 @@ class Grant:
         None  # DONE seen, writes still landing
     )
     failure: TransferOutcome | None = None  # set when FAILED; reported once the blocks are safe
-    landed: np.ndarray = field(init=False)
+    landed: np.ndarray = field(init=False)  # [layer, token]: arrived (checked at DONE)
+    writing: np.ndarray = field(init=False)  # [layer, token]: a write admitted and not ended yet
     _slots: tuple[int, int, Slots] | None = None  # the last token range's slots: every layer reuses them
 
     def __post_init__(self) -> None:
         self.landed = np.zeros((self.num_layers, self.num_tokens), dtype=bool)
+        self.writing = np.zeros_like(self.landed)
 
     def slots(self, cache: KVCacheView, start: int, end: int) -> Slots:
         """Where tokens [start, end) of this grant live in ``cache`` (computed once per range)."""
@@ -154,12 +156,19 @@ class GrantLedger:
             else self._check_range(grant, layer, start, end, nbytes, num_layers)
         )
         if problem is None:
+            rows, cols = slice(layer, layer + num_layers), slice(start, end)
             with grant.lock:
-                if grant.state is GrantState.ACTIVE:
+                if grant.state is not GrantState.ACTIVE:
+                    problem = "transfer ended"
+                elif grant.landed[rows, cols].any() or grant.writing[rows, cols].any():
+                    # Also while the first copy is still landing: each admitted write holds a
+                    # receive (and maybe a buffer) until it ends.
+                    problem = f"tokens [{start}, {end}) of layers [{layer}, {layer + num_layers}) sent twice"
+                else:
+                    grant.writing[rows, cols] = True
                     grant.writers += 1
                     grant.deadline = time.monotonic() + grant.lease_s
                     return grant
-            problem = "transfer ended"
         log.warning("KV %s unit for transfer %016x refused: %s", what, transfer_id, problem)
         self.counters["units_refused"] += 1
         return None
@@ -171,8 +180,6 @@ class GrantLedger:
             return f"tokens [{start}, {end}) outside the {grant.num_tokens} granted"
         if nbytes != (end - start) * self.token_bytes * num_layers:
             return f"{nbytes} bytes do not match {end - start} tokens of {num_layers} layers"
-        if grant.landed[layer : layer + num_layers, start:end].any():
-            return f"tokens [{start}, {end}) of layers [{layer}, {layer + num_layers}) sent twice"
         return None
 
     def on_cancel(self, grant: Grant, canceller: Callable[[], None]) -> None:
@@ -197,6 +204,7 @@ class GrantLedger:
         nothing usable landed."""
         with grant.lock:
             grant.writers -= 1
+            grant.writing[layer : layer + num_layers, start:end] = False  # a broken write may be sent again
             if canceller is not None and canceller in grant.cancellers:
                 grant.cancellers.remove(canceller)
             if grant.state is GrantState.ACTIVE and checksum_ok is not None:

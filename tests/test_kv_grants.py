@@ -87,6 +87,25 @@ def test_a_done_that_arrives_before_the_last_write_waits_for_it():
     assert replies == [AckStatus.OK] and outcomes.wait("g").ok
 
 
+def test_a_range_still_landing_is_not_admitted_again():
+    """A peer repeating a unit while its first copy lands would hold a receive (and a buffer)
+    per repeat, renewing the lease each time; a broken write may be sent again."""
+    ledger, outcomes, tid = ledger_with_grant()
+    first = ledger.admit(tid, 0, 0, 8, 8 * TOKEN_BYTES, "UCX_DATA")
+    assert first is not None
+    assert ledger.admit(tid, 0, 4, 8, 4 * TOKEN_BYTES, "UCX_DATA") is None  # overlaps the write in progress
+    assert ledger.admit(tid, 0, 0, 8, 8 * TOKEN_BYTES * 2, "UCX_DATA", num_layers=2) is None
+    assert ledger.lookup(tid).writers == 1 and ledger.counters["units_refused"] == 2
+    ledger.end_write(first, 0, 0, 8, None)  # broke off: nothing landed
+    again = ledger.admit(tid, 0, 0, 8, 8 * TOKEN_BYTES, "DATA")
+    assert again is not None
+    ledger.end_write(again, 0, 0, 8, True)
+    assert ledger.admit(tid, 0, 0, 8, 8 * TOKEN_BYTES, "DATA") is None  # landed: a repeat is refused as before
+    for layer in range(1, LAYERS):
+        ledger.end_write(ledger.admit(tid, layer, 0, 8, 8 * TOKEN_BYTES, "DATA"), layer, 0, 8, True)
+    assert ledger.finish(ledger.lookup(tid), 5, "tcp") is AckStatus.OK and outcomes.wait("g").ok
+
+
 def test_the_lease_covers_a_prefill_queued_longer_than_it():
     """Issue 13, defect 4: with a prefill backlog longer than the lease, every disaggregated
     request failed after its prefill work was spent. The prefill worker now renews the lease

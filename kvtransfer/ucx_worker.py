@@ -67,7 +67,8 @@ class UcxWorker:
         self._epoll = select.epoll()
         self._epoll.register(self._worker.epoll_file_descriptor, select.EPOLLIN)
         self._epoll.register(self._wake_r, select.EPOLLIN)
-        self._commands: deque[Callable[[], None]] = deque()
+        self._commands: deque[tuple[Callable[[], None], Callable[[BaseException], None]]] = deque()
+        self._lock = threading.Lock()  # orders submissions against the stop
         self._queues: dict[object, deque] = {}  # FIFO of (request, keepalive, done) per peer / connection
         self._endpoints: dict[bytes, object] = {}
         self._self_endpoint = None
@@ -118,9 +119,10 @@ class UcxWorker:
         self._submit(cancel, lambda e: log.warning("could not cancel a UCX receive: %s", e))
 
     def close(self) -> None:
-        if self._stopped:
-            return
-        self._stopped = True
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
         self._wake()
         self._thread.join(5)
         if self._thread.is_alive():
@@ -128,14 +130,12 @@ class UcxWorker:
 
     # -- the UCX thread ---------------------------------------------------------------------------
     def _submit(self, command: Callable[[], None], on_error: Callable[[BaseException], None]) -> None:
-        def guarded() -> None:
-            try:
-                command()
-            except Exception as e:  # noqa: BLE001 - reported to the caller
-                on_error(e)
-
-        self._commands.append(guarded)
-        self._wake()
+        with self._lock:
+            if not self._stopped:
+                self._commands.append((command, on_error))
+                self._wake()
+                return
+        on_error(RuntimeError("UCX worker stopped"))
 
     def _wake(self) -> None:
         try:
@@ -156,7 +156,11 @@ class UcxWorker:
     def _run(self) -> None:
         while not self._stopped:
             while self._commands:
-                self._commands.popleft()()
+                command, on_error = self._commands.popleft()
+                try:
+                    command()
+                except Exception as e:  # noqa: BLE001 - reported to the caller
+                    on_error(e)
             while self._worker.progress_once():
                 pass
             self._complete()
@@ -167,6 +171,10 @@ class UcxWorker:
                 os.read(self._wake_r, 4096)
             except BlockingIOError:
                 pass
+        with self._lock:  # no command comes in after this
+            left, self._commands = list(self._commands), deque()
+        for _, on_error in left:
+            on_error(RuntimeError("UCX worker stopped"))
         for queue in self._queues.values():
             for _, _, done in queue:
                 done(RuntimeError("UCX worker stopped"))

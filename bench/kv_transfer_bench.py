@@ -99,7 +99,7 @@ def check_targets(rows: list[dict], ttft: dict | None) -> list[dict]:
                     "met": r["pipelined_minus_after_ms"] <= 0,
                 }
             )
-            if t in ("shm", "ucx"):  # as deployed: a prefill engine on every core sends after its forward
+            if t in ("shm", "ucx"):  # in the mode a prefill worker with these threads uses
                 added = r["exposed_pipelined_ms" if ttft["deployed_mode"] == "pipelined" else "transfer_ms"]
                 checks.append(
                     {

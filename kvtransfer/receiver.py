@@ -135,15 +135,18 @@ class _Connection:
     def _frames(self) -> None:
         buf = bytearray(HEADER_SIZE)
         handlers = {FrameKind.DONE: self._done, FrameKind.RENEW: self._renew, **self.receiver.handlers}
+        check = getattr(self.receiver, "check", lambda: None)
         while not self.server._stopped.is_set():
             try:
                 header = recv_header(self.sock, buf)
             except IdleTimeout:
+                check()
                 continue
             handler = handlers.get(header.kind)
             if handler is None:
                 raise ProtocolError(f"unexpected {header.kind.name} frame on a {self.transport} connection")
             handler(header)
+            check()
 
     def _renew(self, h: FrameHeader) -> None:
         recv_payload(self.sock, h.payload_len)

@@ -10,7 +10,8 @@ A transport (one module, listed in ``registry``) provides:
   connection joins layers queued together up to that size; 0: one layer per unit).
 * ``class Receiver(ctx: ReceiveContext)``: ``handlers`` maps the frame kinds it owns to
   functions of the frame header (run on the connection's thread); ``hello_extra()`` is what
-  the peer needs to use it (merged into HELLO_OK); ``close()``.
+  the peer needs to use it (merged into HELLO_OK); ``close()``; optionally ``check()``, run
+  after every frame and whenever the connection is idle: it raises to drop the connection.
 * optionally ``make_pool(layout, num_blocks, device)``: the decode worker's KV cache storage,
   an object with ``tensor``, ``describe() -> dict`` (for the handshake) and ``close()``;
   and ``usable_with(decode_extra, prefill_extra) -> bool`` for a pairing check beyond

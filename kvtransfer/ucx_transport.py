@@ -9,11 +9,13 @@ the destination itself when it is contiguous (else into a staging buffer scatter
 arrival), verified when it completes (in the scattering pass). A grant that fails while receives are posted cancels
 them, and its blocks are not reported free until UCX has completed each one.
 
-A refused unit's message is still received (into a scratch buffer), so the sender's send
-completes. Those drains are bounded per connection: past ``MAX_DRAINING_BYTES`` the connection
-waits for earlier ones to land (a live sender's bytes are on their way), and a peer whose
-announced messages do not come within ``DRAIN_TIMEOUT_S`` is dropped; the drains still posted
-when a connection ends are cancelled, so their buffers come back.
+A message that will not land in the cache is still received, into scratch, so the sender's
+send completes and nothing is left unmatched in UCX: a refused unit's, and (after a cancelled
+receive) whichever comes of the sender's late message and our own cancelling one. These drains
+are bounded per connection (``MAX_DRAINING_BYTES`` of scratch, ``MAX_DRAINS`` receives): past
+that the connection waits for earlier ones to land (a live sender's bytes are on their way). A
+drain not landed within ``DRAIN_TIMEOUT_S`` drops the connection, and a connection that ends
+cancels its drains, so their buffers come back.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import itertools
 import secrets
 import threading
+import time
 from collections import Counter
 
 from pdserve.kvtransfer.protocol import MAX_SPAN_BYTES, FrameHeader, FrameKind, ProtocolError
@@ -29,8 +32,9 @@ from pdserve.kvtransfer.transport_api import IO_TIMEOUT_S, ReceiveContext, SendC
 from pdserve.kvtransfer.ucx_worker import TAG_BITS, ucx_available, ucx_unavailable_reason
 
 _SEQUENCE_MASK = (1 << TAG_BITS) - 1
-MAX_DRAINING_BYTES = 4 * MAX_SPAN_BYTES  # refused units' bytes one connection may have posted and not landed
-DRAIN_TIMEOUT_S = IO_TIMEOUT_S  # how long announced messages may keep the next drain waiting
+MAX_DRAINING_BYTES = 4 * MAX_SPAN_BYTES  # scratch one connection's drains may hold (one drain may hold more)
+MAX_DRAINS = 64  # receives one connection's drains may have posted
+DRAIN_TIMEOUT_S = IO_TIMEOUT_S  # how long a drain may wait for its message
 
 
 def unavailable_reason(device) -> str | None:
@@ -107,9 +111,11 @@ class Receiver:
         self.ctx = ctx
         self.tag = secrets.randbits(23) + 1
         self.handlers = {FrameKind.UCX_DATA: self._ucx_data}
-        self._draining: dict[int, tuple[int, int]] = {}  # drain -> (tag, bytes): refused units' messages not landed yet
+        self._draining: dict[int, tuple[int, int, float]] = {}  # drain -> (tag, scratch bytes, posted at)
+        self._draining_bytes = 0
         self._drains = itertools.count()  # a drain's key: a peer may repeat tags
         self._drained = threading.Condition()
+        self._closed = False
 
     def hello_extra(self) -> dict:
         return {"ucx_address": self.ctx.ucx.address.hex(), "ucx_tag": self.tag} if self.ctx.ucx else {}
@@ -145,36 +151,51 @@ class Receiver:
             finally:
                 target.release()
                 ledger.end_write(grant, h.layer, h.start, h.end, ok, cancel, h.num_layers)
+            if cancelled.is_set() and error is None:  # one of two messages took the receive: drain the other
+                self._drain(tag, nbytes, wait=False)
 
         ledger.on_cancel(grant, cancel)
         ucx.recv(target.data, tag, landed)
 
-    def _drain(self, tag: int, nbytes: int) -> None:
-        """Receives a refused unit's message into scratch, so the sender's send completes."""
+    def _drain(self, tag: int, nbytes: int, wait: bool = True) -> None:
+        """Receives one message of ``tag`` into scratch. ``wait``: first wait (on the connection's
+        thread) for room within the connection's bounds; a drain alone may exceed them."""
+        staging = self.ctx.cache.host_staging
+        size = staging.size_for(nbytes)
 
-        def held() -> int:
-            return sum(n for _, n in self._draining.values())
+        def room() -> bool:
+            return not self._draining or (
+                self._draining_bytes + size <= MAX_DRAINING_BYTES and len(self._draining) < MAX_DRAINS
+            )
 
         with self._drained:
-            if not self._drained.wait_for(lambda: held() + nbytes <= MAX_DRAINING_BYTES, DRAIN_TIMEOUT_S):
-                raise ProtocolError(
-                    f"{held()} bytes of refused units were announced and not sent in {DRAIN_TIMEOUT_S} s"
-                )
+            if wait and not self._drained.wait_for(room, DRAIN_TIMEOUT_S):
+                raise ProtocolError(f"{len(self._draining)} announced UCX messages did not come in {DRAIN_TIMEOUT_S} s")
+            if self._closed:
+                return  # the connection's drains are cancelled
             key = next(self._drains)
-            self._draining[key] = (tag, nbytes)
-        staging = self.ctx.cache.host_staging
+            self._draining[key] = (tag, size, time.monotonic())
+            self._draining_bytes += size
         scratch = staging.take(nbytes)
 
         def drained(error: BaseException | None) -> None:  # on the UCX thread
             staging.give(scratch)
             with self._drained:
-                del self._draining[key]
+                self._draining_bytes -= self._draining.pop(key)[1]
                 self._drained.notify_all()
 
         self.ctx.ucx.recv(scratch[:nbytes].numpy(), tag, drained)
 
+    def check(self) -> None:
+        """Drops the connection (raises) once a drain has waited too long for its message."""
+        with self._drained:
+            oldest = min((posted for _, _, posted in self._draining.values()), default=None)
+        if oldest is not None and time.monotonic() - oldest > DRAIN_TIMEOUT_S:
+            raise ProtocolError(f"an announced UCX message did not come in {DRAIN_TIMEOUT_S} s")
+
     def close(self) -> None:
         with self._drained:
-            posted = [tag for tag, _ in self._draining.values()]
+            self._closed = True
+            posted = [tag for tag, _, _ in self._draining.values()]
         for tag in posted:  # the peer is gone: its messages may never come
             self.ctx.ucx.cancel_recv(tag)

@@ -12,8 +12,10 @@ import pytest
 import torch
 from kv_sides import LAYERS, TOKEN_BYTES, UCX_SKIP_REASON, Decode, Prefill, assert_same_tokens, peer
 
-from pdserve.kvtransfer import cuda_ipc_transport, ucx_transport
+from pdserve.kvtransfer import cuda_ipc_transport, receiver, ucx_transport
+from pdserve.kvtransfer.layout import StagingPool
 from pdserve.kvtransfer.protocol import FrameHeader, FrameKind
+from pdserve.kvtransfer.ucx_worker import UcxWorker
 
 UCX = pytest.param("ucx", marks=pytest.mark.skipif(UCX_SKIP_REASON is not None, reason=str(UCX_SKIP_REASON)))
 TRANSPORTS = ["tcp", "shm", UCX]
@@ -321,31 +323,46 @@ def test_a_cancelled_ucx_receive_holds_its_blocks_until_ucx_lets_go(monkeypatch)
         decode.close()
 
 
-@pytest.mark.skipif(UCX_SKIP_REASON is not None, reason=str(UCX_SKIP_REASON))
-def test_refused_ucx_units_never_sent_are_bounded_and_dropped(monkeypatch):
-    """A peer that announces units the decode side refuses and never sends their messages holds
-    at most MAX_DRAINING_BYTES of scratch; then its connection ends and every drain is given back."""
-    decode, prefill = Decode("ucx"), Prefill("ucx")
-    unit_bytes = 10 * TOKEN_BYTES
-    monkeypatch.setattr(ucx_transport, "MAX_DRAINING_BYTES", 2 * unit_bytes)
-    monkeypatch.setattr(ucx_transport, "DRAIN_TIMEOUT_S", 0.5)
+def watch_scratch(monkeypatch, decode: Decode) -> list[int]:
+    """The sizes of the decode side's staging buffers taken and not given back yet."""
     staging, taken = decode.cache.host_staging, []
     real_take, real_give = staging.take, staging.give
     monkeypatch.setattr(staging, "take", lambda n: taken.append(n) or real_take(n))
     monkeypatch.setattr(staging, "give", lambda buffer: taken.pop() and real_give(buffer))
+    return taken
+
+
+def wait_until(condition, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+@pytest.mark.skipif(UCX_SKIP_REASON is not None, reason=str(UCX_SKIP_REASON))
+@pytest.mark.parametrize("busy", [True, False], ids=["more-units", "then-quiet"])
+def test_refused_ucx_units_never_sent_are_bounded_and_dropped(monkeypatch, busy):
+    """A peer announcing units the decode side refuses, and never sending their messages, holds at
+    most the connection's bound of scratch; the connection ends once a drain has waited
+    DRAIN_TIMEOUT_S (whether more units wait for room, or the peer goes quiet), and every drain
+    is given back."""
+    decode, prefill = Decode("ucx"), Prefill("ucx")
+    monkeypatch.setattr(ucx_transport, "MAX_DRAINING_BYTES", 2 * StagingPool.MIN_BYTES)  # two drains of a layer
+    monkeypatch.setattr(ucx_transport, "DRAIN_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(receiver, "IO_TIMEOUT_S", 0.2)  # how often an idle connection is checked
+    taken = watch_scratch(monkeypatch, decode)
     try:
         conn = prefill.connect(decode.address)
         conn.max_span_bytes = 0
         monkeypatch.setattr(prefill.ucx, "send", lambda peer, buffer, tag, done: done(None))  # announced, never sent
-        transfer = prefill.start(conn, 0x5EED, [0], [1, 2], 8, 10)  # never granted: each layer is refused
-        deadline = time.monotonic() + 10
-        while decode.ledger.counters["protocol_errors"] == 0 and time.monotonic() < deadline:
-            assert sum(taken) <= 2 * unit_bytes
-            time.sleep(0.01)
-        assert decode.ledger.counters["protocol_errors"] == 1 and decode.ledger.counters["units_refused"] == LAYERS
-        while taken and time.monotonic() < deadline:  # the connection's drains are cancelled
-            time.sleep(0.01)
-        assert taken == []
+        layers = LAYERS if busy else 1  # the third waits for room, or one and then silence
+        transfer = conn.open(0x5EED, [1, 2], 8, 10)  # never granted: each unit is refused
+        for layer in range(layers):
+            transfer.send_layer(layer, [0], 0, 10)
+        errors = decode.ledger.counters
+        assert wait_until(lambda: len(taken) > 2 or errors["protocol_errors"] > 0)
+        assert len(taken) <= 2 and errors["protocol_errors"] == 1 and errors["units_refused"] == layers
+        assert wait_until(lambda: not taken), taken  # the connection's drains are cancelled
         transfer.cancel()
         conn.close()
     finally:
@@ -355,10 +372,12 @@ def test_refused_ucx_units_never_sent_are_bounded_and_dropped(monkeypatch):
 
 @pytest.mark.skipif(UCX_SKIP_REASON is not None, reason=str(UCX_SKIP_REASON))
 def test_refused_ucx_units_that_are_sent_drain_past_the_bound(monkeypatch):
-    """Refused units whose messages do come (a grant that ended mid-transfer) only wait for room:
-    all of them drain, and the connection carries the next transfer."""
+    """Refused units whose messages do come (a grant that ended mid-transfer) only wait for room,
+    even a drain larger than the bound: all of them drain, and the connection carries the next
+    transfer."""
     decode, prefill = Decode("ucx"), Prefill("ucx")
-    monkeypatch.setattr(ucx_transport, "MAX_DRAINING_BYTES", 5 * TOKEN_BYTES)  # one unit at a time
+    monkeypatch.setattr(ucx_transport, "MAX_DRAINING_BYTES", 1)  # every drain is over it: one at a time
+    taken = watch_scratch(monkeypatch, decode)
     try:
         conn = prefill.connect(decode.address)
         conn.max_span_bytes = 0
@@ -367,11 +386,61 @@ def test_refused_ucx_units_that_are_sent_drain_past_the_bound(monkeypatch):
         tid = decode.grant([3, 4], 10)
         assert prefill.ship(conn, tid, [0], [3, 4], 8, 10).ok and decode.outcome(tid).ok
         assert_same_tokens(prefill.layers, [0], decode.layers, [3, 4], 10)
-        assert decode.ledger.counters["protocol_errors"] == 0
+        assert decode.ledger.counters["protocol_errors"] == 0 and wait_until(lambda: not taken)
         conn.close()
     finally:
         prefill.close()
         decode.close()
+
+
+@pytest.mark.skipif(UCX_SKIP_REASON is not None, reason=str(UCX_SKIP_REASON))
+def test_a_message_arriving_after_its_receive_was_cancelled_is_drained(monkeypatch):
+    """A grant that fails while its receives are posted cancels them; the sender's messages that
+    come later (rendezvous: they move only once matched) are still received, so its sends
+    complete instead of hanging, and the scratch comes back."""
+    monkeypatch.setenv("UCX_RNDV_THRESH", "1024")  # read when the UCX contexts are made
+    decode, prefill = Decode("ucx"), Prefill("ucx")
+    taken = watch_scratch(monkeypatch, decode)
+    try:
+        conn = prefill.connect(decode.address)
+        conn.max_span_bytes = 0
+        held, completed = [], []
+        real_send = prefill.ucx.send
+
+        def hold(peer, buffer, tag, done):
+            held.append(lambda: real_send(peer, buffer, tag, lambda error: completed.append(error) or done(error)))
+
+        monkeypatch.setattr(prefill.ucx, "send", hold)
+        tid = decode.grant([1, 2], 10)
+        transfer = prefill.start(conn, tid, [0], [1, 2], 8, 10)
+        grant = decode.ledger.lookup(tid)
+        assert wait_until(lambda: grant.writers == LAYERS and len(held) == LAYERS)
+        decode.ledger.cancel(tid, "request gone")
+        assert not decode.outcome(tid).ok
+        for send in held:  # the messages come after their receives were cancelled
+            send()
+        assert wait_until(lambda: len(completed) == LAYERS) and completed == [None] * LAYERS
+        assert wait_until(lambda: not taken), taken
+        transfer.cancel()
+        conn.close()
+    finally:
+        prefill.close()
+        decode.close()
+
+
+@pytest.mark.skipif(UCX_SKIP_REASON is not None, reason=str(UCX_SKIP_REASON))
+def test_a_stopped_ucx_worker_fails_what_it_is_asked_instead_of_dropping_it():
+    """Whoever posts a receive or a send learns of its end, however late it comes: a completion
+    that never came would keep a grant's blocks, or a drain's scratch, forever."""
+    worker = UcxWorker()
+    posted: list = []
+    worker.recv(bytearray(16), 7, posted.append)  # queued or posted: ended by the stop either way
+    worker.close()
+    after: list = []
+    worker.recv(bytearray(16), 8, after.append)
+    worker.send(worker.address, bytearray(16), 9, after.append)
+    assert wait_until(lambda: len(posted) == 1) and isinstance(posted[0], RuntimeError)
+    assert len(after) == 2 and all(isinstance(e, RuntimeError) and "stopped" in str(e) for e in after)
 
 
 # -- CUDA IPC's data path, on CPU tensors (the pool "opened" by handle is the decode cache) -----------------

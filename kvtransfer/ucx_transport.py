@@ -152,14 +152,15 @@ class Receiver:
                 target.release()
                 ledger.end_write(grant, h.layer, h.start, h.end, ok, cancel, h.num_layers)
             if cancelled.is_set() and error is None:  # one of two messages took the receive: drain the other
-                self._drain(tag, nbytes, wait=False)
+                self._drain(tag, nbytes, wait=False, out_of_order=True)
 
         ledger.on_cancel(grant, cancel)
         ucx.recv(target.data, tag, landed)
 
-    def _drain(self, tag: int, nbytes: int, wait: bool = True) -> None:
+    def _drain(self, tag: int, nbytes: int, wait: bool = True, out_of_order: bool = False) -> None:
         """Receives one message of ``tag`` into scratch. ``wait``: first wait (on the connection's
-        thread) for room within the connection's bounds; a drain alone may exceed them."""
+        thread) for room within the connection's bounds; a drain alone may exceed them.
+        ``out_of_order``: posted after receives of later units (it must not hold up theirs)."""
         staging = self.ctx.cache.host_staging
         size = staging.size_for(nbytes)
 
@@ -184,7 +185,7 @@ class Receiver:
                 self._draining_bytes -= self._draining.pop(key)[1]
                 self._drained.notify_all()
 
-        self.ctx.ucx.recv(scratch[:nbytes].numpy(), tag, drained)
+        self.ctx.ucx.recv(scratch[:nbytes].numpy(), tag, drained, out_of_order)
 
     def check(self) -> None:
         """Drops the connection (raises) once a drain has waited too long for its message."""

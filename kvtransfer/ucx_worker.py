@@ -11,7 +11,8 @@ with UCX error handling off: that is what lets UCX pick shared memory / CMA on o
 
 Completion without scanning every pending request: requests wait in one FIFO per peer (sends)
 or per connection tag (receives), and UCX matches the messages of one peer in the order they
-were sent, so only each queue's head is checked. Cancelling a posted receive: ucxx offers no
+were sent, so only each queue's head is checked (a receive that may complete out of that
+order waits in a queue of its own). Cancelling a posted receive: ucxx offers no
 per-request cancel, so the worker sends itself an empty message with the receive's tag; the
 receive completes (with nothing in it) and from then on nothing can land in its buffer.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import itertools
 import logging
 import os
 import select
@@ -70,6 +72,7 @@ class UcxWorker:
         self._commands: deque[tuple[Callable[[], None], Callable[[BaseException], None]]] = deque()
         self._lock = threading.Lock()  # orders submissions against the stop
         self._queues: dict[object, deque] = {}  # FIFO of (request, keepalive, done) per peer / connection
+        self._alone = itertools.count()  # keys of out-of-order receives' queues
         self._endpoints: dict[bytes, object] = {}
         self._self_endpoint = None
         self._stopped = False
@@ -97,12 +100,15 @@ class UcxWorker:
 
         self._submit(send, done)
 
-    def recv(self, buffer, tag: int, done: Done) -> None:
-        """Posts a receive of one tagged message into ``buffer``, in place."""
+    def recv(self, buffer, tag: int, done: Done, out_of_order: bool = False) -> None:
+        """Posts a receive of one tagged message into ``buffer``, in place. Completions come in
+        the order the connection's receives were posted; ``out_of_order``: a receive that may
+        complete later than receives posted after it (or never), so it waits in a queue of its own."""
 
         def recv() -> None:
             array = Array(buffer)
-            self._track(("recv", tag >> TAG_BITS), self._worker.tag_recv(array, Tag(tag)), (array, buffer), done)
+            key = ("recv", tag >> TAG_BITS) if not out_of_order else ("alone", next(self._alone))
+            self._track(key, self._worker.tag_recv(array, Tag(tag)), (array, buffer), done)
 
         self._submit(recv, done)
 
@@ -184,7 +190,7 @@ class UcxWorker:
         self._endpoints.clear()
 
     def _complete(self) -> None:
-        for queue in self._queues.values():
+        for key, queue in list(self._queues.items()):
             while queue and queue[0][0].completed:
                 request, _, done = queue.popleft()
                 try:
@@ -193,6 +199,8 @@ class UcxWorker:
                     done(e)
                 else:
                     done(None)
+            if not queue:
+                del self._queues[key]  # peers and connections come and go
 
 
 @atexit.register

@@ -397,17 +397,20 @@ def test_refused_ucx_units_that_are_sent_drain_past_the_bound(monkeypatch):
 def test_a_message_arriving_after_its_receive_was_cancelled_is_drained(monkeypatch):
     """A grant that fails while its receives are posted cancels them; the sender's messages that
     come later (rendezvous: they move only once matched) are still received, so its sends
-    complete instead of hanging, and the scratch comes back."""
+    complete instead of hanging, and the scratch comes back. Meanwhile the next transfer on the
+    connection is not held up behind those drains."""
     monkeypatch.setenv("UCX_RNDV_THRESH", "1024")  # read when the UCX contexts are made
     decode, prefill = Decode("ucx"), Prefill("ucx")
     taken = watch_scratch(monkeypatch, decode)
     try:
         conn = prefill.connect(decode.address)
         conn.max_span_bytes = 0
-        held, completed = [], []
+        held, completed, holding = [], [], [True]
         real_send = prefill.ucx.send
 
         def hold(peer, buffer, tag, done):
+            if not holding[0]:
+                return real_send(peer, buffer, tag, done)
             held.append(lambda: real_send(peer, buffer, tag, lambda error: completed.append(error) or done(error)))
 
         monkeypatch.setattr(prefill.ucx, "send", hold)
@@ -417,6 +420,9 @@ def test_a_message_arriving_after_its_receive_was_cancelled_is_drained(monkeypat
         assert wait_until(lambda: grant.writers == LAYERS and len(held) == LAYERS)
         decode.ledger.cancel(tid, "request gone")
         assert not decode.outcome(tid).ok
+        holding[0] = False
+        after = decode.grant([3, 4], 10)
+        assert prefill.ship(conn, after, [0], [3, 4], 8, 10).ok and decode.outcome(after).ok
         for send in held:  # the messages come after their receives were cancelled
             send()
         assert wait_until(lambda: len(completed) == LAYERS) and completed == [None] * LAYERS

@@ -301,6 +301,11 @@ def create_app(
             message = f"Unknown path: {request.method} {request.url.path}"
         return APIError(exc.status_code, message).response(headers=getattr(exc, "headers", None))
 
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, exc: ClientGone) -> Response:  # e.g. while it sent its body
+        log.info("%s %s: the client went away", request.method, request.url.path)
+        return Response(status_code=499)
+
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> Response:
         log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)

@@ -6,10 +6,12 @@ frames sent back."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import grpc
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse
 
 from pdserve.router.completions import Usage
@@ -96,7 +98,39 @@ async def json_body(request: Request) -> "Params":
         raise APIError(400, "The JSON body of your request is nested too deeply.") from None
     if not isinstance(data, dict):
         raise APIError(400, f"The request body must be a JSON object, got {type(data).__name__}.")
+    if _SURROGATE_ESCAPE.search(raw) and (where := _lone_surrogate(data)) is not None:
+        raise invalid(where, "not valid Unicode: a lone surrogate (\\ud800-\\udfff) that no text can hold")
     return Params(data)
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # the only way JSON text spells one
+
+
+def _lone_surrogate(data: dict) -> str | None:
+    """Where the first string (or key) holding a lone surrogate is, e.g. ``messages[0].content``."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if not _encodable(value):
+                return path
+        elif isinstance(value, dict):
+            for key, item in reversed(value.items()):
+                here = f"{path}.{key}" if path else str(key)
+                if not _encodable(key):
+                    return here.encode("utf-8", "backslashreplace").decode()
+                stack.append((here, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in reversed(list(enumerate(value))))
+    return None
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 async def read_body(request: Request) -> bytes:
@@ -106,11 +140,14 @@ async def read_body(request: Request) -> bytes:
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise too_large
     parts, size = [], 0
-    async for part in request.stream():
-        size += len(part)
-        if size > MAX_BODY_BYTES:
-            raise too_large
-        parts.append(part)
+    try:
+        async for part in request.stream():
+            size += len(part)
+            if size > MAX_BODY_BYTES:
+                raise too_large
+            parts.append(part)
+    except ClientDisconnect:
+        raise ClientGone() from None
     return b"".join(parts)
 
 

@@ -6,6 +6,7 @@ validation, naming the field in their own terms; worker failures map to HTTP sta
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import threading
 from collections import Counter
@@ -264,7 +265,43 @@ async def test_hostile_bodies_get_4xx_naming_the_problem(tokenizer, monkeypatch)
             nested = {"model": "m", "prompt": "Hi", "max_tokens": 2, "guided_json": deep_schema}
             error = assert_openai_error(await http.post("/v1/completions", json=nested), 400, "guided_json")
             assert "nested more than" in error["message"]
-        assert len(dispatcher.seen) == 1  # only the request with no-op settings reached a worker
+            # A lone surrogate (legal JSON, no legal text): refused naming where it is.
+            for body, param in [
+                (b'{"model": "m", "prompt": "\\ud800", "max_tokens": 2}', "prompt"),
+                (b'{"model": "\\udfff", "prompt": "Hi"}', "model"),
+                (b'{"model": "m", "prompt": "Hi", "guided_choice": ["a", "x\\ud800"]}', "guided_choice[1]"),
+                (b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}', "messages[0].content"),
+            ]:
+                url = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+                assert_openai_error(await http.post(url, content=body), 400, param, text="lone surrogate")
+            pair = b'{"model": "m", "prompt": "\\ud83d\\ude00", "max_tokens": 2}'  # a pair is one character
+            assert (await http.post("/v1/completions", content=pair)).status_code == 200
+        assert len(dispatcher.seen) == 2  # only the requests with no-op settings and a surrogate pair reached a worker
+    finally:
+        await _stop(server, task)
+        completions.close()
+
+
+async def test_a_client_gone_while_sending_its_body_is_no_server_error(tokenizer, caplog):
+    caplog.set_level(logging.INFO)
+    completions = Completions(tokenizer, EchoDispatcher(), 600, max_inflight=MAX_INFLIGHT)
+    server, task, base = await _http(create_app(completions, "m"))
+    try:
+        port = http_port(server)
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 500\r\n\r\n" + b'{"prompt": "Hi"')
+        await writer.drain()
+        await asyncio.sleep(0.2)
+        writer.close()  # 485 bytes short
+        async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+            ok = {"model": "m", "prompt": "Hi", "max_tokens": 2}
+            for _ in range(50):  # until the server has seen the disconnect
+                if "the client went away" in caplog.text:
+                    break
+                await asyncio.sleep(0.05)
+            assert (await http.post("/v1/completions", json=ok)).status_code == 200
+        assert "the client went away" in caplog.text
+        assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")], caplog.text
     finally:
         await _stop(server, task)
         completions.close()

@@ -77,7 +77,18 @@ class GrammarCompiler:
             return self._compiler
 
     def compile(self, c: Constraint) -> xgr.CompiledGrammar:
-        """Raises ``InvalidRequest`` naming the field when the grammar engine refuses it."""
+        """Raises ``InvalidRequest`` naming the field when the grammar engine refuses it, or when
+        it allows no first token (``root ::= root``: every token would be masked, and the sampler
+        would pick one anyway)."""
+        compiled = self._compile(c)
+        xgr = _xgrammar()
+        first = xgr.allocate_token_bitmask(1, self.vocab_size)
+        xgr.GrammarMatcher(compiled).fill_next_token_bitmask(first, 0)
+        if not bool(first.any()):
+            raise InvalidRequest(constraint_field(c), "the grammar accepts no string")
+        return compiled
+
+    def _compile(self, c: Constraint) -> xgr.CompiledGrammar:
         compiler = self._get()
         try:
             if c.kind == "json_schema":

@@ -214,7 +214,8 @@ def check_constraint(c: Constraint) -> None:
         return
     if c.kind == "json_object":
         return
-    if not isinstance(c.value, str) or not c.value.strip():
+    # A regex of blanks matches blanks; a schema or grammar of blanks says nothing.
+    if not isinstance(c.value, str) or not (c.value if c.kind == "regex" else c.value.strip()):
         raise InvalidRequest(field, "must not be empty")
     if len(c.value) > MAX_CONSTRAINT_CHARS:
         raise InvalidRequest(field, f"{len(c.value)} characters exceed the limit of {MAX_CONSTRAINT_CHARS}")

@@ -255,6 +255,15 @@ def test_json_mode_takes_an_object_and_nothing_else(engine, tokenizer):
         assert matcher.accept_string(text) is accepted, text
 
 
+def test_a_grammar_that_accepts_no_string_is_refused_naming_the_field(engine):
+    for text in ("root ::= root", "root ::= a\na ::= b\nb ::= a"):
+        with pytest.raises(
+            InvalidRequest, match=r"^sampling\.structured_output\.grammar: the grammar accepts no string"
+        ):
+            engine.compile_constraint(SamplingParams(constraint=Constraint("grammar", text)))
+    engine.compile_constraint(SamplingParams(constraint=Constraint("regex", " ")))  # blanks: a fine regex
+
+
 def test_constraints_that_do_not_compile_are_refused_naming_the_field(engine):
     for constraint, field in [
         (Constraint("json_schema", '{"type": "object", "properties": {"a": {"$ref": "#/missing"}}}'), "json_schema"),

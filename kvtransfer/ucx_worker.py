@@ -9,9 +9,9 @@ Endpoints are created from the peer's *worker address* (exchanged in our own han
 with UCX error handling off: that is what lets UCX pick shared memory / CMA on one host
 (listener endpoints force error handling, which rules those out and falls back to TCP).
 
-Completion without scanning every pending request: requests wait in one FIFO per peer (sends)
-or per connection tag (receives), and UCX matches the messages of one peer in the order they
-were sent, so only each queue's head is checked (a receive that may complete out of that
+Completion without scanning every pending request: requests wait in one FIFO per connection
+tag (its sends on one side, its receives on the other), and UCX matches the messages of one
+peer in the order they were sent, so only each queue's head is checked (a receive that may complete out of that
 order waits in a queue of its own). Cancelling a posted receive: ucxx offers no
 per-request cancel, so the worker sends itself an empty message with the receive's tag; the
 receive completes (with nothing in it) and from then on nothing can land in its buffer.
@@ -92,11 +92,14 @@ class UcxWorker:
         return future
 
     def send(self, peer_address: bytes, buffer, tag: int, done: Done) -> None:
-        """Sends ``buffer`` (kept alive until ``done``) as one tagged message."""
+        """Sends ``buffer`` (kept alive until ``done``) as one tagged message. Completions come in
+        the order of the connection's sends (one connection tag: a send that never completes
+        holds up only its own connection's)."""
 
         def send() -> None:
             array = Array(buffer)
-            self._track(peer_address, self._endpoint(peer_address).tag_send(array, Tag(tag)), (array, buffer), done)
+            key = ("send", peer_address, tag >> TAG_BITS)
+            self._track(key, self._endpoint(peer_address).tag_send(array, Tag(tag)), (array, buffer), done)
 
         self._submit(send, done)
 
@@ -119,7 +122,7 @@ class UcxWorker:
             empty = bytearray(1)
             array = Array(memoryview(empty)[:0])
             self._track(
-                self.address, self._endpoint(self.address).tag_send(array, Tag(tag)), (array, empty), lambda e: None
+                ("cancel", tag), self._endpoint(self.address).tag_send(array, Tag(tag)), (array, empty), lambda e: None
             )
 
         self._submit(cancel, lambda e: log.warning("could not cancel a UCX receive: %s", e))
@@ -196,9 +199,13 @@ class UcxWorker:
                 try:
                     request.check_error()
                 except Exception as e:  # noqa: BLE001 - reported to whoever waits
-                    done(e)
+                    error = e
                 else:
-                    done(None)
+                    error = None
+                try:
+                    done(error)
+                except Exception:  # a callback's bug must not stop the thread every transfer relies on
+                    log.exception("a UCX completion callback failed")
             if not queue:
                 del self._queues[key]  # peers and connections come and go
 

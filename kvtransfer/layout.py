@@ -145,14 +145,9 @@ class StagingPool:
         self._kept = 0
         self._lock = threading.Lock()
 
-    @classmethod
-    def size_for(cls, nbytes: int) -> int:
-        """The size of the buffer ``take(nbytes)`` returns."""
-        return max(cls.MIN_BYTES, 1 << max(0, nbytes - 1).bit_length())
-
     def take(self, nbytes: int) -> torch.Tensor:
         """A uint8 buffer of at least ``nbytes`` (slice it); hand it back with ``give``."""
-        size = self.size_for(nbytes)
+        size = max(self.MIN_BYTES, 1 << max(0, nbytes - 1).bit_length())
         with self._lock:
             free = self._free.get(size)
             if free:

@@ -9,13 +9,13 @@ the destination itself when it is contiguous (else into a staging buffer scatter
 arrival), verified when it completes (in the scattering pass). A grant that fails while receives are posted cancels
 them, and its blocks are not reported free until UCX has completed each one.
 
-A message that will not land in the cache is still received, into scratch, so the sender's
-send completes and nothing is left unmatched in UCX: a refused unit's, and (after a cancelled
-receive) whichever comes of the sender's late message and our own cancelling one. These drains
-are bounded per connection (``MAX_DRAINING_BYTES`` of scratch, ``MAX_DRAINS`` receives): past
-that the connection waits for earlier ones to land (a live sender's bytes are on their way). A
-drain not landed within ``DRAIN_TIMEOUT_S`` drops the connection, and a connection that ends
-cancels its drains, so their buffers come back.
+A message that will not land in the cache is still received, into a zero-byte buffer (UCX
+discards it, truncated, and the sender's send completes), so nothing is left unmatched: a
+refused unit's, and (after a cancelled receive) whichever comes second of the sender's late
+message and our own cancelling one. A connection posts at most ``MAX_DRAINS`` such receives
+(then it waits for earlier ones to land: a live sender's messages are on their way); drains
+that wait ``DRAIN_TIMEOUT_S`` without one landing drop the connection, and a connection that
+ends cancels its drains.
 """
 
 from __future__ import annotations
@@ -26,15 +26,15 @@ import threading
 import time
 from collections import Counter
 
-from pdserve.kvtransfer.protocol import MAX_SPAN_BYTES, FrameHeader, FrameKind, ProtocolError
+from pdserve.kvtransfer.protocol import FrameHeader, FrameKind, ProtocolError
 from pdserve.kvtransfer.tcp_transport import flipped
 from pdserve.kvtransfer.transport_api import IO_TIMEOUT_S, ReceiveContext, SendContext, Unit
 from pdserve.kvtransfer.ucx_worker import TAG_BITS, ucx_available, ucx_unavailable_reason
 
 _SEQUENCE_MASK = (1 << TAG_BITS) - 1
-MAX_DRAINING_BYTES = 4 * MAX_SPAN_BYTES  # scratch one connection's drains may hold (one drain may hold more)
 MAX_DRAINS = 64  # receives one connection's drains may have posted
-DRAIN_TIMEOUT_S = IO_TIMEOUT_S  # how long a drain may wait for its message
+DRAIN_TIMEOUT_S = IO_TIMEOUT_S  # how long drains may wait without one of them landing
+_NOTHING = memoryview(bytearray(1))[:0]  # what a drain receives into
 
 
 def unavailable_reason(device) -> str | None:
@@ -111,10 +111,10 @@ class Receiver:
         self.ctx = ctx
         self.tag = secrets.randbits(23) + 1
         self.handlers = {FrameKind.UCX_DATA: self._ucx_data}
-        self._draining: dict[int, tuple[int, int, float]] = {}  # drain -> (tag, scratch bytes, posted at)
-        self._draining_bytes = 0
+        self._draining: dict[int, int] = {}  # drain -> its tag: messages received into nothing, not in yet
         self._drains = itertools.count()  # a drain's key: a peer may repeat tags
         self._drained = threading.Condition()
+        self._progress_at = 0.0  # when a drain last landed (or the first of those waiting was posted)
         self._closed = False
 
     def hello_extra(self) -> dict:
@@ -130,73 +130,74 @@ class Receiver:
         tag = (self.tag << TAG_BITS) | (h.aux & _SEQUENCE_MASK)
         grant = ledger.admit(h.transfer_id, h.layer, h.start, h.end, nbytes, "UCX_DATA", h.num_layers)
         if grant is None:
-            self._drain(tag, nbytes)
+            self._drain(tag)
             return
         try:
             target = cache.write_target(h.layer, grant.slots(cache, h.start, h.end), h.num_layers)
         except BaseException:
             ledger.end_write(grant, h.layer, h.start, h.end, None, num_layers=h.num_layers)
             raise
-        cancelled = threading.Event()
+        # A cancel sends our own message for the tag unless the receive is over; then the
+        # receive takes one of the two messages and a drain the other.
+        lock, state = threading.Lock(), {"cancelled": False, "over": False}
 
         def cancel() -> None:
-            cancelled.set()
+            with lock:
+                if state["over"]:
+                    return
+                state["cancelled"] = True
             ucx.cancel_recv(tag)
 
         def landed(error: BaseException | None) -> None:  # on the UCX thread
+            with lock:
+                state["over"] = True
+                cancelled = state["cancelled"]
             ok = None
             try:
-                if error is None and not cancelled.is_set():
+                if error is None and not cancelled:
                     ok = target.commit_hashed() == h.checksum
             finally:
                 target.release()
                 ledger.end_write(grant, h.layer, h.start, h.end, ok, cancel, h.num_layers)
-            if cancelled.is_set() and error is None:  # one of two messages took the receive: drain the other
-                self._drain(tag, nbytes, wait=False, out_of_order=True)
+            if cancelled and error is None:
+                self._drain(tag, wait=False, out_of_order=True)
 
         ledger.on_cancel(grant, cancel)
         ucx.recv(target.data, tag, landed)
 
-    def _drain(self, tag: int, nbytes: int, wait: bool = True, out_of_order: bool = False) -> None:
-        """Receives one message of ``tag`` into scratch. ``wait``: first wait (on the connection's
-        thread) for room within the connection's bounds; a drain alone may exceed them.
-        ``out_of_order``: posted after receives of later units (it must not hold up theirs)."""
-        staging = self.ctx.cache.host_staging
-        size = staging.size_for(nbytes)
-
-        def room() -> bool:
-            return not self._draining or (
-                self._draining_bytes + size <= MAX_DRAINING_BYTES and len(self._draining) < MAX_DRAINS
-            )
-
+    def _drain(self, tag: int, wait: bool = True, out_of_order: bool = False) -> None:
+        """Receives one message of ``tag`` into nothing (truncated: UCX discards it, and the
+        sender's send completes). ``wait``: first wait, on the connection's thread, until fewer
+        than MAX_DRAINS are posted. ``out_of_order``: posted after receives of later units (it
+        must not hold up theirs)."""
         with self._drained:
-            if wait and not self._drained.wait_for(room, DRAIN_TIMEOUT_S):
+            if wait and not self._drained.wait_for(lambda: len(self._draining) < MAX_DRAINS, DRAIN_TIMEOUT_S):
                 raise ProtocolError(f"{len(self._draining)} announced UCX messages did not come in {DRAIN_TIMEOUT_S} s")
             if self._closed:
                 return  # the connection's drains are cancelled
+            if not self._draining:
+                self._progress_at = time.monotonic()
             key = next(self._drains)
-            self._draining[key] = (tag, size, time.monotonic())
-            self._draining_bytes += size
-        scratch = staging.take(nbytes)
+            self._draining[key] = tag
 
-        def drained(error: BaseException | None) -> None:  # on the UCX thread
-            staging.give(scratch)
+        def drained(error: BaseException | None) -> None:  # on the UCX thread; truncated, as it should be
             with self._drained:
-                self._draining_bytes -= self._draining.pop(key)[1]
+                del self._draining[key]
+                self._progress_at = time.monotonic()
                 self._drained.notify_all()
 
-        self.ctx.ucx.recv(scratch[:nbytes].numpy(), tag, drained, out_of_order)
+        self.ctx.ucx.recv(_NOTHING, tag, drained, out_of_order)
 
     def check(self) -> None:
-        """Drops the connection (raises) once a drain has waited too long for its message."""
+        """Drops the connection (raises) when its drains have waited DRAIN_TIMEOUT_S without one landing."""
         with self._drained:
-            oldest = min((posted for _, _, posted in self._draining.values()), default=None)
-        if oldest is not None and time.monotonic() - oldest > DRAIN_TIMEOUT_S:
-            raise ProtocolError(f"an announced UCX message did not come in {DRAIN_TIMEOUT_S} s")
+            stalled = bool(self._draining) and time.monotonic() - self._progress_at > DRAIN_TIMEOUT_S
+        if stalled:
+            raise ProtocolError(f"announced UCX messages did not come for {DRAIN_TIMEOUT_S} s")
 
     def close(self) -> None:
         with self._drained:
             self._closed = True
-            posted = [tag for tag, _, _ in self._draining.values()]
+            posted = list(self._draining.values())
         for tag in posted:  # the peer is gone: its messages may never come
             self.ctx.ucx.cancel_recv(tag)

@@ -13,7 +13,6 @@ import torch
 from kv_sides import LAYERS, TOKEN_BYTES, UCX_SKIP_REASON, Decode, Prefill, assert_same_tokens, peer
 
 from pdserve.kvtransfer import cuda_ipc_transport, receiver, ucx_transport
-from pdserve.kvtransfer.layout import StagingPool
 from pdserve.kvtransfer.protocol import FrameHeader, FrameKind
 from pdserve.kvtransfer.ucx_worker import UcxWorker
 
@@ -323,13 +322,19 @@ def test_a_cancelled_ucx_receive_holds_its_blocks_until_ucx_lets_go(monkeypatch)
         decode.close()
 
 
-def watch_scratch(monkeypatch, decode: Decode) -> list[int]:
-    """The sizes of the decode side's staging buffers taken and not given back yet."""
-    staging, taken = decode.cache.host_staging, []
-    real_take, real_give = staging.take, staging.give
-    monkeypatch.setattr(staging, "take", lambda n: taken.append(n) or real_take(n))
-    monkeypatch.setattr(staging, "give", lambda buffer: taken.pop() and real_give(buffer))
-    return taken
+def watch_drains(monkeypatch, decode: Decode) -> list[int]:
+    """The tags of the decode side's drains (receives into nothing) posted and not landed yet."""
+    pending: list[int] = []
+    real_recv = decode.ucx.recv
+
+    def recv(buffer, tag, done, *args):
+        if len(buffer):
+            return real_recv(buffer, tag, done, *args)
+        pending.append(tag)
+        return real_recv(buffer, tag, lambda error: pending.remove(tag) or done(error), *args)
+
+    monkeypatch.setattr(decode.ucx, "recv", recv)
+    return pending
 
 
 def wait_until(condition, timeout: float = 10.0) -> bool:
@@ -342,15 +347,15 @@ def wait_until(condition, timeout: float = 10.0) -> bool:
 @pytest.mark.skipif(UCX_SKIP_REASON is not None, reason=str(UCX_SKIP_REASON))
 @pytest.mark.parametrize("busy", [True, False], ids=["more-units", "then-quiet"])
 def test_refused_ucx_units_never_sent_are_bounded_and_dropped(monkeypatch, busy):
-    """A peer announcing units the decode side refuses, and never sending their messages, holds at
-    most the connection's bound of scratch; the connection ends once a drain has waited
-    DRAIN_TIMEOUT_S (whether more units wait for room, or the peer goes quiet), and every drain
-    is given back."""
+    """A peer announcing units the decode side refuses, and never sending their messages, has at
+    most MAX_DRAINS receives posted for them; the connection ends once they have waited
+    DRAIN_TIMEOUT_S without one landing (whether more units wait for room, or the peer goes
+    quiet), and its drains are cancelled."""
     decode, prefill = Decode("ucx"), Prefill("ucx")
-    monkeypatch.setattr(ucx_transport, "MAX_DRAINING_BYTES", 2 * StagingPool.MIN_BYTES)  # two drains of a layer
+    monkeypatch.setattr(ucx_transport, "MAX_DRAINS", 2)
     monkeypatch.setattr(ucx_transport, "DRAIN_TIMEOUT_S", 0.5)
     monkeypatch.setattr(receiver, "IO_TIMEOUT_S", 0.2)  # how often an idle connection is checked
-    taken = watch_scratch(monkeypatch, decode)
+    drains = watch_drains(monkeypatch, decode)
     try:
         conn = prefill.connect(decode.address)
         conn.max_span_bytes = 0
@@ -360,9 +365,9 @@ def test_refused_ucx_units_never_sent_are_bounded_and_dropped(monkeypatch, busy)
         for layer in range(layers):
             transfer.send_layer(layer, [0], 0, 10)
         errors = decode.ledger.counters
-        assert wait_until(lambda: len(taken) > 2 or errors["protocol_errors"] > 0)
-        assert len(taken) <= 2 and errors["protocol_errors"] == 1 and errors["units_refused"] == layers
-        assert wait_until(lambda: not taken), taken  # the connection's drains are cancelled
+        assert wait_until(lambda: len(drains) > 2 or errors["protocol_errors"] > 0)
+        assert len(drains) <= 2 and errors["protocol_errors"] == 1 and errors["units_refused"] == layers
+        assert wait_until(lambda: not drains), drains  # the connection's drains are cancelled
         transfer.cancel()
         conn.close()
     finally:
@@ -372,21 +377,21 @@ def test_refused_ucx_units_never_sent_are_bounded_and_dropped(monkeypatch, busy)
 
 @pytest.mark.skipif(UCX_SKIP_REASON is not None, reason=str(UCX_SKIP_REASON))
 def test_refused_ucx_units_that_are_sent_drain_past_the_bound(monkeypatch):
-    """Refused units whose messages do come (a grant that ended mid-transfer) only wait for room,
-    even a drain larger than the bound: all of them drain, and the connection carries the next
-    transfer."""
+    """Refused units whose messages do come (a grant that ended mid-transfer) only wait for room:
+    all of them drain (the sender's sends complete), and the connection carries the next transfer."""
+    monkeypatch.setenv("UCX_RNDV_THRESH", "1024")  # large messages: they move only once a receive matches
     decode, prefill = Decode("ucx"), Prefill("ucx")
-    monkeypatch.setattr(ucx_transport, "MAX_DRAINING_BYTES", 1)  # every drain is over it: one at a time
-    taken = watch_scratch(monkeypatch, decode)
+    monkeypatch.setattr(ucx_transport, "MAX_DRAINS", 1)  # one at a time
+    drains = watch_drains(monkeypatch, decode)
     try:
         conn = prefill.connect(decode.address)
         conn.max_span_bytes = 0
         late = prefill.ship(conn, 0x5EED, [0], [1, 2], 8, 10, chunks=(0, 5))  # never granted
-        assert not late.ok and decode.ledger.counters["units_refused"] == 2 * LAYERS
+        assert not late.ok and "UCX" not in late.reason and decode.ledger.counters["units_refused"] == 2 * LAYERS
         tid = decode.grant([3, 4], 10)
         assert prefill.ship(conn, tid, [0], [3, 4], 8, 10).ok and decode.outcome(tid).ok
         assert_same_tokens(prefill.layers, [0], decode.layers, [3, 4], 10)
-        assert decode.ledger.counters["protocol_errors"] == 0 and wait_until(lambda: not taken)
+        assert decode.ledger.counters["protocol_errors"] == 0 and drains == []
         conn.close()
     finally:
         prefill.close()
@@ -397,11 +402,11 @@ def test_refused_ucx_units_that_are_sent_drain_past_the_bound(monkeypatch):
 def test_a_message_arriving_after_its_receive_was_cancelled_is_drained(monkeypatch):
     """A grant that fails while its receives are posted cancels them; the sender's messages that
     come later (rendezvous: they move only once matched) are still received, so its sends
-    complete instead of hanging, and the scratch comes back. Meanwhile the next transfer on the
-    connection is not held up behind those drains."""
+    complete instead of hanging. Meanwhile the next transfer on the connection is not held up
+    behind those drains."""
     monkeypatch.setenv("UCX_RNDV_THRESH", "1024")  # read when the UCX contexts are made
     decode, prefill = Decode("ucx"), Prefill("ucx")
-    taken = watch_scratch(monkeypatch, decode)
+    drains = watch_drains(monkeypatch, decode)
     try:
         conn = prefill.connect(decode.address)
         conn.max_span_bytes = 0
@@ -420,15 +425,46 @@ def test_a_message_arriving_after_its_receive_was_cancelled_is_drained(monkeypat
         assert wait_until(lambda: grant.writers == LAYERS and len(held) == LAYERS)
         decode.ledger.cancel(tid, "request gone")
         assert not decode.outcome(tid).ok
+        assert wait_until(lambda: len(drains) == LAYERS)
         holding[0] = False
         after = decode.grant([3, 4], 10)
         assert prefill.ship(conn, after, [0], [3, 4], 8, 10).ok and decode.outcome(after).ok
         for send in held:  # the messages come after their receives were cancelled
             send()
         assert wait_until(lambda: len(completed) == LAYERS) and completed == [None] * LAYERS
-        assert wait_until(lambda: not taken), taken
+        assert wait_until(lambda: not drains), drains
         transfer.cancel()
         conn.close()
+    finally:
+        prefill.close()
+        decode.close()
+
+
+@pytest.mark.skipif(UCX_SKIP_REASON is not None, reason=str(UCX_SKIP_REASON))
+def test_a_send_stuck_on_a_dropped_connection_holds_up_no_other_connection(monkeypatch):
+    """A message that comes after its connection was dropped (and its drain cancelled) matches
+    nothing, and its send never completes: later transfers to the same decode worker, on a new
+    connection, still complete."""
+    monkeypatch.setenv("UCX_RNDV_THRESH", "1024")
+    decode, prefill = Decode("ucx"), Prefill("ucx")
+    monkeypatch.setattr(ucx_transport, "DRAIN_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(receiver, "IO_TIMEOUT_S", 0.1)
+    try:
+        conn = prefill.connect(decode.address)
+        held, real_send = [], prefill.ucx.send
+        monkeypatch.setattr(prefill.ucx, "send", lambda *args: held.append(args))
+        transfer = conn.open(0x5EED, [1, 2], 8, 10)  # never granted: refused, drained
+        transfer.send_layer(0, [0], 0, 10)
+        assert wait_until(lambda: decode.ledger.counters["protocol_errors"] == 1)  # its message did not come
+        monkeypatch.setattr(prefill.ucx, "send", real_send)
+        for args in held:
+            real_send(*args)  # now it comes: nothing takes it
+        transfer.cancel()
+        conn.close()
+        again = prefill.connect(decode.address)
+        tid = decode.grant([3, 4], 10)
+        assert prefill.ship(again, tid, [0], [3, 4], 8, 10).ok and decode.outcome(tid).ok
+        again.close()
     finally:
         prefill.close()
         decode.close()

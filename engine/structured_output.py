@@ -108,7 +108,8 @@ class GrammarCompiler:
         raise InvalidRequest("sampling.structured_output", f"unknown kind {c.kind!r}")
 
     def state(self, c: Constraint) -> GrammarState:
-        return GrammarState(_xgrammar().GrammarMatcher(self.compile(c)))
+        """A matcher for one sequence (the constraint was checked by ``compile`` on admission)."""
+        return GrammarState(_xgrammar().GrammarMatcher(self._compile(c)))
 
 
 class GrammarState:

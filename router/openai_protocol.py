@@ -87,45 +87,68 @@ MAX_BODY_BYTES = 64 << 20  # a request body (a prompt of millions of tokens fits
 async def json_body(request: Request) -> "Params":
     raw = await read_body(request)
     try:
-        data = json.loads(raw)
+        text = raw.decode("utf-8")  # JSON between systems is UTF-8 (RFC 8259), not a guessed UTF-16/32
+        data = json.loads(text)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(
             400,
             f"We could not parse the JSON body of your request: {e}. "
-            "The body must be a JSON object (Content-Type: application/json).",
+            "The body must be a JSON object in UTF-8 (Content-Type: application/json).",
         ) from None
     except RecursionError:
         raise APIError(400, "The JSON body of your request is nested too deeply.") from None
     if not isinstance(data, dict):
         raise APIError(400, f"The request body must be a JSON object, got {type(data).__name__}.")
-    if _SURROGATE_ESCAPE.search(raw) and (where := _lone_surrogate(data)) is not None:
-        raise invalid(where, "not valid Unicode: a lone surrogate (\\ud800-\\udfff) that no text can hold")
+    if _has_lone_surrogate_escape(text):
+        raise invalid(
+            _lone_surrogate(data), "not valid Unicode: a lone surrogate (\\ud800-\\udfff) that no text can hold"
+        )
     return Params(data)
 
 
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # the only way JSON text spells one
+# \uD800 to \uDFFF: the only way JSON text spells a surrogate (unless its backslash is itself
+# escaped, as in \\uD800); a high one followed at once by a low one is a pair, one character.
+_SURROGATE_ESCAPE = re.compile(r"\\u([dD][89a-fA-F][0-9a-fA-F]{2})")
+
+
+def _has_lone_surrogate_escape(text: str) -> bool:
+    high_ends = -1  # where the escape of a high surrogate awaiting its low one ends
+    for m in _SURROGATE_ESCAPE.finditer(text):
+        start = backslash = m.start()
+        while backslash > 0 and text[backslash - 1] == "\\":
+            backslash -= 1
+        if (start - backslash) % 2:
+            continue  # an escaped backslash, then the letter u
+        low = int(m[1], 16) >= 0xDC00
+        if low and start != high_ends or not low and high_ends >= 0:
+            return True
+        high_ends = -1 if low else m.end()
+    return high_ends >= 0
 
 
 def _lone_surrogate(data: dict) -> str | None:
     """Where the first string (or key) holding a lone surrogate is, e.g. ``messages[0].content``."""
-    stack: list[tuple[str, Any]] = [("", data)]
+    stack: list[tuple[tuple, dict | list]] = [((), data)]
     while stack:
-        path, value = stack.pop()
-        if isinstance(value, str):
-            if not _encodable(value):
-                return path
-        elif isinstance(value, dict):
-            for key, item in reversed(value.items()):
-                here = f"{path}.{key}" if path else str(key)
-                if not _encodable(key):
-                    return here.encode("utf-8", "backslashreplace").decode()
-                stack.append((here, item))
-        elif isinstance(value, list):
-            stack.extend((f"{path}[{i}]", item) for i, item in reversed(list(enumerate(value))))
+        path, container = stack.pop()
+        for key, item in container.items() if isinstance(container, dict) else enumerate(container):
+            if isinstance(key, str) and not _encodable(key):
+                return _path((*path, key.encode("utf-8", "backslashreplace").decode()))
+            if isinstance(item, str):
+                if not _encodable(item):
+                    return _path((*path, key))
+            elif isinstance(item, (dict, list)):
+                stack.append(((*path, key), item))
     return None
 
 
+def _path(parts: tuple) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else p) for i, p in enumerate(parts))
+
+
 def _encodable(text: str) -> bool:
+    if text.isascii():
+        return True
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:

@@ -276,7 +276,13 @@ async def test_hostile_bodies_get_4xx_naming_the_problem(tokenizer, monkeypatch)
                 assert_openai_error(await http.post(url, content=body), 400, param, text="lone surrogate")
             pair = b'{"model": "m", "prompt": "\\ud83d\\ude00", "max_tokens": 2}'  # a pair is one character
             assert (await http.post("/v1/completions", content=pair)).status_code == 200
-        assert len(dispatcher.seen) == 2  # only the requests with no-op settings and a surrogate pair reached a worker
+            path = b'{"model": "m", "prompt": "C:\\\\udata", "max_tokens": 2}'  # a backslash, then "udata"
+            assert (await http.post("/v1/completions", content=path)).status_code == 200
+            utf16 = '{"model": "m", "prompt": "\\ud800"}'.encode("utf-16")  # json.loads would guess the encoding
+            assert_openai_error(await http.post("/v1/completions", content=utf16), 400, text="UTF-8")
+        assert (
+            len(dispatcher.seen) == 3
+        )  # only the requests with no-op settings, a pair and a backslash reached a worker
     finally:
         await _stop(server, task)
         completions.close()

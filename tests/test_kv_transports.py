@@ -465,6 +465,11 @@ def test_a_send_stuck_on_a_dropped_connection_holds_up_no_other_connection(monke
         tid = decode.grant([3, 4], 10)
         assert prefill.ship(again, tid, [0], [3, 4], 8, 10).ok and decode.outcome(tid).ok
         again.close()
+        # Let the stuck send end (ucxx cannot cancel a send: destroying its worker would spin).
+        ended = []
+        for _, _, tag, done in held:
+            decode.ucx.recv(memoryview(bytearray(1))[:0], tag, ended.append)
+        assert wait_until(lambda: len(ended) == len(held))
     finally:
         prefill.close()
         decode.close()

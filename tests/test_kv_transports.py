@@ -467,7 +467,7 @@ def test_a_send_stuck_on_a_dropped_connection_holds_up_no_other_connection(monke
         again.close()
         # Let the stuck send end (ucxx cannot cancel a send: destroying its worker would spin).
         ended = []
-        for _, _, tag, done in held:
+        for _, _, tag, _ in held:
             decode.ucx.recv(memoryview(bytearray(1))[:0], tag, ended.append)
         assert wait_until(lambda: len(ended) == len(held))
     finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 from pathlib import Path
 
@@ -100,11 +101,8 @@ def test_an_arena_refuses_tensors_off_the_cpu():
         host_arena([torch.zeros(4), torch.zeros(4, device="meta")])
 
 
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="this platform's mmap has no MADV_HUGEPAGE to refuse")
 def test_a_kernel_that_refuses_huge_pages_still_gets_its_memory(monkeypatch):
-    import mmap
-
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
-        pytest.skip("no madvise here")
     monkeypatch.setattr(mmap, "MADV_HUGEPAGE", 0x7FFF)  # advice no kernel knows: madvise fails (EINVAL)
     tensor = host_zeros((4, 2**20), torch.uint8)
     assert tensor.shape == (4, 2**20) and not tensor.any()

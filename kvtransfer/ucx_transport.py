@@ -160,33 +160,35 @@ class Receiver:
                 target.release()
                 ledger.end_write(grant, h.layer, h.start, h.end, ok, cancel, h.num_layers)
             if cancelled and error is None:
-                self._drain(tag, wait=False, out_of_order=True)
+                self._drain(tag, wait=False)
 
         ledger.on_cancel(grant, cancel)
         ucx.recv(target.data, tag, landed)
 
-    def _drain(self, tag: int, wait: bool = True, out_of_order: bool = False) -> None:
+    def _drain(self, tag: int, wait: bool = True) -> None:
         """Receives one message of ``tag`` into nothing (truncated: UCX discards it, and the
-        sender's send completes). ``wait``: first wait, on the connection's thread, until fewer
-        than MAX_DRAINS are posted. ``out_of_order``: posted after receives of later units (it
-        must not hold up theirs)."""
+        sender's send completes), in a completion queue of its own: it may land before, after or
+        instead of the connection's other receives. ``wait``: first wait, on the connection's
+        thread, until fewer than MAX_DRAINS are posted."""
         with self._drained:
             if wait and not self._drained.wait_for(lambda: len(self._draining) < MAX_DRAINS, DRAIN_TIMEOUT_S):
                 raise ProtocolError(f"{len(self._draining)} announced UCX messages did not come in {DRAIN_TIMEOUT_S} s")
-            if self._closed:
-                return  # the connection's drains are cancelled
-            if not self._draining:
-                self._progress_at = time.monotonic()
-            key = next(self._drains)
-            self._draining[key] = tag
+            key = None
+            if not self._closed:  # after close nothing cancels it: the peer's message, if it comes, ends it
+                if not self._draining:
+                    self._progress_at = time.monotonic()
+                key = next(self._drains)
+                self._draining[key] = tag
 
         def drained(error: BaseException | None) -> None:  # on the UCX thread; truncated, as it should be
+            if key is None:
+                return
             with self._drained:
                 del self._draining[key]
                 self._progress_at = time.monotonic()
                 self._drained.notify_all()
 
-        self.ctx.ucx.recv(_NOTHING, tag, drained, out_of_order)
+        self.ctx.ucx.recv(_NOTHING, tag, drained, out_of_order=True)
 
     def check(self) -> None:
         """Drops the connection (raises) when its drains have waited DRAIN_TIMEOUT_S without one landing."""

@@ -182,12 +182,11 @@ class UcxWorker:
                 pass
         with self._lock:  # no command comes in after this
             left, self._commands = list(self._commands), deque()
-        for _, on_error in left:
-            on_error(RuntimeError("UCX worker stopped"))
-        for queue in self._queues.values():
-            for _, _, done in queue:
-                done(RuntimeError("UCX worker stopped"))
+        stopped = RuntimeError("UCX worker stopped")
+        waiting = [on_error for _, on_error in left] + [done for q in self._queues.values() for _, _, done in q]
         self._queues.clear()
+        for done in waiting:
+            self._call(done, stopped)
         for endpoint in self._endpoints.values():
             endpoint.close_blocking(period=10**8)
         self._endpoints.clear()
@@ -202,12 +201,16 @@ class UcxWorker:
                     error = e
                 else:
                     error = None
-                try:
-                    done(error)
-                except Exception:  # a callback's bug must not stop the thread every transfer relies on
-                    log.exception("a UCX completion callback failed")
+                self._call(done, error)
             if not queue:
                 del self._queues[key]  # peers and connections come and go
+
+    @staticmethod
+    def _call(done: Done, error: BaseException | None) -> None:
+        try:
+            done(error)
+        except Exception:  # a callback's bug must not stop the thread every transfer relies on
+            log.exception("a UCX completion callback failed")
 
 
 @atexit.register

@@ -327,11 +327,11 @@ def watch_drains(monkeypatch, decode: Decode) -> list[int]:
     pending: list[int] = []
     real_recv = decode.ucx.recv
 
-    def recv(buffer, tag, done, *args):
+    def recv(buffer, tag, done, **kw):
         if len(buffer):
-            return real_recv(buffer, tag, done, *args)
+            return real_recv(buffer, tag, done, **kw)
         pending.append(tag)
-        return real_recv(buffer, tag, lambda error: pending.remove(tag) or done(error), *args)
+        return real_recv(buffer, tag, lambda error: pending.remove(tag) or done(error), **kw)
 
     monkeypatch.setattr(decode.ucx, "recv", recv)
     return pending
@@ -434,6 +434,40 @@ def test_a_message_arriving_after_its_receive_was_cancelled_is_drained(monkeypat
         assert wait_until(lambda: len(completed) == LAYERS) and completed == [None] * LAYERS
         assert wait_until(lambda: not drains), drains
         transfer.cancel()
+        conn.close()
+    finally:
+        prefill.close()
+        decode.close()
+
+
+@pytest.mark.skipif(UCX_SKIP_REASON is not None, reason=str(UCX_SKIP_REASON))
+def test_a_refused_unit_behind_a_slow_transfer_drains_at_once(monkeypatch):
+    """A refused unit's message lands in its drain whatever the connection's earlier receives
+    are doing: a transfer still arriving after DRAIN_TIMEOUT_S does not get the connection
+    dropped, and completes."""
+    monkeypatch.setenv("UCX_RNDV_THRESH", "1024")
+    decode, prefill = Decode("ucx"), Prefill("ucx")
+    monkeypatch.setattr(ucx_transport, "DRAIN_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(receiver, "IO_TIMEOUT_S", 0.1)
+    try:
+        conn = prefill.connect(decode.address)
+        conn.max_span_bytes = 0
+        held, holding, real_send = [], [True], prefill.ucx.send
+        monkeypatch.setattr(prefill.ucx, "send", lambda *args: held.append(args) if holding[0] else real_send(*args))
+        tid = decode.grant([1, 2], 10)
+        slow = prefill.start(conn, tid, [0], [1, 2], 8, 10)  # its messages wait
+        grant = decode.ledger.lookup(tid)
+        assert wait_until(lambda: grant.writers == LAYERS and len(held) == LAYERS)
+        holding[0] = False
+        refused = conn.open(0x5EED, [3, 4], 8, 10)  # never granted: refused, its message sent at once
+        refused.send_layer(0, [0], 0, 10)
+        assert wait_until(lambda: decode.ledger.counters["units_refused"] == 1)
+        time.sleep(1.0)  # more than DRAIN_TIMEOUT_S, with the slow transfer's receives still posted
+        assert decode.ledger.counters["protocol_errors"] == 0
+        for args in held:
+            real_send(*args)
+        assert prefill.finish(slow).ok and decode.outcome(tid).ok
+        refused.cancel()
         conn.close()
     finally:
         prefill.close()

@@ -43,6 +43,7 @@ except Exception as e:  # noqa: BLE001 - any failure means: no UCX here
     _IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
 TAG_BITS = 40  # a tag is (connection tag << TAG_BITS) | sequence number
+MAX_APART = 1024  # cancelled tags remembered for a receive not posted yet
 Done = Callable[[BaseException | None], None]
 _LIVE: "weakref.WeakSet[UcxWorker]" = weakref.WeakSet()  # closed at exit: UCX must not die under its thread
 
@@ -71,8 +72,9 @@ class UcxWorker:
         self._epoll.register(self._wake_r, select.EPOLLIN)
         self._commands: deque[tuple[Callable[[], None], Callable[[BaseException], None]]] = deque()
         self._lock = threading.Lock()  # orders submissions against the stop
-        self._queues: dict[object, deque] = {}  # FIFO of (request, keepalive, done) per peer / connection
+        self._queues: dict[object, deque] = {}  # FIFO of (request, keepalive, done, tag) per connection
         self._alone = itertools.count()  # keys of out-of-order receives' queues
+        self._apart: dict[int, None] = {}  # tags cancelled before their receive was posted (oldest first)
         self._endpoints: dict[bytes, object] = {}
         self._self_endpoint = None
         self._stopped = False
@@ -110,15 +112,19 @@ class UcxWorker:
 
         def recv() -> None:
             array = Array(buffer)
-            key = ("recv", tag >> TAG_BITS) if not out_of_order else ("alone", next(self._alone))
-            self._track(key, self._worker.tag_recv(array, Tag(tag)), (array, buffer), done)
+            apart = out_of_order or tag in self._apart
+            self._apart.pop(tag, None)
+            key = ("alone", next(self._alone)) if apart else ("recv", tag >> TAG_BITS)
+            self._track(key, self._worker.tag_recv(array, Tag(tag)), (array, buffer), done, tag)
 
         self._submit(recv, done)
 
     def cancel_recv(self, tag: int) -> None:
-        """Completes a posted receive with an empty message of its own: nothing lands after."""
+        """Completes a posted receive with an empty message of its own: nothing lands after. It
+        then completes out of its connection's order, so it waits in a queue of its own."""
 
         def cancel() -> None:
+            self._set_apart(tag)
             empty = bytearray(1)
             array = Array(memoryview(empty)[:0])
             self._track(
@@ -159,8 +165,20 @@ class UcxWorker:
             endpoint = self._endpoints[peer_address] = self._worker.create_endpoint_from_worker_address(address, False)
         return endpoint
 
-    def _track(self, queue_key, request, keepalive, done: Done) -> None:
-        self._queues.setdefault(queue_key, deque()).append((request, keepalive, done))
+    def _track(self, queue_key, request, keepalive, done: Done, tag: int | None = None) -> None:
+        self._queues.setdefault(queue_key, deque()).append((request, keepalive, done, tag))
+
+    def _set_apart(self, tag: int) -> None:
+        """Moves the receive of ``tag`` out of its connection's queue (or, not posted yet, marks it)."""
+        queue = self._queues.get(("recv", tag >> TAG_BITS), ())
+        for entry in queue:
+            if entry[3] == tag:
+                queue.remove(entry)
+                self._queues[("alone", next(self._alone))] = deque([entry])
+                return
+        self._apart[tag] = None
+        if len(self._apart) > MAX_APART:  # tags whose receive had ended already: forget the oldest
+            del self._apart[next(iter(self._apart))]
 
     def _run(self) -> None:
         while not self._stopped:
@@ -183,7 +201,7 @@ class UcxWorker:
         with self._lock:  # no command comes in after this
             left, self._commands = list(self._commands), deque()
         stopped = RuntimeError("UCX worker stopped")
-        waiting = [on_error for _, on_error in left] + [done for q in self._queues.values() for _, _, done in q]
+        waiting = [on_error for _, on_error in left] + [done for q in self._queues.values() for _, _, done, _ in q]
         self._queues.clear()
         for done in waiting:
             self._call(done, stopped)
@@ -194,7 +212,7 @@ class UcxWorker:
     def _complete(self) -> None:
         for key, queue in list(self._queues.items()):
             while queue and queue[0][0].completed:
-                request, _, done = queue.popleft()
+                request, _, done, _ = queue.popleft()
                 try:
                     request.check_error()
                 except Exception as e:  # noqa: BLE001 - reported to whoever waits

@@ -475,6 +475,36 @@ def test_a_refused_unit_behind_a_slow_transfer_drains_at_once(monkeypatch):
 
 
 @pytest.mark.skipif(UCX_SKIP_REASON is not None, reason=str(UCX_SKIP_REASON))
+def test_a_cancelled_grant_is_reported_while_an_earlier_transfer_still_waits(monkeypatch):
+    """Receives complete in their connection's order, but a cancelled one completes on our own
+    message whenever we send it: its grant's failure does not wait for an earlier transfer's
+    data."""
+    decode, prefill = Decode("ucx"), Prefill("ucx")
+    try:
+        conn = prefill.connect(decode.address)
+        conn.max_span_bytes = 0
+        held, real_send = [], prefill.ucx.send
+        monkeypatch.setattr(prefill.ucx, "send", lambda *args: held.append(args))  # announced, sent later
+        first, second = decode.grant([1, 2], 10), decode.grant([3, 4], 10)
+        slow = prefill.start(conn, first, [0], [1, 2], 8, 10)
+        gone = prefill.start(conn, second, [0], [3, 4], 8, 10)
+        grants = decode.ledger.lookup(first), decode.ledger.lookup(second)
+        assert wait_until(lambda: all(g.writers == LAYERS for g in grants))
+        decode.ledger.cancel(second, "request gone")
+        assert not decode.outcome(second, timeout=5).ok  # the first transfer's receives are still posted
+        for args in held[:LAYERS]:
+            real_send(*args)
+        assert prefill.finish(slow).ok and decode.outcome(first).ok
+        for args in held[LAYERS:]:  # the second transfer's messages come late: drains take them, its sends end
+            real_send(*args)
+        gone.cancel()
+        conn.close()
+    finally:
+        prefill.close()
+        decode.close()
+
+
+@pytest.mark.skipif(UCX_SKIP_REASON is not None, reason=str(UCX_SKIP_REASON))
 def test_a_send_stuck_on_a_dropped_connection_holds_up_no_other_connection(monkeypatch):
     """A message that comes after its connection was dropped (and its drain cancelled) matches
     nothing, and its send never completes: later transfers to the same decode worker, on a new

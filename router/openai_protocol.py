@@ -6,7 +6,6 @@ frames sent back."""
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 import grpc
@@ -16,6 +15,7 @@ from starlette.responses import JSONResponse
 
 from pdserve.router.completions import Usage
 from pdserve.router.dispatch import DispatchError
+from pdserve.router.json_text import has_lone_surrogate_escape, lone_surrogate_path
 from pdserve.router.request import ChatMessage, SamplingRequest
 
 INT64 = (-(2**63), 2**63 - 1)  # JSON integers beyond this are refused while parsing
@@ -99,61 +99,11 @@ async def json_body(request: Request) -> "Params":
         raise APIError(400, "The JSON body of your request is nested too deeply.") from None
     if not isinstance(data, dict):
         raise APIError(400, f"The request body must be a JSON object, got {type(data).__name__}.")
-    if _has_lone_surrogate_escape(text):
+    if has_lone_surrogate_escape(text):
         raise invalid(
-            _lone_surrogate(data), "not valid Unicode: a lone surrogate (\\ud800-\\udfff) that no text can hold"
+            lone_surrogate_path(data), "not valid Unicode: a lone surrogate (\\ud800-\\udfff) that no text can hold"
         )
     return Params(data)
-
-
-# \uD800 to \uDFFF: the only way JSON text spells a surrogate (unless its backslash is itself
-# escaped, as in \\uD800); a high one followed at once by a low one is a pair, one character.
-_SURROGATE_ESCAPE = re.compile(r"\\u([dD][89a-fA-F][0-9a-fA-F]{2})")
-
-
-def _has_lone_surrogate_escape(text: str) -> bool:
-    high_ends = -1  # where the escape of a high surrogate awaiting its low one ends
-    for m in _SURROGATE_ESCAPE.finditer(text):
-        start = backslash = m.start()
-        while backslash > 0 and text[backslash - 1] == "\\":
-            backslash -= 1
-        if (start - backslash) % 2:
-            continue  # an escaped backslash, then the letter u
-        low = int(m[1], 16) >= 0xDC00
-        if low and start != high_ends or not low and high_ends >= 0:
-            return True
-        high_ends = -1 if low else m.end()
-    return high_ends >= 0
-
-
-def _lone_surrogate(data: dict) -> str | None:
-    """Where the first string (or key) holding a lone surrogate is, e.g. ``messages[0].content``."""
-    stack: list[tuple[tuple, dict | list]] = [((), data)]
-    while stack:
-        path, container = stack.pop()
-        for key, item in container.items() if isinstance(container, dict) else enumerate(container):
-            if isinstance(key, str) and not _encodable(key):
-                return _path((*path, key.encode("utf-8", "backslashreplace").decode()))
-            if isinstance(item, str):
-                if not _encodable(item):
-                    return _path((*path, key))
-            elif isinstance(item, (dict, list)):
-                stack.append(((*path, key), item))
-    return None
-
-
-def _path(parts: tuple) -> str:
-    return "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else p) for i, p in enumerate(parts))
-
-
-def _encodable(text: str) -> bool:
-    if text.isascii():
-        return True
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 async def read_body(request: Request) -> bytes:

@@ -274,52 +274,62 @@ def test_a_bad_source_range_fails_only_that_transfer():
 # -- UCX: send errors surface, cancelled receives really stop -----------------------------------------
 
 
-@pytest.mark.skipif(UCX_SKIP_REASON is not None, reason=str(UCX_SKIP_REASON))
-def test_a_failed_ucx_send_fails_the_transfer(monkeypatch):
-    decode, prefill = Decode("ucx"), Prefill("ucx")
-    try:
-        conn = prefill.connect(decode.address)
-        real_send = prefill.ucx.send
-        calls = []
+@pytest.fixture
+def ucx_pair(monkeypatch):
+    """Makes a decode and a prefill side over UCX, both closed after the test. ``rendezvous``:
+    messages over 1 KiB move only once a receive matches (read when the UCX contexts are made)."""
+    made = []
 
-        def failing(peer, buffer, tag, done):
-            calls.append(tag)
-            if len(calls) == 2:
-                done(RuntimeError("simulated UCX error"))
-            else:
-                real_send(peer, buffer, tag, done)
+    def make(rendezvous: bool = False):
+        if rendezvous:
+            monkeypatch.setenv("UCX_RNDV_THRESH", "1024")
+        made.append((Decode("ucx"), Prefill("ucx")))
+        return made[-1]
 
-        monkeypatch.setattr(prefill.ucx, "send", failing)
-        tid = decode.grant([1, 2], 10)
-        outcome = prefill.ship(conn, tid, [0], [1, 2], 8, 10, chunks=(0, 5))  # two units at least: the second fails
-        assert len(calls) >= 2 and not outcome.ok and "UCX send failed" in outcome.reason
-    finally:
+    yield make
+    for decode, prefill in made:
         prefill.close()
         decode.close()
 
 
 @pytest.mark.skipif(UCX_SKIP_REASON is not None, reason=str(UCX_SKIP_REASON))
-def test_a_cancelled_ucx_receive_holds_its_blocks_until_ucx_lets_go(monkeypatch):
-    decode, prefill = Decode("ucx"), Prefill("ucx")
-    try:
-        conn = prefill.connect(decode.address)
-        conn.max_span_bytes = 0  # one receive per layer, however the layers are queued
-        monkeypatch.setattr(prefill.ucx, "send", lambda peer, buffer, tag, done: done(None))  # announced, never sent
-        tid = decode.grant([1, 2], 10)
-        transfer = prefill.start(conn, tid, [0], [1, 2], 8, 10)
-        deadline = time.monotonic() + 5
-        grant = decode.ledger.lookup(tid)
-        while grant.writers < LAYERS and time.monotonic() < deadline:  # three receives posted, none can complete
-            time.sleep(0.01)
-        assert grant.writers == LAYERS
-        decode.ledger.cancel(tid, "request gone")
-        landed = decode.outcome(tid)  # comes only once every posted receive has completed
-        assert not landed.ok and grant.writers == 0 and decode.ledger.num_active == 0
-        transfer.cancel()
-        conn.close()
-    finally:
-        prefill.close()
-        decode.close()
+def test_a_failed_ucx_send_fails_the_transfer(ucx_pair, monkeypatch):
+    decode, prefill = ucx_pair()
+    conn = prefill.connect(decode.address)
+    real_send = prefill.ucx.send
+    calls = []
+
+    def failing(peer, buffer, tag, done):
+        calls.append(tag)
+        if len(calls) == 2:
+            done(RuntimeError("simulated UCX error"))
+        else:
+            real_send(peer, buffer, tag, done)
+
+    monkeypatch.setattr(prefill.ucx, "send", failing)
+    tid = decode.grant([1, 2], 10)
+    outcome = prefill.ship(conn, tid, [0], [1, 2], 8, 10, chunks=(0, 5))  # two units at least: the second fails
+    assert len(calls) >= 2 and not outcome.ok and "UCX send failed" in outcome.reason
+
+
+@pytest.mark.skipif(UCX_SKIP_REASON is not None, reason=str(UCX_SKIP_REASON))
+def test_a_cancelled_ucx_receive_holds_its_blocks_until_ucx_lets_go(ucx_pair, monkeypatch):
+    decode, prefill = ucx_pair()
+    conn = prefill.connect(decode.address)
+    conn.max_span_bytes = 0  # one receive per layer, however the layers are queued
+    monkeypatch.setattr(prefill.ucx, "send", lambda peer, buffer, tag, done: done(None))  # announced, never sent
+    tid = decode.grant([1, 2], 10)
+    transfer = prefill.start(conn, tid, [0], [1, 2], 8, 10)
+    deadline = time.monotonic() + 5
+    grant = decode.ledger.lookup(tid)
+    while grant.writers < LAYERS and time.monotonic() < deadline:  # three receives posted, none can complete
+        time.sleep(0.01)
+    assert grant.writers == LAYERS
+    decode.ledger.cancel(tid, "request gone")
+    landed = decode.outcome(tid)  # comes only once every posted receive has completed
+    assert not landed.ok and grant.writers == 0 and decode.ledger.num_active == 0
+    transfer.cancel()
+    conn.close()
 
 
 def watch_drains(monkeypatch, decode: Decode) -> list[int]:
@@ -346,197 +356,169 @@ def wait_until(condition, timeout: float = 10.0) -> bool:
 
 @pytest.mark.skipif(UCX_SKIP_REASON is not None, reason=str(UCX_SKIP_REASON))
 @pytest.mark.parametrize("busy", [True, False], ids=["more-units", "then-quiet"])
-def test_refused_ucx_units_never_sent_are_bounded_and_dropped(monkeypatch, busy):
+def test_refused_ucx_units_never_sent_are_bounded_and_dropped(ucx_pair, monkeypatch, busy):
     """A peer announcing units the decode side refuses, and never sending their messages, has at
     most MAX_DRAINS receives posted for them; the connection ends once they have waited
     DRAIN_TIMEOUT_S without one landing (whether more units wait for room, or the peer goes
     quiet), and its drains are cancelled."""
-    decode, prefill = Decode("ucx"), Prefill("ucx")
+    decode, prefill = ucx_pair()
     monkeypatch.setattr(ucx_transport, "MAX_DRAINS", 2)
     monkeypatch.setattr(ucx_transport, "DRAIN_TIMEOUT_S", 0.5)
     monkeypatch.setattr(receiver, "IO_TIMEOUT_S", 0.2)  # how often an idle connection is checked
     drains = watch_drains(monkeypatch, decode)
-    try:
-        conn = prefill.connect(decode.address)
-        conn.max_span_bytes = 0
-        monkeypatch.setattr(prefill.ucx, "send", lambda peer, buffer, tag, done: done(None))  # announced, never sent
-        layers = LAYERS if busy else 1  # the third waits for room, or one and then silence
-        transfer = conn.open(0x5EED, [1, 2], 8, 10)  # never granted: each unit is refused
-        for layer in range(layers):
-            transfer.send_layer(layer, [0], 0, 10)
-        errors = decode.ledger.counters
-        assert wait_until(lambda: len(drains) > 2 or errors["protocol_errors"] > 0)
-        assert len(drains) <= 2 and errors["protocol_errors"] == 1 and errors["units_refused"] == layers
-        assert wait_until(lambda: not drains), drains  # the connection's drains are cancelled
-        transfer.cancel()
-        conn.close()
-    finally:
-        prefill.close()
-        decode.close()
+    conn = prefill.connect(decode.address)
+    conn.max_span_bytes = 0
+    monkeypatch.setattr(prefill.ucx, "send", lambda peer, buffer, tag, done: done(None))  # announced, never sent
+    layers = LAYERS if busy else 1  # the third waits for room, or one and then silence
+    transfer = conn.open(0x5EED, [1, 2], 8, 10)  # never granted: each unit is refused
+    for layer in range(layers):
+        transfer.send_layer(layer, [0], 0, 10)
+    errors = decode.ledger.counters
+    assert wait_until(lambda: len(drains) > 2 or errors["protocol_errors"] > 0)
+    assert len(drains) <= 2 and errors["protocol_errors"] == 1 and errors["units_refused"] == layers
+    assert wait_until(lambda: not drains), drains  # the connection's drains are cancelled
+    transfer.cancel()
+    conn.close()
 
 
 @pytest.mark.skipif(UCX_SKIP_REASON is not None, reason=str(UCX_SKIP_REASON))
-def test_refused_ucx_units_that_are_sent_drain_past_the_bound(monkeypatch):
+def test_refused_ucx_units_that_are_sent_drain_past_the_bound(ucx_pair, monkeypatch):
     """Refused units whose messages do come (a grant that ended mid-transfer) only wait for room:
     all of them drain (the sender's sends complete), and the connection carries the next transfer."""
-    monkeypatch.setenv("UCX_RNDV_THRESH", "1024")  # large messages: they move only once a receive matches
-    decode, prefill = Decode("ucx"), Prefill("ucx")
+    decode, prefill = ucx_pair(rendezvous=True)
     monkeypatch.setattr(ucx_transport, "MAX_DRAINS", 1)  # one at a time
     drains = watch_drains(monkeypatch, decode)
-    try:
-        conn = prefill.connect(decode.address)
-        conn.max_span_bytes = 0
-        late = prefill.ship(conn, 0x5EED, [0], [1, 2], 8, 10, chunks=(0, 5))  # never granted
-        assert not late.ok and "UCX" not in late.reason and decode.ledger.counters["units_refused"] == 2 * LAYERS
-        tid = decode.grant([3, 4], 10)
-        assert prefill.ship(conn, tid, [0], [3, 4], 8, 10).ok and decode.outcome(tid).ok
-        assert_same_tokens(prefill.layers, [0], decode.layers, [3, 4], 10)
-        assert decode.ledger.counters["protocol_errors"] == 0 and drains == []
-        conn.close()
-    finally:
-        prefill.close()
-        decode.close()
+    conn = prefill.connect(decode.address)
+    conn.max_span_bytes = 0
+    late = prefill.ship(conn, 0x5EED, [0], [1, 2], 8, 10, chunks=(0, 5))  # never granted
+    assert not late.ok and "UCX" not in late.reason and decode.ledger.counters["units_refused"] == 2 * LAYERS
+    tid = decode.grant([3, 4], 10)
+    assert prefill.ship(conn, tid, [0], [3, 4], 8, 10).ok and decode.outcome(tid).ok
+    assert_same_tokens(prefill.layers, [0], decode.layers, [3, 4], 10)
+    assert decode.ledger.counters["protocol_errors"] == 0 and drains == []
+    conn.close()
 
 
 @pytest.mark.skipif(UCX_SKIP_REASON is not None, reason=str(UCX_SKIP_REASON))
-def test_a_message_arriving_after_its_receive_was_cancelled_is_drained(monkeypatch):
+def test_a_message_arriving_after_its_receive_was_cancelled_is_drained(ucx_pair, monkeypatch):
     """A grant that fails while its receives are posted cancels them; the sender's messages that
     come later (rendezvous: they move only once matched) are still received, so its sends
     complete instead of hanging. Meanwhile the next transfer on the connection is not held up
     behind those drains."""
-    monkeypatch.setenv("UCX_RNDV_THRESH", "1024")  # read when the UCX contexts are made
-    decode, prefill = Decode("ucx"), Prefill("ucx")
+    decode, prefill = ucx_pair(rendezvous=True)
     drains = watch_drains(monkeypatch, decode)
-    try:
-        conn = prefill.connect(decode.address)
-        conn.max_span_bytes = 0
-        held, completed, holding = [], [], [True]
-        real_send = prefill.ucx.send
+    conn = prefill.connect(decode.address)
+    conn.max_span_bytes = 0
+    held, completed, holding = [], [], [True]
+    real_send = prefill.ucx.send
 
-        def hold(peer, buffer, tag, done):
-            if not holding[0]:
-                return real_send(peer, buffer, tag, done)
-            held.append(lambda: real_send(peer, buffer, tag, lambda error: completed.append(error) or done(error)))
+    def hold(peer, buffer, tag, done):
+        if not holding[0]:
+            return real_send(peer, buffer, tag, done)
+        held.append(lambda: real_send(peer, buffer, tag, lambda error: completed.append(error) or done(error)))
 
-        monkeypatch.setattr(prefill.ucx, "send", hold)
-        tid = decode.grant([1, 2], 10)
-        transfer = prefill.start(conn, tid, [0], [1, 2], 8, 10)
-        grant = decode.ledger.lookup(tid)
-        assert wait_until(lambda: grant.writers == LAYERS and len(held) == LAYERS)
-        decode.ledger.cancel(tid, "request gone")
-        assert not decode.outcome(tid).ok
-        assert wait_until(lambda: len(drains) == LAYERS)
-        holding[0] = False
-        after = decode.grant([3, 4], 10)
-        assert prefill.ship(conn, after, [0], [3, 4], 8, 10).ok and decode.outcome(after).ok
-        for send in held:  # the messages come after their receives were cancelled
-            send()
-        assert wait_until(lambda: len(completed) == LAYERS) and completed == [None] * LAYERS
-        assert wait_until(lambda: not drains), drains
-        transfer.cancel()
-        conn.close()
-    finally:
-        prefill.close()
-        decode.close()
+    monkeypatch.setattr(prefill.ucx, "send", hold)
+    tid = decode.grant([1, 2], 10)
+    transfer = prefill.start(conn, tid, [0], [1, 2], 8, 10)
+    grant = decode.ledger.lookup(tid)
+    assert wait_until(lambda: grant.writers == LAYERS and len(held) == LAYERS)
+    decode.ledger.cancel(tid, "request gone")
+    assert not decode.outcome(tid).ok
+    assert wait_until(lambda: len(drains) == LAYERS)
+    holding[0] = False
+    after = decode.grant([3, 4], 10)
+    assert prefill.ship(conn, after, [0], [3, 4], 8, 10).ok and decode.outcome(after).ok
+    for send in held:  # the messages come after their receives were cancelled
+        send()
+    assert wait_until(lambda: len(completed) == LAYERS) and completed == [None] * LAYERS
+    assert wait_until(lambda: not drains), drains
+    transfer.cancel()
+    conn.close()
 
 
 @pytest.mark.skipif(UCX_SKIP_REASON is not None, reason=str(UCX_SKIP_REASON))
-def test_a_refused_unit_behind_a_slow_transfer_drains_at_once(monkeypatch):
+def test_a_refused_unit_behind_a_slow_transfer_drains_at_once(ucx_pair, monkeypatch):
     """A refused unit's message lands in its drain whatever the connection's earlier receives
     are doing: a transfer still arriving after DRAIN_TIMEOUT_S does not get the connection
     dropped, and completes."""
-    monkeypatch.setenv("UCX_RNDV_THRESH", "1024")
-    decode, prefill = Decode("ucx"), Prefill("ucx")
+    decode, prefill = ucx_pair(rendezvous=True)
     monkeypatch.setattr(ucx_transport, "DRAIN_TIMEOUT_S", 0.3)
     monkeypatch.setattr(receiver, "IO_TIMEOUT_S", 0.1)
-    try:
-        conn = prefill.connect(decode.address)
-        conn.max_span_bytes = 0
-        held, holding, real_send = [], [True], prefill.ucx.send
-        monkeypatch.setattr(prefill.ucx, "send", lambda *args: held.append(args) if holding[0] else real_send(*args))
-        tid = decode.grant([1, 2], 10)
-        slow = prefill.start(conn, tid, [0], [1, 2], 8, 10)  # its messages wait
-        grant = decode.ledger.lookup(tid)
-        assert wait_until(lambda: grant.writers == LAYERS and len(held) == LAYERS)
-        holding[0] = False
-        refused = conn.open(0x5EED, [3, 4], 8, 10)  # never granted: refused, its message sent at once
-        refused.send_layer(0, [0], 0, 10)
-        assert wait_until(lambda: decode.ledger.counters["units_refused"] == 1)
-        time.sleep(1.0)  # more than DRAIN_TIMEOUT_S, with the slow transfer's receives still posted
-        assert decode.ledger.counters["protocol_errors"] == 0
-        for args in held:
-            real_send(*args)
-        assert prefill.finish(slow).ok and decode.outcome(tid).ok
-        refused.cancel()
-        conn.close()
-    finally:
-        prefill.close()
-        decode.close()
+    conn = prefill.connect(decode.address)
+    conn.max_span_bytes = 0
+    held, holding, real_send = [], [True], prefill.ucx.send
+    monkeypatch.setattr(prefill.ucx, "send", lambda *args: held.append(args) if holding[0] else real_send(*args))
+    tid = decode.grant([1, 2], 10)
+    slow = prefill.start(conn, tid, [0], [1, 2], 8, 10)  # its messages wait
+    grant = decode.ledger.lookup(tid)
+    assert wait_until(lambda: grant.writers == LAYERS and len(held) == LAYERS)
+    holding[0] = False
+    refused = conn.open(0x5EED, [3, 4], 8, 10)  # never granted: refused, its message sent at once
+    refused.send_layer(0, [0], 0, 10)
+    assert wait_until(lambda: decode.ledger.counters["units_refused"] == 1)
+    time.sleep(1.0)  # more than DRAIN_TIMEOUT_S, with the slow transfer's receives still posted
+    assert decode.ledger.counters["protocol_errors"] == 0
+    for args in held:
+        real_send(*args)
+    assert prefill.finish(slow).ok and decode.outcome(tid).ok
+    refused.cancel()
+    conn.close()
 
 
 @pytest.mark.skipif(UCX_SKIP_REASON is not None, reason=str(UCX_SKIP_REASON))
-def test_a_cancelled_grant_is_reported_while_an_earlier_transfer_still_waits(monkeypatch):
+def test_a_cancelled_grant_is_reported_while_an_earlier_transfer_still_waits(ucx_pair, monkeypatch):
     """Receives complete in their connection's order, but a cancelled one completes on our own
     message whenever we send it: its grant's failure does not wait for an earlier transfer's
     data."""
-    decode, prefill = Decode("ucx"), Prefill("ucx")
-    try:
-        conn = prefill.connect(decode.address)
-        conn.max_span_bytes = 0
-        held, real_send = [], prefill.ucx.send
-        monkeypatch.setattr(prefill.ucx, "send", lambda *args: held.append(args))  # announced, sent later
-        first, second = decode.grant([1, 2], 10), decode.grant([3, 4], 10)
-        slow = prefill.start(conn, first, [0], [1, 2], 8, 10)
-        gone = prefill.start(conn, second, [0], [3, 4], 8, 10)
-        grants = decode.ledger.lookup(first), decode.ledger.lookup(second)
-        assert wait_until(lambda: all(g.writers == LAYERS for g in grants))
-        decode.ledger.cancel(second, "request gone")
-        assert not decode.outcome(second, timeout=5).ok  # the first transfer's receives are still posted
-        for args in held[:LAYERS]:
-            real_send(*args)
-        assert prefill.finish(slow).ok and decode.outcome(first).ok
-        for args in held[LAYERS:]:  # the second transfer's messages come late: drains take them, its sends end
-            real_send(*args)
-        gone.cancel()
-        conn.close()
-    finally:
-        prefill.close()
-        decode.close()
+    decode, prefill = ucx_pair()
+    conn = prefill.connect(decode.address)
+    conn.max_span_bytes = 0
+    held, real_send = [], prefill.ucx.send
+    monkeypatch.setattr(prefill.ucx, "send", lambda *args: held.append(args))  # announced, sent later
+    first, second = decode.grant([1, 2], 10), decode.grant([3, 4], 10)
+    slow = prefill.start(conn, first, [0], [1, 2], 8, 10)
+    gone = prefill.start(conn, second, [0], [3, 4], 8, 10)
+    grants = decode.ledger.lookup(first), decode.ledger.lookup(second)
+    assert wait_until(lambda: all(g.writers == LAYERS for g in grants))
+    decode.ledger.cancel(second, "request gone")
+    assert not decode.outcome(second, timeout=5).ok  # the first transfer's receives are still posted
+    for args in held[:LAYERS]:
+        real_send(*args)
+    assert prefill.finish(slow).ok and decode.outcome(first).ok
+    for args in held[LAYERS:]:  # the second transfer's messages come late: drains take them, its sends end
+        real_send(*args)
+    gone.cancel()
+    conn.close()
 
 
 @pytest.mark.skipif(UCX_SKIP_REASON is not None, reason=str(UCX_SKIP_REASON))
-def test_a_send_stuck_on_a_dropped_connection_holds_up_no_other_connection(monkeypatch):
+def test_a_send_stuck_on_a_dropped_connection_holds_up_no_other_connection(ucx_pair, monkeypatch):
     """A message that comes after its connection was dropped (and its drain cancelled) matches
     nothing, and its send never completes: later transfers to the same decode worker, on a new
     connection, still complete."""
-    monkeypatch.setenv("UCX_RNDV_THRESH", "1024")
-    decode, prefill = Decode("ucx"), Prefill("ucx")
+    decode, prefill = ucx_pair(rendezvous=True)
     monkeypatch.setattr(ucx_transport, "DRAIN_TIMEOUT_S", 0.3)
     monkeypatch.setattr(receiver, "IO_TIMEOUT_S", 0.1)
-    try:
-        conn = prefill.connect(decode.address)
-        held, real_send = [], prefill.ucx.send
-        monkeypatch.setattr(prefill.ucx, "send", lambda *args: held.append(args))
-        transfer = conn.open(0x5EED, [1, 2], 8, 10)  # never granted: refused, drained
-        transfer.send_layer(0, [0], 0, 10)
-        assert wait_until(lambda: decode.ledger.counters["protocol_errors"] == 1)  # its message did not come
-        monkeypatch.setattr(prefill.ucx, "send", real_send)
-        for args in held:
-            real_send(*args)  # now it comes: nothing takes it
-        transfer.cancel()
-        conn.close()
-        again = prefill.connect(decode.address)
-        tid = decode.grant([3, 4], 10)
-        assert prefill.ship(again, tid, [0], [3, 4], 8, 10).ok and decode.outcome(tid).ok
-        again.close()
-        # Let the stuck send end (ucxx cannot cancel a send: destroying its worker would spin).
-        ended = []
-        for _, _, tag, _ in held:
-            decode.ucx.recv(memoryview(bytearray(1))[:0], tag, ended.append)
-        assert wait_until(lambda: len(ended) == len(held))
-    finally:
-        prefill.close()
-        decode.close()
+    conn = prefill.connect(decode.address)
+    held, real_send = [], prefill.ucx.send
+    monkeypatch.setattr(prefill.ucx, "send", lambda *args: held.append(args))
+    transfer = conn.open(0x5EED, [1, 2], 8, 10)  # never granted: refused, drained
+    transfer.send_layer(0, [0], 0, 10)
+    assert wait_until(lambda: decode.ledger.counters["protocol_errors"] == 1)  # its message did not come
+    monkeypatch.setattr(prefill.ucx, "send", real_send)
+    for args in held:
+        real_send(*args)  # now it comes: nothing takes it
+    transfer.cancel()
+    conn.close()
+    again = prefill.connect(decode.address)
+    tid = decode.grant([3, 4], 10)
+    assert prefill.ship(again, tid, [0], [3, 4], 8, 10).ok and decode.outcome(tid).ok
+    again.close()
+    # Let the stuck send end (ucxx cannot cancel a send: destroying its worker would spin).
+    ended = []
+    for _, _, tag, _ in held:
+        decode.ucx.recv(memoryview(bytearray(1))[:0], tag, ended.append)
+    assert wait_until(lambda: len(ended) == len(held))
 
 
 @pytest.mark.skipif(UCX_SKIP_REASON is not None, reason=str(UCX_SKIP_REASON))

@@ -25,6 +25,7 @@ import secrets
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 
 from pdserve.kvtransfer.protocol import FrameHeader, FrameKind, ProtocolError
 from pdserve.kvtransfer.tcp_transport import flipped
@@ -106,6 +107,15 @@ class Sender:
         pass
 
 
+@dataclass(slots=True)
+class _ReceiveState:
+    """One posted receive's end, as its cancel and its completion see it."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    cancelled: bool = False
+    over: bool = False
+
+
 class Receiver:
     def __init__(self, ctx: ReceiveContext) -> None:
         self.ctx = ctx
@@ -139,19 +149,19 @@ class Receiver:
             raise
         # A cancel sends our own message for the tag unless the receive is over; then the
         # receive takes one of the two messages and a drain the other.
-        lock, state = threading.Lock(), {"cancelled": False, "over": False}
+        state = _ReceiveState()
 
         def cancel() -> None:
-            with lock:
-                if state["over"]:
+            with state.lock:
+                if state.over:
                     return
-                state["cancelled"] = True
+                state.cancelled = True
             ucx.cancel_recv(tag)
 
         def landed(error: BaseException | None) -> None:  # on the UCX thread
-            with lock:
-                state["over"] = True
-                cancelled = state["cancelled"]
+            with state.lock:
+                state.over = True
+                cancelled = state.cancelled
             ok = None
             try:
                 if error is None and not cancelled:

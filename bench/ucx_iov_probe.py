@@ -9,10 +9,13 @@ transfers would give before building them:
 
     python bench/ucx_iov_probe.py [--sizes-mib 16,64] [--block-bytes 12288] [--repeats 5]
     UCX_TLS=sm,self python bench/ucx_iov_probe.py      # UCX's shared-memory transports only
+    python bench/ucx_iov_probe.py --rndv-scheme get_zcopy   # the rendezvous IOV sends need
 
 Modes: ``contiguous`` (one buffer to one buffer: what raw UCX does), ``recv-iov`` (the receiver's
 blocks shuffled over a cache twice the payload's size, one IOV entry per block), ``send-iov``
-(the same on the sender's side). Each mode runs in a fresh pair of processes; a transfer that
+(the same on the sender's side), ``both-iov`` (both). With UCX 1.21's default rendezvous an IOV
+send never completes over shared memory (and is refused over TCP); ``--rndv-scheme get_zcopy``
+(the receiver reads the sender's pieces) moves it. Each mode runs in a fresh pair of processes; a transfer that
 does not complete within ``--deadline-s`` is reported as such and ends its mode. Every
 completed transfer is verified (CRC32 of the payload in token order, on both sides).
 """
@@ -33,7 +36,7 @@ import numpy as np
 
 from pdserve.kvtransfer.ucx_worker import ucx_available, ucx_unavailable_reason  # also quiets UCX's env warnings
 
-MODES = ("contiguous", "recv-iov", "send-iov")
+MODES = ("contiguous", "recv-iov", "send-iov", "both-iov")
 UCP_DATATYPE_IOV = 2  # ucp_dt_make_iov()
 UCP_OP_ATTR_FIELD_DATATYPE = 1 << 3
 UCS_INPROGRESS = 1
@@ -105,18 +108,20 @@ def wait(ucp, worker: int, request, deadline: float) -> str:
     return "ok" if status == 0 else f"error {status}"
 
 
-def run_side(role: str, pipe, mode: str, mib: int, block_bytes: int, repeats: int, deadline_s: float, results):
+def run_side(
+    role: str, pipe, mode: str, mib: int, block_bytes: int, repeats: int, deadline_s: float, rndv_scheme: str, results
+):
     from ucxx._lib import libucxx as ucxx
 
     ucp = load_ucp()
-    context = ucxx.UCXContext({})
+    context = ucxx.UCXContext({"RNDV_SCHEME": rndv_scheme} if rndv_scheme else {})
     worker = ucxx.UCXWorker(context, enable_delayed_submission=False, enable_python_future=False)
     pipe.send(worker.address.tobytes())
     peer = ucxx.UCXAddress.create_from_buffer(pipe.recv())
     endpoint = worker.create_endpoint_from_worker_address(peer, False)  # no error handling: shared memory allowed
     num_blocks = (mib << 20) // block_bytes
     nbytes = num_blocks * block_bytes
-    scattered = mode == ("send-iov" if role == "send" else "recv-iov")
+    scattered = mode in ("both-iov", "send-iov" if role == "send" else "recv-iov")
     order = shuffled_blocks(num_blocks)
     cache = np.zeros(2 * nbytes if scattered else nbytes, dtype=np.uint8)
     if role == "send":
@@ -169,7 +174,7 @@ def probe(mode: str, mib: int, args: argparse.Namespace) -> dict:
     spawn = multiprocessing.get_context("spawn")
     send_end, recv_end = spawn.Pipe()
     results = spawn.Queue()
-    common = (mode, mib, args.block_bytes, args.repeats, args.deadline_s, results)
+    common = (mode, mib, args.block_bytes, args.repeats, args.deadline_s, args.rndv_scheme, results)
     sides = [
         spawn.Process(target=run_side, args=("send", send_end, *common), daemon=True),
         spawn.Process(target=run_side, args=("recv", recv_end, *common), daemon=True),
@@ -213,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="transfers per mode and size; the best is reported")
     parser.add_argument("--deadline-s", type=float, default=10.0, help="how long one transfer may take")
     parser.add_argument("--modes", default=",".join(MODES), help="(default: %(default)s)")
+    parser.add_argument(
+        "--rndv-scheme", default="", help="UCX's RNDV_SCHEME for both sides (default: UCX's own choice)"
+    )
     args = parser.parse_args(argv)
     modes = args.modes.split(",")
     if unknown := set(modes) - set(MODES):
@@ -224,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     for mib in args.sizes_mib:
         for mode in modes:
-            print(json.dumps({**probe(mode, mib, args), "ucx_tls": os.environ.get("UCX_TLS", "default")}), flush=True)
+            setting = {"ucx_tls": os.environ.get("UCX_TLS", "default"), "rndv_scheme": args.rndv_scheme or "default"}
+            print(json.dumps({**probe(mode, mib, args), **setting}), flush=True)
     return 0
 
 

@@ -82,6 +82,21 @@ def test_ucx_iov_probe_moves_verified_bytes(capsys):
     assert all(row["outcome"] == "ok" and row["gb_s"] > 0 and row["mib"] == 1 for row in rows)
 
 
+@pytest.mark.skipif(not ucx_available(), reason=ucx_unavailable_reason())
+def test_ucx_iov_probe_sends_pieces_with_the_get_rendezvous(capsys):
+    """What RESULTS reports: with the receiver reading the sender's pieces, a scatter-gather
+    send completes (UCX 1.21's default rendezvous never completes one here)."""
+    from pdserve.bench.ucx_iov_probe import main as probe
+
+    argv = ["--sizes-mib", "1", "--repeats", "2", "--modes", "send-iov,both-iov", "--rndv-scheme", "get_zcopy"]
+    assert probe(argv) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(row["mode"], row["outcome"], row["rndv_scheme"]) for row in rows] == [
+        ("send-iov", "ok", "get_zcopy"),
+        ("both-iov", "ok", "get_zcopy"),
+    ]
+
+
 def test_ucx_iov_probe_refuses_bad_arguments():
     from pdserve.bench.ucx_iov_probe import main as probe
 

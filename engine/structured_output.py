@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pdserve.engine.schema_support import unenforced
 from pdserve.request_rules import Constraint, InvalidRequest
 
 if TYPE_CHECKING:
@@ -79,7 +80,9 @@ class GrammarCompiler:
     def compile(self, c: Constraint) -> xgr.CompiledGrammar:
         """Raises ``InvalidRequest`` naming the field when the grammar engine refuses it, or when
         it allows no first token (``root ::= root``: every token would be masked, and the sampler
-        would pick one anyway)."""
+        would pick one anyway), or when it is a JSON schema using what the engine would skip."""
+        if c.kind == "json_schema" and (problem := unenforced(json.loads(c.value))):
+            raise InvalidRequest(constraint_field(c), problem)
         compiled = self._compile(c)
         xgr = _xgrammar()
         first = xgr.allocate_token_bitmask(1, self.vocab_size)

@@ -240,6 +240,10 @@ async def test_structured_output_over_both_apis(stack, hf_reference):
             dict(structured_output=pb.StructuredOutput(json_schema='{"properties": {"a": {"$ref": "#/none"}}}')),
             "sampling.structured_output.json_schema",
         ),
+        (  # the grammar engine would skip "not": refused, not answered unconstrained
+            dict(structured_output=pb.StructuredOutput(json_schema='{"type": "integer", "not": {"const": 3}}')),
+            "sampling.structured_output.json_schema",
+        ),
         (dict(structured_output=pb.StructuredOutput(regex="(ab")), "sampling.structured_output.regex"),
         (dict(structured_output=pb.StructuredOutput(choice=pb.Choices())), "sampling.structured_output.choice"),
         (dict(structured_output=pb.StructuredOutput(json_object=True), ignore_eos=True), "sampling.ignore_eos"),
@@ -250,6 +254,19 @@ async def test_bad_grpc_input_is_invalid_argument_naming_the_field(disaggregated
         await generate(disaggregated, request("Hi", max_tokens=4, **sampling))
     assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith(f"{field}: "), err.value.details()
+
+
+async def test_a_schema_the_grammar_engine_would_skip_is_refused_saying_what(disaggregated):
+    schema = '{"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": true}}}'
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await generate(
+            disaggregated, request("Hi", max_tokens=4, structured_output=pb.StructuredOutput(json_schema=schema))
+        )
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == (
+        'sampling.structured_output.json_schema: "uniqueItems" (at /properties/tags/uniqueItems)'
+        " is not enforced by the grammar engine"
+    )
 
 
 @pytest.mark.parametrize(
@@ -282,6 +299,16 @@ async def test_bad_grpc_input_is_invalid_argument_naming_the_field(disaggregated
                         "name": "x",
                         "schema": {"type": "object", "properties": {"a": {"$ref": "#/missing"}}},
                     },
+                }
+            ),
+            "response_format",
+        ),
+        (
+            True,
+            dict(
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}},
                 }
             ),
             "response_format",

@@ -1,0 +1,105 @@
+"""JSON schemas the grammar engine would not hold generation to are refused, naming where;
+everything it enforces passes. Each refusal is backed by a check that xgrammar really accepts
+output breaking that schema."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdserve.engine.schema_support import unenforced
+
+INT = {"type": "integer"}
+PAIR = {"a": INT, "b": INT}
+
+# (schema, a complete JSON text that breaks it, what the refusal names)
+SKIPPED_BY_XGRAMMAR = [
+    ({"type": "integer", "not": {"const": 3}}, "3", '"not" (at /not)'),
+    ({"type": "array", "items": INT, "uniqueItems": True}, "[1, 1]", '"uniqueItems"'),
+    ({"type": "array", "items": INT, "contains": {"const": 5}}, "[1]", '"contains"'),
+    ({"type": "object", "properties": PAIR, "dependentRequired": {"a": ["b"]}}, '{"a": 1}', '"dependentRequired"'),
+    (
+        {"type": "object", "properties": PAIR, "dependentSchemas": {"a": {"required": ["b"]}}},
+        '{"a": 1}',
+        '"dependentSchemas"',
+    ),
+    ({"type": "object", "properties": PAIR, "dependencies": {"a": ["b"]}}, '{"a": 1}', '"dependencies"'),
+    (
+        {"type": "object", "properties": PAIR, "if": {"required": ["a"]}, "then": {"required": ["b"]}},
+        '{"a": 1}',
+        '"if"',
+    ),
+    ({"allOf": [INT, {"minimum": 5}]}, "4", '"allOf" of more than one schema'),
+    ({"type": "integer", "allOf": [{"minimum": 5}]}, "4", '"type" beside "allOf"'),
+    (
+        {"$defs": {"x": {"type": "integer", "minimum": 5}}, "$ref": "#/$defs/x", "maximum": 7},
+        "8",
+        '"maximum" beside "$ref"',
+    ),
+    ({"type": "integer", "anyOf": [{"minimum": 5}, {"maximum": -5}]}, "0", '"type" beside "anyOf"'),
+    ({"type": "integer", "oneOf": [{"minimum": 5}, {"maximum": -5}]}, "0", '"type" beside "oneOf"'),
+    ({"type": "string", "enum": ["a", "bbb"], "minLength": 2}, '"a"', '"minLength" beside "enum"'),
+    ({"type": "string", "pattern": "^a*$", "minLength": 2}, '"a"', '"minLength" beside "pattern"'),
+    ({"type": "string", "pattern": "^a*$", "maxLength": 2}, '"aaa"', '"maxLength" beside "pattern"'),
+    ({"$ref": "http://example.com/x.json"}, '"anything"', "only references inside the schema"),
+]
+
+
+@pytest.fixture(scope="module")
+def compiler():
+    xgr = pytest.importorskip("xgrammar")
+    return xgr, xgr.GrammarCompiler(xgr.TokenizerInfo(["</s>"], stop_token_ids=[0]), max_threads=1)
+
+
+def accepts_whole(compiler, schema: dict, text: str) -> bool:
+    """Whether xgrammar takes ``text`` as a whole output of ``schema`` (as the engine compiles it)."""
+    xgr, grammars = compiler
+    matcher = xgr.GrammarMatcher(grammars.compile_json_schema(json.dumps(schema), any_whitespace=False))
+    return matcher.accept_string(text) and matcher.accept_token(0)  # 0: the stop token
+
+
+@pytest.mark.parametrize("schema, breaking, named", SKIPPED_BY_XGRAMMAR, ids=[c[2] for c in SKIPPED_BY_XGRAMMAR])
+def test_what_xgrammar_skips_is_refused_naming_it(compiler, schema, breaking, named):
+    assert accepts_whole(compiler, schema, breaking), "xgrammar enforces this now: allow it in schema_support"
+    problem = unenforced(schema)
+    assert problem is not None and named in problem, problem
+
+
+@pytest.mark.parametrize(
+    "schema, breaking, keeping",
+    [
+        ({"type": "integer", "minimum": 5}, "4", "6"),
+        ({"type": "string", "minLength": 2, "maxLength": 3}, '"a"', '"ab"'),
+        ({"type": "string", "pattern": "^a+$"}, '"b"', '"aa"'),
+        ({"type": "array", "items": INT, "minItems": 2}, "[1]", "[1, 2]"),
+        ({"type": "object", "properties": PAIR, "required": ["a", "b"]}, '{"a": 1}', '{"a": 1, "b": 2}'),
+        ({"anyOf": [INT, {"type": "null"}], "default": None, "title": "Maybe"}, '"s"', "null"),
+        ({"allOf": [{"$ref": "#/$defs/x"}], "description": "one", "$defs": {"x": INT}}, '"s"', "3"),
+        ({"type": "string", "enum": ["red", "blue"]}, '"green"', '"red"'),
+    ],
+)
+def test_what_xgrammar_enforces_passes(compiler, schema, breaking, keeping):
+    assert unenforced(schema) is None
+    assert not accepts_whole(compiler, schema, breaking) and accepts_whole(compiler, schema, keeping)
+
+
+def test_only_schema_positions_count_and_the_pointer_is_exact():
+    named_like_keywords = {
+        "type": "object",
+        "properties": {"not": INT, "if": INT, "contains": {"type": "string", "enum": [{"not": 1}]}},
+        "required": ["not"],
+        "examples": [{"not": 1, "uniqueItems": True}],
+    }
+    assert unenforced(named_like_keywords) is None
+    assert unenforced(True) is None and unenforced({}) is None
+    nested = {"properties": {"a/b~c": {"type": "array", "items": [INT, {"type": "array", "uniqueItems": True}]}}}
+    assert (
+        unenforced(nested)
+        == '"uniqueItems" (at /properties/a~1b~0c/items/1/uniqueItems) is not enforced by the grammar engine'
+    )
+    deep = {"$defs": {"node": {"type": "object", "properties": {"next": {"not": {"type": "null"}}}}}}
+    assert unenforced(deep) == '"not" (at /$defs/node/properties/next/not) is not enforced by the grammar engine'
+    assert unenforced({"type": "string", "pattern": "a", "minLength": 1, "format": "email"}) == (
+        '"minLength", "format" beside "pattern" (at /) are not enforced by the grammar engine'
+    )

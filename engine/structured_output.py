@@ -112,19 +112,24 @@ class GrammarCompiler:
 
     def state(self, c: Constraint) -> GrammarState:
         """A matcher for one sequence (the constraint was checked by ``compile`` on admission)."""
-        return GrammarState(_xgrammar().GrammarMatcher(self._compile(c)))
+        return GrammarState(_xgrammar().GrammarMatcher(self._compile(c)), self.stop_token_ids)
 
 
 class GrammarState:
     """One sequence's position in its grammar, fed the sequence's output tokens."""
 
-    def __init__(self, matcher: xgr.GrammarMatcher) -> None:
+    def __init__(self, matcher: xgr.GrammarMatcher, stop_token_ids: list[int]) -> None:
         self.matcher = matcher
+        self.stop_token_ids = stop_token_ids
         self.accepted = 0  # output tokens fed so far
         self.broken = False  # a token the grammar refused (cannot happen to masked samples)
+        self.dead_end = False  # the grammar allows no token from here: only a stop token is left
 
     def sync(self, output_token_ids: list[int]) -> None:
         """Feeds the output tokens the matcher has not seen (after a handoff, a migration, a step)."""
+        if self.dead_end:  # the stop token that ends the output is not the grammar's
+            self.accepted = len(output_token_ids)
+            return
         for token in output_token_ids[self.accepted :]:
             if not self.broken and not self.matcher.is_terminated() and not self.matcher.accept_token(token):
                 log.warning("structured output: token %d is outside the grammar; the rest is unconstrained", token)
@@ -136,7 +141,23 @@ class GrammarState:
         return not self.broken and not self.matcher.is_terminated()
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        self.matcher.fill_next_token_bitmask(bitmask, row)
+        """Row ``row`` of ``bitmask``: the tokens the grammar allows next. Where it allows none
+        (``root ::= "a" b`` with ``b ::= b``, after the "a"), the output ends: only the stop tokens
+        are allowed, rather than a token outside the grammar and unconstrained text after it."""
+        if not self.dead_end:
+            self.matcher.fill_next_token_bitmask(bitmask, row)
+            if bool(bitmask[row].any()):
+                return
+            log.warning("structured output: the grammar allows no token after %d; the output ends there", self.accepted)
+            self.dead_end = True
+        bitmask[row] = 0
+        for token in self.stop_token_ids:
+            bitmask[row, token >> 5] |= _bit(token & 31)
+
+
+def _bit(i: int) -> int:
+    """Bit ``i`` of an int32 bitmask word, as the signed value torch stores."""
+    return -(1 << 31) if i == 31 else 1 << i
 
 
 class BatchMasker:

@@ -264,6 +264,22 @@ def test_a_grammar_that_accepts_no_string_is_refused_naming_the_field(engine):
     engine.compile_constraint(SamplingParams(constraint=Constraint("regex", " ")))  # blanks: a fine regex
 
 
+def test_a_grammar_that_dead_ends_ends_the_output_there(engine, tokenizer, caplog):
+    """After "a" this grammar allows no token: the output stops there (a stop token), instead of
+    a token outside the grammar and unconstrained text after it."""
+    grammar = 'root ::= "a" b\nb ::= b'
+    prompt = tokenizer("Say a letter:").input_ids
+    for temperature in (0.0, 1.0):
+        sp = SamplingParams(max_tokens=8, temperature=temperature, seed=5, constraint=Constraint("grammar", grammar))
+        engine.compile_constraint(sp)  # its first token is fine: admitted
+        with caplog.at_level("WARNING", logger="pdserve.engine.structured_output"):
+            r = run(engine, [("dead", prompt, sp)])[("dead", 0)]
+        assert tokenizer.decode(r["ids"][:-1]) == "a" and r["ids"][-1] in engine.model_config.eos_token_ids
+        assert r["finish"].value == "stop"
+        assert "allows no token after 1" in caplog.text and "outside the grammar" not in caplog.text
+        caplog.clear()
+
+
 def test_constraints_that_do_not_compile_are_refused_naming_the_field(engine):
     for constraint, field in [
         (Constraint("json_schema", '{"type": "object", "properties": {"a": {"$ref": "#/missing"}}}'), "json_schema"),

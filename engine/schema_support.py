@@ -2,59 +2,68 @@
 
 xgrammar (0.2) builds its grammar from the keywords it implements and skips the others
 silently: such a schema compiles, and the output is not held to what it says. A schema with
-``"not": {"type": "integer"}`` would get an integer. So schemas that use a skipped keyword are
-refused, naming where (``unenforced``), rather than answered with output that may break them.
-Each rule below was checked against xgrammar with a string that breaks it and that it
-accepted (tests/test_schema_support.py keeps that check).
+``"not": {"type": "integer"}`` would get an integer. So schemas that use a skipped keyword, or
+a combination it drops part of, are refused, naming where (``unenforced``), rather than answered
+with output that may break them. Each rule was checked against xgrammar with a text that breaks
+the schema and that it accepted (tests/test_schema_support.py keeps those checks).
+
+Two approximations are kept, as every grammar engine makes them: ``oneOf`` is taken as
+``anyOf`` (a value matching two branches passes), and a ``format`` is a shape, not a calendar
+(``2024-02-30`` is a date); formats xgrammar does not know are any string, as JSON Schema's
+"format as annotation" allows.
 """
 
 from __future__ import annotations
 
-# Skipped wherever they appear.
-SKIPPED = (
-    "not",
-    "uniqueItems",
-    "contains",
-    "minContains",
-    "maxContains",
-    "dependentRequired",
-    "dependentSchemas",
-    "dependencies",
-    "if",
-    "then",
-    "else",
-    "$dynamicRef",
-    "$recursiveRef",
-)
-# Keywords that only describe: beside a keyword that takes a whole node (below) they lose nothing.
-ANNOTATIONS = frozenset(
-    (
-        "title",
-        "description",
-        "default",
-        "examples",
-        "$comment",
-        "deprecated",
-        "readOnly",
-        "writeOnly",
-        "$schema",
-        "$id",
-        "$anchor",
-        "$defs",
-        "definitions",
-        "discriminator",
-    )
-)
-# A node with one of these is built from it alone: any other assertion beside it is skipped
-# ("type" beside a list of values says nothing the values do not).
-WHOLE_NODE = {"$ref": (), "allOf": (), "anyOf": (), "oneOf": (), "enum": ("type",), "const": ("type",)}
-SKIPPED_BESIDE_PATTERN = ("minLength", "maxLength", "format")  # a pattern is all a string node keeps
+import re
 
-# Where a schema holds other schemas.
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+# Skipped wherever they appear ("minContains"/"maxContains" mean nothing without "contains").
+SKIPPED = ("not", "uniqueItems", "contains", "dependentRequired", "dependentSchemas", "dependencies")
+SKIPPED += ("$dynamicRef", "$recursiveRef")
+
+# The keywords that constrain a value (JSON Schema's applicator and validation vocabularies):
+# any other key only describes it ("title", "example", "x-order", OpenAPI's "nullable", ...).
+ASSERTIONS = frozenset(
+    """type enum const multipleOf maximum exclusiveMaximum minimum exclusiveMinimum maxLength
+    minLength pattern format items prefixItems additionalItems maxItems minItems contains
+    uniqueItems properties patternProperties additionalProperties required maxProperties
+    minProperties propertyNames dependentRequired dependentSchemas dependencies
+    unevaluatedItems unevaluatedProperties allOf anyOf oneOf not if then else $ref""".split()
+)
+# A node with one of these is built from it alone: every other assertion beside it is skipped,
+# except a "type" every value it allows already has.
+WHOLE_NODE = ("$ref", "allOf", "anyOf", "oneOf", "enum", "const")
+
+# Keywords that hold for one type of value only. On a node without "type" (or a keyword that
+# implies one) xgrammar allows any value and skips them.
+FOR_ONE_TYPE = {
+    "minLength": "string", "maxLength": "string", "pattern": "string", "format": "string",
+    "minimum": "number", "maximum": "number", "exclusiveMinimum": "number", "exclusiveMaximum": "number",
+    "multipleOf": "number", "minItems": "array", "maxItems": "array", "required": "object",
+    "minProperties": "object", "maxProperties": "object", "patternProperties": "object", "propertyNames": "object",
+}  # fmt: skip
+IMPLY_A_TYPE = ("properties", "additionalProperties", "items", "prefixItems")
+BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+# The formats xgrammar builds a grammar for: beside one, a length limit is skipped.
+FORMATS = frozenset(
+    """date-time date time duration email hostname ipv4 ipv6 uri uri-reference uuid uri-template
+    json-pointer relative-json-pointer""".split()
+)
+_LOOKAROUND = re.compile(r"(?<!\\)\(\?<?[=!]")  # (?= (?! (?<= (?<!: dropped from a pattern
+
+# Where a schema holds other schemas that the grammar is built from (those under a refused
+# keyword, or an "if" without "then"/"else", are never reached).
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
-_SCHEMAS = ("items", "additionalItems", "additionalProperties", "propertyNames", "unevaluatedProperties",
-            "unevaluatedItems", "contains", "not", "if", "then", "else")  # fmt: skip
+_SCHEMAS = (
+    "items",
+    "additionalItems",
+    "additionalProperties",
+    "propertyNames",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+)
+_MAX_REF_HOPS = 32
 
 
 def unenforced(schema: object) -> str | None:
@@ -65,7 +74,7 @@ def unenforced(schema: object) -> str | None:
         node, path = stack.pop()
         if not isinstance(node, dict):
             continue  # a boolean schema, or a malformed part the schema check reports
-        if problem := _node_problem(node, path):
+        if problem := _node_problem(node, path or "/", schema):
             return problem
         for key in _SCHEMA_MAPS:
             if isinstance(node.get(key), dict):
@@ -82,22 +91,119 @@ def unenforced(schema: object) -> str | None:
     return None
 
 
-def _node_problem(node: dict, path: str) -> str | None:
-    where = path or "/"
-    for key in SKIPPED:
-        if key in node:
-            return f'"{key}" (at {path}/{_escape(key)}) is not enforced by the grammar engine'
+def _node_problem(node: dict, where: str, root: object) -> str | None:
+    skipped = [key for key in SKIPPED if key in node]
+    if "if" in node and ("then" in node or "else" in node):
+        skipped.append("if")
+    if skipped:
+        return f'"{skipped[0]}" (at {where.rstrip("/")}/{_escape(skipped[0])}) is not enforced by the grammar engine'
     ref = node.get("$ref")
-    if isinstance(ref, str) and not ref.startswith("#"):
-        return f'"$ref" to {ref!r} (at {where}): only references inside the schema ("#/...") are supported'
-    for key, harmless in WHOLE_NODE.items():
-        if key in node and (beside := sorted(set(node) - ANNOTATIONS - {key, *harmless})):
+    if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
+        return f'"$ref" to {ref!r} (at {where}): only references by path inside the schema ("#/...") are supported'
+    declared = _declared_types(node)
+    if declared == set():
+        return f'an empty "type" list (at {where}) allows no value, and the grammar engine would allow any'
+    for key in WHOLE_NODE:
+        if key not in node:
+            continue
+        beside = sorted(set(node) & ASSERTIONS - {key, "type"})
+        if beside:
             return f'{_listed(beside)} beside "{key}" (at {where}) {_verb(beside)} not enforced by the grammar engine'
+        if declared is not None and not _within(_types_of(node, root, without_type=True), declared):
+            return f'"type" beside "{key}" (at {where}) is not enforced by the grammar engine (it allows other values)'
     if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
         return f'"allOf" of more than one schema (at {where}) is not enforced by the grammar engine'
-    if "pattern" in node and (beside := [key for key in SKIPPED_BESIDE_PATTERN if key in node]):
+    return _typed_problem(node, where, declared)
+
+
+def _typed_problem(node: dict, where: str, declared: set[str] | None) -> str | None:
+    """The keywords of one type: on a node that has it, what xgrammar drops beside them."""
+    if declared is None and not any(key in node for key in (*IMPLY_A_TYPE, *WHOLE_NODE)):
+        untyped = [key for key in FOR_ONE_TYPE if key in node]
+        if untyped:
+            return f'{_listed(untyped)} on a node without "type" (at {where}) {_verb(untyped)} not enforced by the grammar engine'
+    patterns = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
+    patterns += list(node["patternProperties"]) if isinstance(node.get("patternProperties"), dict) else []
+    if any(_LOOKAROUND.search(p) for p in patterns):
+        return f"a lookahead or lookbehind in a pattern (at {where}) is not enforced by the grammar engine"
+    if "pattern" in node and (beside := [key for key in ("minLength", "maxLength", "format") if key in node]):
         return f'{_listed(beside)} beside "pattern" (at {where}) {_verb(beside)} not enforced by the grammar engine'
+    if node.get("format") in FORMATS and ("maxLength" in node or node.get("minLength", 0) > 1):
+        return f'a length limit beside "format" (at {where}) is not enforced by the grammar engine'
+    if "multipleOf" in node:
+        step, bounded = node["multipleOf"], [key for key in BOUNDS if key in node]
+        if declared != {"integer"} or not isinstance(step, int) or bounded:
+            why = f"beside {_listed(bounded)}" if bounded else "except as a whole number on integers"
+            return f'"multipleOf" (at {where}) is not enforced by the grammar engine {why}'
+    required, properties = node.get("required"), node.get("properties")
+    if isinstance(required, list) and (missing := [n for n in required if n not in (properties or {})]):
+        return f'"required" names {_listed(missing)} (at {where}), not among "properties": not enforced by the grammar engine'
+    if isinstance(properties, dict) and isinstance(node.get("patternProperties"), dict):
+        for name in properties:
+            if any(_matches(pattern, name) for pattern in node["patternProperties"]):
+                return f'property "{name}" (at {where}) also matches "patternProperties": not enforced by the grammar engine'
     return None
+
+
+def _declared_types(node: dict) -> set[str] | None:
+    kind = node.get("type")
+    if isinstance(kind, str):
+        return {kind}
+    return {k for k in kind if isinstance(k, str)} if isinstance(kind, list) else None
+
+
+def _types_of(node: object, root: object, without_type: bool = False, hops: int = 0) -> set[str] | None:
+    """The JSON types every value ``node`` allows has, where the schema says (None: any, or unknown)."""
+    if not isinstance(node, dict) or hops > _MAX_REF_HOPS:
+        return None
+    if not without_type and (declared := _declared_types(node)) is not None:
+        return declared
+    if isinstance(node.get("$ref"), str):
+        return _types_of(_resolve(root, node["$ref"]), root, hops=hops + 1)
+    if isinstance(node.get("enum"), list):
+        return {_json_type(value) for value in node["enum"]}
+    if "const" in node:
+        return {_json_type(node["const"])}
+    for key in ("anyOf", "oneOf", "allOf"):
+        if isinstance(node.get(key), list) and node[key]:
+            branches = [_types_of(branch, root, hops=hops + 1) for branch in node[key]]
+            return None if None in branches else set().union(*branches)
+    return None
+
+
+def _within(types: set[str] | None, declared: set[str]) -> bool:
+    return types is not None and all(t in declared or (t == "integer" and "number" in declared) for t in types)
+
+
+def _json_type(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
+        return "integer"
+    return {float: "number", str: "string", list: "array", dict: "object"}.get(type(value), "unknown")
+
+
+def _resolve(root: object, ref: str) -> object:
+    """The subschema ``ref`` ("#" or "#/a/b") points at in ``root``, or None."""
+    node = root
+    for token in ref[2:].split("/") if ref != "#" else ():
+        token = token.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict):
+            node = node.get(token)
+        elif isinstance(node, list) and token.isdigit() and int(token) < len(node):
+            node = node[int(token)]
+        else:
+            return None
+    return node
+
+
+def _matches(pattern: str, name: str) -> bool:
+    try:
+        return re.search(pattern, name) is not None
+    except re.error:  # a pattern Python reads differently: the grammar engine judges it
+        return False
 
 
 def _listed(keys: list[str]) -> str:

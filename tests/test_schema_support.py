@@ -42,7 +42,27 @@ SKIPPED_BY_XGRAMMAR = [
     ({"type": "string", "enum": ["a", "bbb"], "minLength": 2}, '"a"', '"minLength" beside "enum"'),
     ({"type": "string", "pattern": "^a*$", "minLength": 2}, '"a"', '"minLength" beside "pattern"'),
     ({"type": "string", "pattern": "^a*$", "maxLength": 2}, '"aaa"', '"maxLength" beside "pattern"'),
-    ({"$ref": "http://example.com/x.json"}, '"anything"', "only references inside the schema"),
+    ({"$ref": "http://example.com/x.json"}, '"anything"', "only references by path inside the schema"),
+    (
+        {"$defs": {"x": {"$anchor": "f", "type": "integer"}}, "type": "object", "properties": {"a": {"$ref": "#f"}}},
+        '{"a": "s"}',
+        "only references by path",
+    ),
+    ({"type": "number", "multipleOf": 0.5}, "0.3", '"multipleOf" (at /)'),
+    ({"type": "integer", "multipleOf": 5, "minimum": 0}, "3", 'beside "minimum"'),
+    ({"type": "string", "format": "email", "minLength": 10}, '"a@b.co"', 'length limit beside "format"'),
+    ({"type": "string", "format": "uri", "maxLength": 20}, json.dumps("http://x.com/" + "a" * 30), "length limit"),
+    ({"type": "string", "pattern": "^(?=.*\\d).{3,}$"}, '"abc"', "lookahead"),
+    ({"type": "object", "properties": {"a": {"title": "A", "maxLength": 3}}}, '{"a": "abcd"}', 'without "type"'),
+    ({"minimum": 2}, "1", '"minimum" on a node without "type"'),
+    ({"type": "object", "properties": {"a": INT}, "required": ["z"]}, '{"a": 1}', '"required" names "z"'),
+    (
+        {"type": "object", "properties": {"xa": {"type": "string"}}, "patternProperties": {"^x": {"maxLength": 2}}},
+        '{"xa": "abcd"}',
+        'property "xa"',
+    ),
+    ({"type": "string", "enum": ["a", 1]}, "1", '"type" beside "enum"'),
+    ({"type": []}, "1", 'an empty "type" list'),
 ]
 
 
@@ -77,6 +97,22 @@ def test_what_xgrammar_skips_is_refused_naming_it(compiler, schema, breaking, na
         ({"anyOf": [INT, {"type": "null"}], "default": None, "title": "Maybe"}, '"s"', "null"),
         ({"allOf": [{"$ref": "#/$defs/x"}], "description": "one", "$defs": {"x": INT}}, '"s"', "3"),
         ({"type": "string", "enum": ["red", "blue"]}, '"green"', '"red"'),
+        # keys outside the validation vocabulary only describe, wherever they are
+        ({"anyOf": [INT, {"type": "null"}], "example": 3, "x-order": 1, "nullable": True}, '"s"', "3"),
+        # a "type" every branch already has
+        (
+            {
+                "$defs": {"p": {"type": "object", "properties": {"a": INT}, "required": ["a"]}},
+                "type": "object",
+                "oneOf": [{"$ref": "#/$defs/p"}, {"type": "object", "properties": {"b": INT}, "required": ["b"]}],
+            },
+            '{"c": 1}',
+            '{"a": 1}',
+        ),
+        ({"type": "array", "items": INT, "minContains": 2}, '["s"]', "[1, 2]"),  # no "contains": no effect
+        ({"type": "integer", "if": {"minimum": 3}}, '"s"', "1"),  # no "then"/"else": no effect
+        ({"type": "integer", "multipleOf": 3}, "4", "6"),
+        ({"type": "string", "format": "uri", "minLength": 1}, '"a b"', '"http://x.org/"'),
     ],
 )
 def test_what_xgrammar_enforces_passes(compiler, schema, breaking, keeping):
@@ -87,7 +123,7 @@ def test_what_xgrammar_enforces_passes(compiler, schema, breaking, keeping):
 def test_only_schema_positions_count_and_the_pointer_is_exact():
     named_like_keywords = {
         "type": "object",
-        "properties": {"not": INT, "if": INT, "contains": {"type": "string", "enum": [{"not": 1}]}},
+        "properties": {"not": INT, "if": INT, "contains": {"type": "object", "enum": [{"not": 1}]}},
         "required": ["not"],
         "examples": [{"not": 1, "uniqueItems": True}],
     }

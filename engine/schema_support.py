@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import re
 
+import regex  # a user's pattern runs with a time limit here (re has none)
+
 # Skipped wherever they appear ("minContains"/"maxContains" mean nothing without "contains").
 SKIPPED = ("not", "uniqueItems", "contains", "dependentRequired", "dependentSchemas", "dependencies")
 SKIPPED += ("$dynamicRef", "$recursiveRef")
@@ -63,18 +65,21 @@ _SCHEMAS = (
     "unevaluatedProperties",
     "unevaluatedItems",
 )
-_MAX_REF_HOPS = 32
+_MAX_VISITS = 256  # subschemas one type question may read (refs can fan out, or loop)
+_PATTERN_TIMEOUT_S = 0.01
+_INDEX = re.compile(r"0|[1-9][0-9]{0,8}")
 
 
 def unenforced(schema: object) -> str | None:
     """What in ``schema`` (parsed JSON) the grammar engine would skip, and where (a JSON
     pointer), or None when it enforces all of it."""
     stack: list[tuple[object, str]] = [(schema, "")]
+    refs: dict[str, set[str] | None] = {}  # the types each "$ref" allows, once worked out
     while stack:
         node, path = stack.pop()
         if not isinstance(node, dict):
             continue  # a boolean schema, or a malformed part the schema check reports
-        if problem := _node_problem(node, path or "/", schema):
+        if problem := _node_problem(node, path or "/", schema, refs):
             return problem
         for key in _SCHEMA_MAPS:
             if isinstance(node.get(key), dict):
@@ -91,7 +96,7 @@ def unenforced(schema: object) -> str | None:
     return None
 
 
-def _node_problem(node: dict, where: str, root: object) -> str | None:
+def _node_problem(node: dict, where: str, root: object, refs: dict) -> str | None:
     skipped = [key for key in SKIPPED if key in node]
     if "if" in node and ("then" in node or "else" in node):
         skipped.append("if")
@@ -109,7 +114,7 @@ def _node_problem(node: dict, where: str, root: object) -> str | None:
         beside = sorted(set(node) & ASSERTIONS - {key, "type"})
         if beside:
             return f'{_listed(beside)} beside "{key}" (at {where}) {_verb(beside)} not enforced by the grammar engine'
-        if declared is not None and not _within(_types_of(node, root, without_type=True), declared):
+        if declared is not None and not _within(_types_of(node, root, refs, without_type=True), declared):
             return f'"type" beside "{key}" (at {where}) is not enforced by the grammar engine (it allows other values)'
     if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
         return f'"allOf" of more than one schema (at {where}) is not enforced by the grammar engine'
@@ -128,7 +133,11 @@ def _typed_problem(node: dict, where: str, declared: set[str] | None) -> str | N
         return f"a lookahead or lookbehind in a pattern (at {where}) is not enforced by the grammar engine"
     if "pattern" in node and (beside := [key for key in ("minLength", "maxLength", "format") if key in node]):
         return f'{_listed(beside)} beside "pattern" (at {where}) {_verb(beside)} not enforced by the grammar engine'
-    if node.get("format") in FORMATS and ("maxLength" in node or node.get("minLength", 0) > 1):
+    if (
+        isinstance(node.get("format"), str)
+        and node["format"] in FORMATS
+        and ("maxLength" in node or node.get("minLength", 0) > 1)
+    ):
         return f'a length limit beside "format" (at {where}) is not enforced by the grammar engine'
     if "multipleOf" in node:
         step, bounded = node["multipleOf"], [key for key in BOUNDS if key in node]
@@ -136,7 +145,8 @@ def _typed_problem(node: dict, where: str, declared: set[str] | None) -> str | N
             why = f"beside {_listed(bounded)}" if bounded else "except as a whole number on integers"
             return f'"multipleOf" (at {where}) is not enforced by the grammar engine {why}'
     required, properties = node.get("required"), node.get("properties")
-    if isinstance(required, list) and (missing := [n for n in required if n not in (properties or {})]):
+    known = properties if isinstance(properties, dict) else {}
+    if isinstance(required, list) and (missing := [n for n in required if isinstance(n, str) and n not in known]):
         return f'"required" names {_listed(missing)} (at {where}), not among "properties": not enforced by the grammar engine'
     if isinstance(properties, dict) and isinstance(node.get("patternProperties"), dict):
         for name in properties:
@@ -152,21 +162,31 @@ def _declared_types(node: dict) -> set[str] | None:
     return {k for k in kind if isinstance(k, str)} if isinstance(kind, list) else None
 
 
-def _types_of(node: object, root: object, without_type: bool = False, hops: int = 0) -> set[str] | None:
-    """The JSON types every value ``node`` allows has, where the schema says (None: any, or unknown)."""
-    if not isinstance(node, dict) or hops > _MAX_REF_HOPS:
+def _types_of(
+    node: object, root: object, refs: dict, without_type: bool = False, budget: list[int] | None = None
+) -> set[str] | None:
+    """The JSON types every value ``node`` allows has, where the schema says (None: any, or
+    unknown, or more than ``_MAX_VISITS`` subschemas to read to know). ``refs``: what each
+    reference allows, worked out once (a reference that loops back allows any)."""
+    budget = [_MAX_VISITS] if budget is None else budget
+    budget[0] -= 1
+    if not isinstance(node, dict) or budget[0] < 0:
         return None
     if not without_type and (declared := _declared_types(node)) is not None:
         return declared
-    if isinstance(node.get("$ref"), str):
-        return _types_of(_resolve(root, node["$ref"]), root, hops=hops + 1)
+    ref = node.get("$ref")
+    if isinstance(ref, str):
+        if ref not in refs:
+            refs[ref] = None  # while it is worked out: a loop back to it learns nothing
+            refs[ref] = _types_of(_resolve(root, ref), root, refs, budget=budget)
+        return refs[ref]
     if isinstance(node.get("enum"), list):
         return {_json_type(value) for value in node["enum"]}
     if "const" in node:
         return {_json_type(node["const"])}
     for key in ("anyOf", "oneOf", "allOf"):
         if isinstance(node.get(key), list) and node[key]:
-            branches = [_types_of(branch, root, hops=hops + 1) for branch in node[key]]
+            branches = [_types_of(branch, root, refs, budget=budget) for branch in node[key]]
             return None if None in branches else set().union(*branches)
     return None
 
@@ -192,7 +212,7 @@ def _resolve(root: object, ref: str) -> object:
         token = token.replace("~1", "/").replace("~0", "~")
         if isinstance(node, dict):
             node = node.get(token)
-        elif isinstance(node, list) and token.isdigit() and int(token) < len(node):
+        elif isinstance(node, list) and _INDEX.fullmatch(token) and int(token) < len(node):
             node = node[int(token)]
         else:
             return None
@@ -200,10 +220,12 @@ def _resolve(root: object, ref: str) -> object:
 
 
 def _matches(pattern: str, name: str) -> bool:
+    """Whether ``name`` matches ``pattern``; a pattern that does not compile here, or takes too
+    long, counts as matching (the schema is refused rather than trusted)."""
     try:
-        return re.search(pattern, name) is not None
-    except re.error:  # a pattern Python reads differently: the grammar engine judges it
-        return False
+        return regex.search(pattern, name, timeout=_PATTERN_TIMEOUT_S) is not None
+    except (regex.error, TimeoutError, RecursionError, OverflowError, ValueError):
+        return True
 
 
 def _listed(keys: list[str]) -> str:

@@ -81,7 +81,7 @@ class GrammarCompiler:
         """Raises ``InvalidRequest`` naming the field when the grammar engine refuses it, or when
         it allows no first token (``root ::= root``: every token would be masked, and the sampler
         would pick one anyway), or when it is a JSON schema using what the engine would skip."""
-        if c.kind == "json_schema" and (problem := unenforced(json.loads(c.value))):
+        if c.kind == "json_schema" and (problem := _unenforced(c.value)):
             raise InvalidRequest(constraint_field(c), problem)
         compiled = self._compile(c)
         xgr = _xgrammar()
@@ -115,6 +115,14 @@ class GrammarCompiler:
         return GrammarState(_xgrammar().GrammarMatcher(self._compile(c)), self.stop_token_ids)
 
 
+def _unenforced(schema_text: str) -> str | None:
+    try:
+        return unenforced(json.loads(schema_text))
+    except Exception:  # a bug of that check must not fail the request: the grammar engine still compiles it
+        log.exception("structured output: could not check what the grammar engine enforces of a schema")
+        return None
+
+
 class GrammarState:
     """One sequence's position in its grammar, fed the sequence's output tokens."""
 
@@ -141,15 +149,21 @@ class GrammarState:
         return not self.broken and not self.matcher.is_terminated()
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Row ``row`` of ``bitmask``: the tokens the grammar allows next. Where it allows none
-        (``root ::= "a" b`` with ``b ::= b``, after the "a"), the output ends: only the stop tokens
-        are allowed, rather than a token outside the grammar and unconstrained text after it."""
-        if not self.dead_end:
+        """Row ``row`` of ``bitmask``: the tokens the grammar allows next (after a dead end, the stop tokens)."""
+        if self.dead_end:
+            self._allow_only_stop(bitmask, row)
+        else:
             self.matcher.fill_next_token_bitmask(bitmask, row)
-            if bool(bitmask[row].any()):
-                return
-            log.warning("structured output: the grammar allows no token after %d; the output ends there", self.accepted)
-            self.dead_end = True
+
+    def end_here(self, bitmask: torch.Tensor, row: int) -> None:
+        """The grammar allows no token from here (``root ::= "a" b`` with ``b ::= b``, after the
+        "a"): the output ends, with a stop token, rather than with a token outside the grammar
+        and unconstrained text after it."""
+        log.warning("structured output: the grammar allows no token after %d; the output ends there", self.accepted)
+        self.dead_end = True
+        self._allow_only_stop(bitmask, row)
+
+    def _allow_only_stop(self, bitmask: torch.Tensor, row: int) -> None:
         bitmask[row] = 0
         for token in self.stop_token_ids:
             bitmask[row, token >> 5] |= _bit(token & 31)
@@ -180,6 +194,10 @@ class BatchMasker:
         bitmask = self._buffers[key]
         for row, state in states:
             state.fill(bitmask, row)
+        allows_nothing = (~bitmask[[row for row, _ in states]].any(dim=1)).tolist()  # one check for the batch
+        for (row, state), dead in zip(states, allows_nothing):
+            if dead:
+                state.end_here(bitmask, row)
         xgr.apply_token_bitmask_inplace(
             logits,
             bitmask[:rows].to(logits.device, non_blocking=True),

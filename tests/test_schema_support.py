@@ -181,3 +181,26 @@ def test_every_valid_schema_gets_an_answer(schema, draft):
     except SchemaError:
         return  # refused before this check runs
     assert unenforced(schema) is None or isinstance(unenforced(schema), str)
+
+
+def test_hostile_schemas_are_answered_quickly():
+    """A user's pattern runs with a time limit, references that fan out or loop are read once,
+    and a path token past what an int holds is no index."""
+    import time
+
+    fan = [{"$ref": "#/$defs/a"}] * 8
+    cases = [
+        # a pattern Python's re backtracks on for ages: it does not match that name
+        ({"type": "object", "properties": {"a" * 40 + "!": INT}, "patternProperties": {"^(a+)+$": INT}}, None),
+        ({"type": "object", "properties": {"a": INT}, "patternProperties": {"(" * 300 + ")" * 300: INT}}, "also matches"),
+        ({"$defs": {"a": {"anyOf": fan}}, "type": "integer", "anyOf": [{"$ref": "#/$defs/a"}]}, '"type" beside'),
+        ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "type": "integer", "$ref": "#/$defs/a"},
+         '"type" beside'),
+        ({"type": "integer", "$ref": "#/examples/" + "9" * 5000, "examples": [1]}, '"type" beside'),
+        ({"type": "integer", "$ref": "#/examples/²", "examples": [1]}, '"type" beside'),
+    ]  # fmt: skip
+    for schema, named in cases:
+        started = time.monotonic()
+        problem = unenforced(schema)
+        assert time.monotonic() - started < 1.0, schema
+        assert problem is None if named is None else named in problem, (schema, problem)

@@ -28,6 +28,8 @@ def test_a_dead_end_allows_only_the_stop_tokens():
     state = GrammarState(NothingAllowed(), stops)
     bitmask = torch.full((2, 4), -1, dtype=torch.int32)  # row 0 as another row left it: all allowed
     state.fill(bitmask, 1)
+    assert allowed(bitmask, 1, 128) == []
+    state.end_here(bitmask, 1)
     assert allowed(bitmask, 1, 128) == stops and state.dead_end and state.constrains
     state.fill(bitmask, 0)  # later steps: the same, without asking the matcher again
     assert allowed(bitmask, 0, 128) == stops

@@ -194,7 +194,8 @@ class BatchMasker:
         bitmask = self._buffers[key]
         for row, state in states:
             state.fill(bitmask, row)
-        allows_nothing = (~bitmask[[row for row, _ in states]].any(dim=1)).tolist()  # one check for the batch
+        # One check for the batch, in numpy: torch's reduction would wake the engine's thread pool.
+        allows_nothing = (~bitmask.numpy()[[row for row, _ in states]].any(axis=1)).tolist()
         for (row, state), dead in zip(states, allows_nothing):
             if dead:
                 state.end_here(bitmask, row)

@@ -1,4 +1,4 @@
-"""Which parts of a JSON schema the grammar engine holds generation to.
+r"""Which parts of a JSON schema the grammar engine holds generation to.
 
 xgrammar (0.2) builds its grammar from the keywords it implements and skips the others
 silently: such a schema compiles, and the output is not held to what it says. A schema with
@@ -7,10 +7,12 @@ a combination it drops part of, are refused, naming where (``unenforced``), rath
 with output that may break them. Each rule was checked against xgrammar with a text that breaks
 the schema and that it accepted (tests/test_schema_support.py keeps those checks).
 
-Two approximations are kept, as every grammar engine makes them: ``oneOf`` is taken as
-``anyOf`` (a value matching two branches passes), and a ``format`` is a shape, not a calendar
-(``2024-02-30`` is a date); formats xgrammar does not know are any string, as JSON Schema's
-"format as annotation" allows.
+Approximations kept, as every grammar engine makes them: ``oneOf`` is taken as ``anyOf`` (a
+value matching two branches passes); a ``format`` is a shape, not a calendar (``2024-02-30`` is
+a date), and one xgrammar does not know is any string, as JSON Schema's "format as annotation"
+allows; a ``maxLength`` of 1000 or more beside a format is not held (pydantic gives every URL
+2083); a key written with escapes (``"\u0078"`` for ``"x"``) is not recognized as that property;
+and ``\S`` in a pattern also takes a few Unicode spaces.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import regex  # a user's pattern runs with a time limit here (re has none)
 # Skipped wherever they appear ("minContains"/"maxContains" mean nothing without "contains").
 SKIPPED = ("not", "uniqueItems", "contains", "dependentRequired", "dependentSchemas", "dependencies")
 SKIPPED += ("$dynamicRef", "$recursiveRef")
+
+NO_OPS = (False, {}, [])  # "uniqueItems": false, "dependentRequired": {}, ... assert nothing
 
 # The keywords that constrain a value (JSON Schema's applicator and validation vocabularies):
 # any other key only describes it ("title", "example", "x-order", OpenAPI's "nullable", ...).
@@ -46,6 +50,7 @@ FOR_ONE_TYPE = {
 }  # fmt: skip
 IMPLY_A_TYPE = ("properties", "additionalProperties", "items", "prefixItems")
 BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+LONG_ENOUGH = 1000  # a "maxLength" beside a format from here on is not refused (see _string_problem)
 # The formats xgrammar builds a grammar for: beside one, a length limit is skipped.
 FORMATS = frozenset(
     """date-time date time duration email hostname ipv4 ipv6 uri uri-reference uuid uri-template
@@ -97,7 +102,9 @@ def unenforced(schema: object) -> str | None:
 
 
 def _node_problem(node: dict, where: str, root: object, refs: dict) -> str | None:
-    skipped = [key for key in SKIPPED if key in node]
+    if "draft-03" in str(node.get("$schema", "")):
+        return f"draft-03 schemas (at {where}) are not supported: their keywords are not enforced by the grammar engine"
+    skipped = [key for key in SKIPPED if key in node and node[key] not in NO_OPS]
     if "if" in node and ("then" in node or "else" in node):
         skipped.append("if")
     if skipped:
@@ -127,30 +134,51 @@ def _typed_problem(node: dict, where: str, declared: set[str] | None) -> str | N
         untyped = [key for key in FOR_ONE_TYPE if key in node]
         if untyped:
             return f'{_listed(untyped)} on a node without "type" (at {where}) {_verb(untyped)} not enforced by the grammar engine'
-    patterns = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
-    patterns += list(node["patternProperties"]) if isinstance(node.get("patternProperties"), dict) else []
-    if any(_LOOKAROUND.search(p) for p in patterns):
-        return f"a lookahead or lookbehind in a pattern (at {where}) is not enforced by the grammar engine"
-    if "pattern" in node and (beside := [key for key in ("minLength", "maxLength", "format") if key in node]):
-        return f'{_listed(beside)} beside "pattern" (at {where}) {_verb(beside)} not enforced by the grammar engine'
-    if (
-        isinstance(node.get("format"), str)
-        and node["format"] in FORMATS
-        and ("maxLength" in node or node.get("minLength", 0) > 1)
-    ):
-        return f'a length limit beside "format" (at {where}) is not enforced by the grammar engine'
     if "multipleOf" in node:
         step, bounded = node["multipleOf"], [key for key in BOUNDS if key in node]
         if declared != {"integer"} or not isinstance(step, int) or bounded:
             why = f"beside {_listed(bounded)}" if bounded else "except as a whole number on integers"
             return f'"multipleOf" (at {where}) is not enforced by the grammar engine {why}'
+    return _string_problem(node, where) or _object_problem(node, where)
+
+
+def _string_problem(node: dict, where: str) -> str | None:
+    patterns = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
+    patterns += list(node["patternProperties"]) if isinstance(node.get("patternProperties"), dict) else []
+    if any(_LOOKAROUND.search(p) for p in patterns):
+        return f"a lookahead or lookbehind in a pattern (at {where}) is not enforced by the grammar engine"
+    if isinstance(node.get("pattern"), str):
+        # A minimum length of 1 says nothing a pattern that cannot match "" does not.
+        implied = 0 if _matches(node["pattern"], "") else 1
+        beside = [key for key in ("maxLength", "format") if key in node]
+        beside += ["minLength"] if node.get("minLength", 0) > implied else []
+        if beside:
+            return f'{_listed(beside)} beside "pattern" (at {where}) {_verb(beside)} not enforced by the grammar engine'
+    if isinstance(node.get("format"), str) and node["format"] in FORMATS:
+        # A maximum of a thousand or more (pydantic's URLs: 2083) is kept as an approximation.
+        if node.get("maxLength", LONG_ENOUGH) < LONG_ENOUGH or node.get("minLength", 0) > 1:
+            return f'a length limit beside "format" (at {where}) is not enforced by the grammar engine'
+    return None
+
+
+def _object_problem(node: dict, where: str) -> str | None:
     required, properties = node.get("required"), node.get("properties")
     known = properties if isinstance(properties, dict) else {}
     if isinstance(required, list) and (missing := [n for n in required if isinstance(n, str) and n not in known]):
         return f'"required" names {_listed(missing)} (at {where}), not among "properties": not enforced by the grammar engine'
-    if isinstance(properties, dict) and isinstance(node.get("patternProperties"), dict):
-        for name in properties:
-            if any(_matches(pattern, name) for pattern in node["patternProperties"]):
+    closed = node.get("additionalProperties") is False or node.get("unevaluatedProperties") is False
+    if "propertyNames" in node and (known or closed):
+        beside = "properties" if known else "no additional properties"
+        return f'"propertyNames" beside {beside} (at {where}) is not enforced by the grammar engine'
+    patterns = node.get("patternProperties")
+    if known and isinstance(patterns, dict) and patterns:
+        open_rest = any(
+            key in node and node[key] is not False for key in ("additionalProperties", "unevaluatedProperties")
+        )
+        if open_rest:
+            return f'"patternProperties" beside "properties" and more properties (at {where}) is not enforced by the grammar engine'
+        for name in known:
+            if any(_matches(pattern, name) for pattern in patterns):
                 return f'property "{name}" (at {where}) also matches "patternProperties": not enforced by the grammar engine'
     return None
 

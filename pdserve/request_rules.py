@@ -239,6 +239,8 @@ def check_constraint(c: Constraint) -> None:
             raise InvalidRequest(
                 field, f"is not a valid JSON Schema{f' at {where}' if where else ''}: {e.message}"
             ) from None
+        except (OverflowError, RecursionError, ValueError) as e:  # a pattern Python's re cannot take
+            raise InvalidRequest(field, f"is not a valid JSON Schema: {type(e).__name__}: {e}") from None
 
 
 def nesting_depth(value) -> int:

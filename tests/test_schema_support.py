@@ -65,6 +65,22 @@ SKIPPED_BY_XGRAMMAR = [
     ),
     ({"type": "string", "enum": ["a", 1]}, "1", '"type" beside "enum"'),
     ({"type": []}, "1", 'an empty "type" list'),
+    (
+        {"type": "object", "properties": {"abc": INT}, "propertyNames": {"type": "string", "maxLength": 2}},
+        '{"abc": 1}',
+        '"propertyNames" beside properties',
+    ),
+    (
+        {"type": "object", "additionalProperties": False, "propertyNames": {"enum": ["a", "b"]}},
+        '{"a": 1}',
+        '"propertyNames" beside no additional properties',
+    ),
+    (
+        {"type": "object", "properties": {"b": INT}, "patternProperties": {"^q$": INT}, "additionalProperties": True},
+        '{"q": "s"}',
+        '"patternProperties" beside "properties" and more properties',
+    ),
+    ({"$schema": "http://json-schema.org/draft-03/schema#", "type": "integer", "divisibleBy": 3}, "4", "draft-03"),
 ]
 
 
@@ -115,6 +131,10 @@ def test_what_xgrammar_skips_is_refused_naming_it(compiler, schema, breaking, na
         ({"type": "integer", "if": {"minimum": 3}}, '"s"', "1"),  # no "then"/"else": no effect
         ({"type": "integer", "multipleOf": 3}, "4", "6"),
         ({"type": "string", "format": "uri", "minLength": 1}, '"a b"', '"http://x.org/"'),
+        ({"type": "array", "items": INT, "uniqueItems": False}, '["s"]', "[1, 1]"),  # asserts nothing
+        ({"type": "string", "minLength": 1, "pattern": "^[a-z]+$"}, '""', '"ab"'),  # the pattern says it already
+        # pydantic's HttpUrl: a limit of 2083 beside a format is kept as an approximation (README)
+        ({"type": "string", "format": "uri", "minLength": 1, "maxLength": 2083}, '"a b"', '"http://x.org/"'),
     ],
 )
 def test_what_xgrammar_enforces_passes(compiler, schema, breaking, keeping):
@@ -138,8 +158,8 @@ def test_only_schema_positions_count_and_the_pointer_is_exact():
     )
     deep = {"$defs": {"node": {"type": "object", "properties": {"next": {"not": {"type": "null"}}}}}}
     assert unenforced(deep) == '"not" (at /$defs/node/properties/next/not) is not enforced by the grammar engine'
-    assert unenforced({"type": "string", "pattern": "a", "minLength": 1, "format": "email"}) == (
-        '"minLength", "format" beside "pattern" (at /) are not enforced by the grammar engine'
+    assert unenforced({"type": "string", "pattern": "a", "minLength": 2, "format": "email"}) == (
+        '"format", "minLength" beside "pattern" (at /) are not enforced by the grammar engine'
     )
 
 
@@ -181,6 +201,17 @@ def test_every_valid_schema_gets_an_answer(schema, draft):
     except SchemaError:
         return  # refused before this check runs
     assert unenforced(schema) is None or isinstance(unenforced(schema), str)
+
+
+def test_patterns_python_cannot_read_are_refused_by_the_schema_check():
+    from pdserve.request_rules import Constraint, InvalidRequest, check_constraint
+
+    for pattern in ("a{99999999999}", "(" * 2000 + "x" + ")" * 2000):
+        schema = json.dumps({"type": "string", "pattern": pattern})
+        with pytest.raises(
+            InvalidRequest, match=r"^sampling\.structured_output\.json_schema: is not a valid JSON Schema"
+        ):
+            check_constraint(Constraint("json_schema", schema))
 
 
 def test_hostile_schemas_are_answered_quickly():

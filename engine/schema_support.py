@@ -2,10 +2,10 @@ r"""Which parts of a JSON schema the grammar engine holds generation to.
 
 xgrammar (0.2) builds its grammar from the keywords it implements and skips the others
 silently: such a schema compiles, and the output is not held to what it says. A schema with
-``"not": {"type": "integer"}`` would get an integer. So schemas that use a skipped keyword, or
-a combination it drops part of, are refused, naming where (``unenforced``), rather than answered
-with output that may break them. Each rule was checked against xgrammar with a text that breaks
-the schema and that it accepted (tests/test_schema_support.py keeps those checks).
+``"not": {"type": "integer"}`` would get an integer. So a schema that uses a skipped keyword, or
+a combination it drops part of, is refused, naming where (``skipped_part``), rather than
+answered with output that may break it. Each rule was checked against xgrammar with a text that
+breaks the schema and that it accepted (tests/test_schema_support.py keeps those checks).
 
 Approximations kept, as every grammar engine makes them: ``oneOf`` is taken as ``anyOf`` (a
 value matching two branches passes); a ``format`` is a shape, not a calendar (``2024-02-30`` is
@@ -18,15 +18,23 @@ and ``\S`` in a pattern also takes a few Unicode spaces.
 from __future__ import annotations
 
 import re
+import time
+from dataclasses import dataclass, field
 
-import regex  # a user's pattern runs with a time limit here (re has none)
+import regex  # a user's patterns run with a time limit here (re has none)
 
-# Skipped wherever they appear ("minContains"/"maxContains" mean nothing without "contains").
-SKIPPED = ("not", "uniqueItems", "contains", "dependentRequired", "dependentSchemas", "dependencies")
-SKIPPED += ("$dynamicRef", "$recursiveRef")
-
-NO_OPS = (False, {}, [])  # "uniqueItems": false, "dependentRequired": {}, ... assert nothing
-
+# Skipped wherever they appear, unless their value asserts nothing. ("minContains" and
+# "maxContains" mean nothing without "contains"; "then"/"else" nothing without "if".)
+SKIPPED = {
+    "not": lambda v: False,
+    "contains": lambda v: False,
+    "uniqueItems": lambda v: v is False,
+    "dependentRequired": lambda v: isinstance(v, dict) and not any(v.values()),
+    "dependentSchemas": lambda v: v == {},
+    "dependencies": lambda v: v == {},
+    "$dynamicRef": lambda v: False,
+    "$recursiveRef": lambda v: False,
+}
 # The keywords that constrain a value (JSON Schema's applicator and validation vocabularies):
 # any other key only describes it ("title", "example", "x-order", OpenAPI's "nullable", ...).
 ASSERTIONS = frozenset(
@@ -39,148 +47,220 @@ ASSERTIONS = frozenset(
 # A node with one of these is built from it alone: every other assertion beside it is skipped,
 # except a "type" every value it allows already has.
 WHOLE_NODE = ("$ref", "allOf", "anyOf", "oneOf", "enum", "const")
-
 # Keywords that hold for one type of value only. On a node without "type" (or a keyword that
 # implies one) xgrammar allows any value and skips them.
-FOR_ONE_TYPE = {
-    "minLength": "string", "maxLength": "string", "pattern": "string", "format": "string",
-    "minimum": "number", "maximum": "number", "exclusiveMinimum": "number", "exclusiveMaximum": "number",
-    "multipleOf": "number", "minItems": "array", "maxItems": "array", "required": "object",
-    "minProperties": "object", "maxProperties": "object", "patternProperties": "object", "propertyNames": "object",
-}  # fmt: skip
+FOR_ONE_TYPE = """minLength maxLength pattern format minimum maximum exclusiveMinimum exclusiveMaximum
+    multipleOf minItems maxItems required minProperties maxProperties patternProperties propertyNames""".split()
 IMPLY_A_TYPE = ("properties", "additionalProperties", "items", "prefixItems")
 BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
-LONG_ENOUGH = 1000  # a "maxLength" beside a format from here on is not refused (see _string_problem)
-# The formats xgrammar builds a grammar for: beside one, a length limit is skipped.
+# The formats xgrammar builds a grammar for: beside one, a length limit is skipped. Some of them
+# allow the empty string, so for those even a minimum length of 1 says something.
 FORMATS = frozenset(
     """date-time date time duration email hostname ipv4 ipv6 uri uri-reference uuid uri-template
     json-pointer relative-json-pointer""".split()
 )
-_LOOKAROUND = re.compile(r"(?<!\\)\(\?<?[=!]")  # (?= (?! (?<= (?<!: dropped from a pattern
+FORMATS_OF_EMPTY = frozenset(("uri-reference", "uri-template", "json-pointer"))
+LONG_ENOUGH = 1000  # a "maxLength" beside a format from here on is an approximation (above)
+LEGACY_REF_DRAFTS = ("draft-04", "draft-06", "draft-07")  # where keywords beside "$ref" mean nothing
 
-# Where a schema holds other schemas that the grammar is built from (those under a refused
-# keyword, or an "if" without "then"/"else", are never reached).
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
-_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
-_SCHEMAS = (
-    "items",
-    "additionalItems",
-    "additionalProperties",
-    "propertyNames",
-    "unevaluatedProperties",
-    "unevaluatedItems",
-)
-_MAX_VISITS = 256  # subschemas one type question may read (refs can fan out, or loop)
-_PATTERN_TIMEOUT_S = 0.01
+CHECK_TIME_S = 2.0  # for one schema, its patterns included: past that it is refused
+MAX_VISITS = 20_000  # subschemas one schema's type questions may read
+_LOOKAROUND = re.compile(r"(?<!\\)\(\?<?[=!]")  # (?= (?! (?<= (?<!: dropped from a pattern
 _INDEX = re.compile(r"0|[1-9][0-9]{0,8}")
 
+# Where a schema holds the subschemas its grammar is built from. ("$defs" are reached through
+# the references to them; what sits under a refused keyword is never reached.)
+_SCHEMA_MAPS = ("properties", "patternProperties")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SCHEMAS = ("items", "additionalItems", "additionalProperties", "unevaluatedProperties", "unevaluatedItems")
 
-def unenforced(schema: object) -> str | None:
+
+def skipped_part(schema: object) -> str | None:
     """What in ``schema`` (parsed JSON) the grammar engine would skip, and where (a JSON
-    pointer), or None when it enforces all of it."""
-    stack: list[tuple[object, str]] = [(schema, "")]
-    refs: dict[str, set[str] | None] = {}  # the types each "$ref" allows, once worked out
-    while stack:
-        node, path = stack.pop()
-        if not isinstance(node, dict):
-            continue  # a boolean schema, or a malformed part the schema check reports
-        if problem := _node_problem(node, path or "/", schema, refs):
-            return problem
-        for key in _SCHEMA_MAPS:
-            if isinstance(node.get(key), dict):
-                stack += [(sub, f"{path}/{_escape(key)}/{_escape(name)}") for name, sub in node[key].items()]
-        for key in _SCHEMA_LISTS:
-            if isinstance(node.get(key), list):
-                stack += [(sub, f"{path}/{_escape(key)}/{i}") for i, sub in enumerate(node[key])]
-        for key in _SCHEMAS:
-            sub = node.get(key)
-            if isinstance(sub, list):  # "items" as a list (draft 4 tuples)
-                stack += [(s, f"{path}/{_escape(key)}/{i}") for i, s in enumerate(sub)]
-            elif key in node:
-                stack.append((sub, f"{path}/{_escape(key)}"))
-    return None
+    pointer fragment, ``#/properties/a``), or None when it enforces all of it."""
+    check = _Check(schema)
+    try:
+        return check.walk()
+    except _TooCostly:
+        return f"the schema takes more than {CHECK_TIME_S} s or {MAX_VISITS} subschemas to check"
 
 
-def _node_problem(node: dict, where: str, root: object, refs: dict) -> str | None:
-    if "draft-03" in str(node.get("$schema", "")):
-        return f"draft-03 schemas (at {where}) are not supported: their keywords are not enforced by the grammar engine"
-    skipped = [key for key in SKIPPED if key in node and node[key] not in NO_OPS]
-    if "if" in node and ("then" in node or "else" in node):
-        skipped.append("if")
-    if skipped:
-        return f'"{skipped[0]}" (at {where.rstrip("/")}/{_escape(skipped[0])}) is not enforced by the grammar engine'
-    ref = node.get("$ref")
-    if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
-        return f'"$ref" to {ref!r} (at {where}): only references by path inside the schema ("#/...") are supported'
-    declared = _declared_types(node)
-    if declared == set():
-        return f'an empty "type" list (at {where}) allows no value, and the grammar engine would allow any'
-    for key in WHOLE_NODE:
-        if key not in node:
-            continue
-        beside = sorted(set(node) & ASSERTIONS - {key, "type"})
-        if beside:
-            return f'{_listed(beside)} beside "{key}" (at {where}) {_verb(beside)} not enforced by the grammar engine'
-        if declared is not None and not _within(_types_of(node, root, refs, without_type=True), declared):
-            return f'"type" beside "{key}" (at {where}) is not enforced by the grammar engine (it allows other values)'
-    if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
-        return f'"allOf" of more than one schema (at {where}) is not enforced by the grammar engine'
-    return _typed_problem(node, where, declared)
+class _TooCostly(Exception):
+    pass
 
 
-def _typed_problem(node: dict, where: str, declared: set[str] | None) -> str | None:
-    """The keywords of one type: on a node that has it, what xgrammar drops beside them."""
-    if declared is None and not any(key in node for key in (*IMPLY_A_TYPE, *WHOLE_NODE)):
-        untyped = [key for key in FOR_ONE_TYPE if key in node]
-        if untyped:
-            return f'{_listed(untyped)} on a node without "type" (at {where}) {_verb(untyped)} not enforced by the grammar engine'
-    if "multipleOf" in node:
-        step, bounded = node["multipleOf"], [key for key in BOUNDS if key in node]
-        if declared != {"integer"} or not isinstance(step, int) or bounded:
-            why = f"beside {_listed(bounded)}" if bounded else "except as a whole number on integers"
-            return f'"multipleOf" (at {where}) is not enforced by the grammar engine {why}'
-    return _string_problem(node, where) or _object_problem(node, where)
+@dataclass
+class _Check:
+    root: object
+    deadline: float = field(default_factory=lambda: time.monotonic() + CHECK_TIME_S)
+    visits_left: int = MAX_VISITS
+    ref_types: dict[str, set[str] | None] = field(default_factory=dict)  # each reference's, once known
 
+    @property
+    def legacy_ref(self) -> bool:
+        draft = self.root.get("$schema", "") if isinstance(self.root, dict) else ""
+        return isinstance(draft, str) and any(name in draft for name in LEGACY_REF_DRAFTS)
 
-def _string_problem(node: dict, where: str) -> str | None:
-    patterns = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
-    patterns += list(node["patternProperties"]) if isinstance(node.get("patternProperties"), dict) else []
-    if any(_LOOKAROUND.search(p) for p in patterns):
-        return f"a lookahead or lookbehind in a pattern (at {where}) is not enforced by the grammar engine"
-    if isinstance(node.get("pattern"), str):
-        # A minimum length of 1 says nothing a pattern that cannot match "" does not.
-        implied = 0 if _matches(node["pattern"], "") else 1
-        beside = [key for key in ("maxLength", "format") if key in node]
-        beside += ["minLength"] if node.get("minLength", 0) > implied else []
-        if beside:
-            return f'{_listed(beside)} beside "pattern" (at {where}) {_verb(beside)} not enforced by the grammar engine'
-    if isinstance(node.get("format"), str) and node["format"] in FORMATS:
-        # A maximum of a thousand or more (pydantic's URLs: 2083) is kept as an approximation.
-        if node.get("maxLength", LONG_ENOUGH) < LONG_ENOUGH or node.get("minLength", 0) > 1:
-            return f'a length limit beside "format" (at {where}) is not enforced by the grammar engine'
-    return None
+    def walk(self) -> str | None:
+        # (subschema, its pointer, the type its place implies: property names are strings)
+        stack: list[tuple[object, str, str | None]] = [(self.root, "", None)]
+        reached = {""}
+        while stack:
+            node, path, implied = stack.pop()
+            self._visit()
+            if not isinstance(node, dict):
+                continue  # a boolean schema, or a malformed part the schema check reports
+            if problem := self._node_problem(node, "#" + path, implied):
+                return problem
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref[1:] not in reached:  # a target is checked once, where it is
+                reached.add(ref[1:])
+                stack.append((_resolve(self.root, ref), ref[1:], None))
+            for key in _SCHEMA_MAPS:
+                if isinstance(node.get(key), dict):
+                    stack += [(sub, f"{path}/{key}/{_escape(name)}", None) for name, sub in node[key].items()]
+            for key in _SCHEMA_LISTS:
+                if isinstance(node.get(key), list):
+                    stack += [(sub, f"{path}/{key}/{i}", None) for i, sub in enumerate(node[key])]
+            for key in _SCHEMAS:
+                sub = node.get(key)
+                if isinstance(sub, list):  # "items" as a list (draft 4 tuples)
+                    stack += [(s, f"{path}/{key}/{i}", None) for i, s in enumerate(sub)]
+                elif key in node:
+                    stack.append((sub, f"{path}/{key}", None))
+            if "propertyNames" in node:
+                stack.append((node["propertyNames"], f"{path}/propertyNames", "string"))
+        return None
 
+    def _visit(self) -> None:
+        self.visits_left -= 1
+        if self.visits_left < 0 or time.monotonic() > self.deadline:
+            raise _TooCostly
 
-def _object_problem(node: dict, where: str) -> str | None:
-    required, properties = node.get("required"), node.get("properties")
-    known = properties if isinstance(properties, dict) else {}
-    if isinstance(required, list) and (missing := [n for n in required if isinstance(n, str) and n not in known]):
-        return f'"required" names {_listed(missing)} (at {where}), not among "properties": not enforced by the grammar engine'
-    closed = node.get("additionalProperties") is False or node.get("unevaluatedProperties") is False
-    if "propertyNames" in node and (known or closed):
-        beside = "properties" if known else "no additional properties"
-        return f'"propertyNames" beside {beside} (at {where}) is not enforced by the grammar engine'
-    patterns = node.get("patternProperties")
-    if known and isinstance(patterns, dict) and patterns:
-        open_rest = any(
-            key in node and node[key] is not False for key in ("additionalProperties", "unevaluatedProperties")
+    # -- the rules, in the order a refusal names the first -------------------------------------------
+    def _node_problem(self, node: dict, where: str, implied: str | None) -> str | None:
+        if "draft-03" in str(node.get("$schema", "")):
+            return f"draft-03 schemas (at {where}) are not supported: their keywords are not enforced"
+        skipped = [key for key, asserts_nothing in SKIPPED.items() if key in node and not asserts_nothing(node[key])]
+        skipped += ["if"] if "if" in node and ("then" in node or "else" in node) else []
+        if skipped:
+            return _refusal(f'"{skipped[0]}"', f"{where}/{_escape(skipped[0])}")
+        ref = node.get("$ref")
+        if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
+            return f'"$ref" to {ref!r} (at {where}): only references by path inside the schema ("#/...") are supported'
+        declared = _declared_types(node)
+        if declared == set():
+            return f'an empty "type" list (at {where}) allows no value, and the grammar engine would allow any'
+        for key in WHOLE_NODE:
+            if key not in node or (key == "$ref" and self.legacy_ref):
+                continue
+            beside = sorted(set(node) & ASSERTIONS - {key, "type"})
+            if beside:
+                return _refusal(f'{_listed(beside)} beside "{key}"', where, plural=len(beside) > 1)
+            if declared is not None and not _within(self._types_of(node, without_type=True), declared):
+                return _refusal(f'"type" beside "{key}"', where) + " (it allows other values)"
+        if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+            return _refusal('"allOf" of more than one schema', where)
+        declared = declared if declared is not None else ({implied} if implied else None)
+        if declared is None and not any(key in node for key in (*IMPLY_A_TYPE, *WHOLE_NODE)):
+            untyped = [key for key in FOR_ONE_TYPE if key in node]
+            if untyped:
+                return _refusal(f'{_listed(untyped)} on a node without "type"', where, plural=len(untyped) > 1)
+        return (
+            _number_problem(node, where, declared)
+            or self._string_problem(node, where)
+            or self._object_problem(node, where)
         )
-        if open_rest:
-            return f'"patternProperties" beside "properties" and more properties (at {where}) is not enforced by the grammar engine'
-        for name in known:
-            if any(_matches(pattern, name) for pattern in patterns):
-                return f'property "{name}" (at {where}) also matches "patternProperties": not enforced by the grammar engine'
+
+    def _string_problem(self, node: dict, where: str) -> str | None:
+        patterns = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
+        patterns += list(node["patternProperties"]) if isinstance(node.get("patternProperties"), dict) else []
+        if any(_LOOKAROUND.search(p) for p in patterns):
+            return _refusal("a lookahead or lookbehind in a pattern", where)
+        if isinstance(node.get("pattern"), str):
+            implied = 0 if self._matches(node["pattern"], "") else 1  # a pattern that cannot match "" says 1
+            beside = [key for key in ("maxLength", "format") if key in node]
+            beside += ["minLength"] if node.get("minLength", 0) > implied else []
+            if beside:
+                return _refusal(f'{_listed(beside)} beside "pattern"', where, plural=len(beside) > 1)
+        kind = node.get("format")
+        if isinstance(kind, str) and kind in FORMATS:
+            implied = 0 if kind in FORMATS_OF_EMPTY else 1
+            if node.get("maxLength", LONG_ENOUGH) < LONG_ENOUGH or node.get("minLength", 0) > implied:
+                return _refusal('a length limit beside "format"', where)
+        return None
+
+    def _object_problem(self, node: dict, where: str) -> str | None:
+        required, properties = node.get("required"), node.get("properties")
+        known = properties if isinstance(properties, dict) else {}
+        if isinstance(required, list) and (missing := [n for n in required if isinstance(n, str) and n not in known]):
+            return f'"required" names {_listed(missing)} (at {where}) that are not among "properties": not enforced by the grammar engine'
+        closed = node.get("additionalProperties") is False or node.get("unevaluatedProperties") is False
+        if "propertyNames" in node and (known or closed):
+            return _refusal(f'"propertyNames" beside {"properties" if known else "no additional properties"}', where)
+        patterns = node.get("patternProperties")
+        if known and isinstance(patterns, dict) and patterns:
+            rest = ("additionalProperties", "unevaluatedProperties")
+            if any(key in node and node[key] is not False for key in rest):
+                return _refusal('"patternProperties" beside "properties" and more properties', where)
+            for name in known:
+                if any(self._matches(pattern, name) for pattern in patterns):
+                    return f'property "{name}" (at {where}) also matches "patternProperties", which the grammar engine then does not enforce'
+        return None
+
+    # -- what the rules ask ---------------------------------------------------------------------------
+    def _types_of(self, node: object, without_type: bool = False) -> set[str] | None:
+        """The JSON types every value ``node`` allows has, where the schema says (None: any, or unknown)."""
+        self._visit()
+        if not isinstance(node, dict):
+            return None
+        if not without_type and (declared := _declared_types(node)) is not None:
+            return declared
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            if ref not in self.ref_types:
+                self.ref_types[ref] = None  # while it is worked out: a loop back to it learns nothing
+                self.ref_types[ref] = self._types_of(_resolve(self.root, ref))
+            return self.ref_types[ref]
+        if isinstance(node.get("enum"), list):
+            return {_json_type(value) for value in node["enum"]}
+        if "const" in node:
+            return {_json_type(node["const"])}
+        for key in ("anyOf", "oneOf", "allOf"):
+            if isinstance(node.get(key), list) and node[key]:
+                branches = [self._types_of(branch) for branch in node[key]]
+                return None if None in branches else set().union(*branches)
+        return None
+
+    def _matches(self, pattern: str, name: str) -> bool:
+        """Whether ``name`` matches ``pattern``. A pattern that does not compile here counts as
+        matching (the schema is refused rather than trusted); one that runs out the check's time
+        refuses the schema."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise _TooCostly
+        try:
+            return regex.search(pattern, name, timeout=left, concurrent=True) is not None
+        except TimeoutError:
+            raise _TooCostly from None
+        except (regex.error, RecursionError, OverflowError, ValueError):
+            return True
+
+
+def _number_problem(node: dict, where: str, declared: set[str] | None) -> str | None:
+    if "multipleOf" not in node:
+        return None
+    step, bounded = node["multipleOf"], [key for key in BOUNDS if key in node]
+    whole = isinstance(step, int) or (isinstance(step, float) and step.is_integer())
+    if bounded:
+        return _refusal(f'"multipleOf" beside {_listed(bounded)}', where)
+    if declared is None or declared - {"null"} != {"integer"} or not whole:
+        return _refusal('"multipleOf"', where) + " except as a whole number on integers"
     return None
+
+
+def _refusal(what: str, where: str, plural: bool = False) -> str:
+    return f"{what} (at {where}) {'are' if plural else 'is'} not enforced by the grammar engine"
 
 
 def _declared_types(node: dict) -> set[str] | None:
@@ -188,35 +268,6 @@ def _declared_types(node: dict) -> set[str] | None:
     if isinstance(kind, str):
         return {kind}
     return {k for k in kind if isinstance(k, str)} if isinstance(kind, list) else None
-
-
-def _types_of(
-    node: object, root: object, refs: dict, without_type: bool = False, budget: list[int] | None = None
-) -> set[str] | None:
-    """The JSON types every value ``node`` allows has, where the schema says (None: any, or
-    unknown, or more than ``_MAX_VISITS`` subschemas to read to know). ``refs``: what each
-    reference allows, worked out once (a reference that loops back allows any)."""
-    budget = [_MAX_VISITS] if budget is None else budget
-    budget[0] -= 1
-    if not isinstance(node, dict) or budget[0] < 0:
-        return None
-    if not without_type and (declared := _declared_types(node)) is not None:
-        return declared
-    ref = node.get("$ref")
-    if isinstance(ref, str):
-        if ref not in refs:
-            refs[ref] = None  # while it is worked out: a loop back to it learns nothing
-            refs[ref] = _types_of(_resolve(root, ref), root, refs, budget=budget)
-        return refs[ref]
-    if isinstance(node.get("enum"), list):
-        return {_json_type(value) for value in node["enum"]}
-    if "const" in node:
-        return {_json_type(node["const"])}
-    for key in ("anyOf", "oneOf", "allOf"):
-        if isinstance(node.get(key), list) and node[key]:
-            branches = [_types_of(branch, root, refs, budget=budget) for branch in node[key]]
-            return None if None in branches else set().union(*branches)
-    return None
 
 
 def _within(types: set[str] | None, declared: set[str]) -> bool:
@@ -247,21 +298,8 @@ def _resolve(root: object, ref: str) -> object:
     return node
 
 
-def _matches(pattern: str, name: str) -> bool:
-    """Whether ``name`` matches ``pattern``; a pattern that does not compile here, or takes too
-    long, counts as matching (the schema is refused rather than trusted)."""
-    try:
-        return regex.search(pattern, name, timeout=_PATTERN_TIMEOUT_S) is not None
-    except (regex.error, TimeoutError, RecursionError, OverflowError, ValueError):
-        return True
-
-
 def _listed(keys: list[str]) -> str:
     return ", ".join(f'"{key}"' for key in keys)
-
-
-def _verb(keys: list[str]) -> str:
-    return "is" if len(keys) == 1 else "are"
 
 
 def _escape(key: str) -> str:

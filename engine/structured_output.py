@@ -13,6 +13,7 @@ thread before a request enters the engine, so a constraint that does not compile
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.engine.schema_support import unenforced
+from pdserve.engine.schema_support import skipped_part
 from pdserve.request_rules import Constraint, InvalidRequest
 
 if TYPE_CHECKING:
@@ -81,7 +82,7 @@ class GrammarCompiler:
         """Raises ``InvalidRequest`` naming the field when the grammar engine refuses it, or when
         it allows no first token (``root ::= root``: every token would be masked, and the sampler
         would pick one anyway), or when it is a JSON schema using what the engine would skip."""
-        if c.kind == "json_schema" and (problem := _unenforced(c.value)):
+        if c.kind == "json_schema" and (problem := _schema_refusal(c.value)):
             raise InvalidRequest(constraint_field(c), problem)
         compiled = self._compile(c)
         xgr = _xgrammar()
@@ -115,12 +116,14 @@ class GrammarCompiler:
         return GrammarState(_xgrammar().GrammarMatcher(self._compile(c)), self.stop_token_ids)
 
 
-def _unenforced(schema_text: str) -> str | None:
+@functools.lru_cache(maxsize=256)  # every admission of a request asks again
+def _schema_refusal(schema_text: str) -> str | None:
+    """Why a JSON schema is refused beyond what the grammar engine says, or None."""
     try:
-        return unenforced(json.loads(schema_text))
-    except Exception:  # a bug of that check must not fail the request: the grammar engine still compiles it
+        return skipped_part(json.loads(schema_text))
+    except Exception:  # never let a schema through unchecked: refused, and the bug logged
         log.exception("structured output: could not check what the grammar engine enforces of a schema")
-        return None
+        return "could not be checked against what the grammar engine enforces"
 
 
 class GrammarState:
@@ -159,6 +162,12 @@ class GrammarState:
         """The grammar allows no token from here (``root ::= "a" b`` with ``b ::= b``, after the
         "a"): the output ends, with a stop token, rather than with a token outside the grammar
         and unconstrained text after it."""
+        if not self.stop_token_ids:  # nothing can end it: unconstrained from here on, as after a refused token
+            log.warning(
+                "structured output: the grammar allows no token after %d; the rest is unconstrained", self.accepted
+            )
+            self.broken, bitmask[row] = True, -1
+            return
         log.warning("structured output: the grammar allows no token after %d; the output ends there", self.accepted)
         self.dead_end = True
         self._allow_only_stop(bitmask, row)

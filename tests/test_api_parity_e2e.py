@@ -264,7 +264,7 @@ async def test_a_schema_the_grammar_engine_would_skip_is_refused_saying_what(dis
         )
     assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details() == (
-        'sampling.structured_output.json_schema: "uniqueItems" (at /properties/tags/uniqueItems)'
+        'sampling.structured_output.json_schema: "uniqueItems" (at #/properties/tags/uniqueItems)'
         " is not enforced by the grammar engine"
     )
 

@@ -35,3 +35,10 @@ def test_a_dead_end_allows_only_the_stop_tokens():
     assert allowed(bitmask, 0, 128) == stops
     state.sync([7, 95])  # the stop token that ended it is not fed to the grammar
     assert state.accepted == 2 and not state.broken
+
+
+def test_a_dead_end_with_no_stop_token_leaves_the_row_unconstrained():
+    state = GrammarState(NothingAllowed(), [])
+    bitmask = torch.zeros((1, 4), dtype=torch.int32)
+    state.end_here(bitmask, 0)
+    assert allowed(bitmask, 0, 128) == list(range(128)) and state.broken and not state.constrains

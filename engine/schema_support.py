@@ -173,6 +173,9 @@ class _Check:
         )
 
     def _string_problem(self, node: dict, where: str) -> str | None:
+        for key in ("minLength", "maxLength"):  # unchecked where a draft does not look ("$defs" in draft 7)
+            if key in node and (isinstance(node[key], bool) or not isinstance(node[key], (int, float))):
+                return f'"{key}" (at {where}) must be a number'
         patterns = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
         patterns += list(node["patternProperties"]) if isinstance(node.get("patternProperties"), dict) else []
         if any(_LOOKAROUND.search(p) for p in patterns):

@@ -183,6 +183,9 @@ def test_only_schema_positions_count_and_the_pointer_is_exact():
     }
     assert skipped_part(named_like_keywords) is None
     assert skipped_part(True) is None and skipped_part({}) is None
+    unlooked = {"$schema": "http://json-schema.org/draft-07/schema#", "$ref": "#/$defs/a"}  # draft 7 skips "$defs"
+    unlooked["$defs"] = {"a": {"type": "string", "pattern": "a", "minLength": "x"}}
+    assert skipped_part(unlooked) == '"minLength" (at #/$defs/a) must be a number'
     nested = {"properties": {"a/b~c": {"type": "array", "items": [INT, {"type": "array", "uniqueItems": True}]}}}
     assert (
         skipped_part(nested)

@@ -11,12 +11,14 @@ Approximations kept, as every grammar engine makes them: ``oneOf`` is taken as `
 value matching two branches passes); a ``format`` is a shape, not a calendar (``2024-02-30`` is
 a date), and one xgrammar does not know is any string, as JSON Schema's "format as annotation"
 allows; a ``maxLength`` of 1000 or more beside a format is not held (pydantic gives every URL
-2083); a key written with escapes (``"\u0078"`` for ``"x"``) is not recognized as that property;
-and ``\S`` in a pattern also takes a few Unicode spaces.
+2083); a key written with escapes (``"\u0078"`` for ``"x"``) is not recognized as that property,
+and keys that "patternProperties" or "additionalProperties" allow may repeat; and ``\S`` in a
+pattern also takes a few Unicode spaces.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from dataclasses import dataclass, field
@@ -61,11 +63,12 @@ FORMATS = frozenset(
 )
 FORMATS_OF_EMPTY = frozenset(("uri-reference", "uri-template", "json-pointer"))
 LONG_ENOUGH = 1000  # a "maxLength" beside a format from here on is an approximation (above)
-LEGACY_REF_DRAFTS = ("draft-04", "draft-06", "draft-07")  # where keywords beside "$ref" mean nothing
+LEGACY_REF_DRAFTS = ("Draft4Validator", "Draft6Validator", "Draft7Validator")
 
 CHECK_TIME_S = 2.0  # for one schema, its patterns included: past that it is refused
 MAX_VISITS = 20_000  # subschemas one schema's type questions may read
-_LOOKAROUND = re.compile(r"(?<!\\)\(\?<?[=!]")  # (?= (?! (?<= (?<!: dropped from a pattern
+MAX_REF_CHAIN = 200  # references followed one from another to learn a type
+MAX_STEP = 1024  # xgrammar takes a "multipleOf" up to this
 _INDEX = re.compile(r"0|[1-9][0-9]{0,8}")
 
 # Where a schema holds the subschemas its grammar is built from. ("$defs" are reached through
@@ -96,10 +99,18 @@ class _Check:
     visits_left: int = MAX_VISITS
     ref_types: dict[str, set[str] | None] = field(default_factory=dict)  # each reference's, once known
 
+    draft: str = ""  # the draft jsonschema reads the schema as ("Draft7Validator", ...)
+
+    def __post_init__(self) -> None:
+        from jsonschema import validators  # loaded by the schema check already
+
+        read_as = validators.validator_for(self.root, default=validators.Draft202012Validator)  # as request_rules does
+        self.draft = read_as.__name__ if isinstance(self.root, dict) else ""
+
     @property
     def legacy_ref(self) -> bool:
-        draft = self.root.get("$schema", "") if isinstance(self.root, dict) else ""
-        return isinstance(draft, str) and any(name in draft for name in LEGACY_REF_DRAFTS)
+        """Drafts 4-7, where keywords beside "$ref" mean nothing (the spec ignores them, as xgrammar does)."""
+        return self.draft in LEGACY_REF_DRAFTS
 
     def walk(self) -> str | None:
         # (subschema, its pointer, the type its place implies: property names are strings)
@@ -116,6 +127,8 @@ class _Check:
             if isinstance(ref, str) and ref[1:] not in reached:  # a target is checked once, where it is
                 reached.add(ref[1:])
                 stack.append((_resolve(self.root, ref), ref[1:], None))
+            if isinstance(ref, str) and self.legacy_ref:
+                continue  # the rest of the node means nothing
             for key in _SCHEMA_MAPS:
                 if isinstance(node.get(key), dict):
                     stack += [(sub, f"{path}/{key}/{_escape(name)}", None) for name, sub in node[key].items()]
@@ -139,15 +152,24 @@ class _Check:
 
     # -- the rules, in the order a refusal names the first -------------------------------------------
     def _node_problem(self, node: dict, where: str, implied: str | None) -> str | None:
-        if "draft-03" in str(node.get("$schema", "")):
-            return f"draft-03 schemas (at {where}) are not supported: their keywords are not enforced"
+        if self.draft == "Draft3Validator":
+            return "draft-03 schemas are not supported: their keywords are not enforced by the grammar engine"
+        ref = node.get("$ref")
+        if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
+            return f'"$ref" to {ref!r} (at {where}/$ref): only references by path inside the schema ("#/...") are supported'
+        id_key = "id" if self.draft == "Draft4Validator" else "$id"
+        if where != "#" and isinstance(node.get(id_key), str):
+            return (
+                f'"{id_key}" below the root (at {where}) is not supported: references inside it would resolve elsewhere'
+            )
+        if implied == "string" and not self._names_strings(node):
+            return f'"propertyNames" (at {where}) is not enforced by the grammar engine unless it is a string schema'
+        if isinstance(ref, str) and self.legacy_ref:
+            return None  # drafts 4-7: nothing beside "$ref" counts
         skipped = [key for key, asserts_nothing in SKIPPED.items() if key in node and not asserts_nothing(node[key])]
         skipped += ["if"] if "if" in node and ("then" in node or "else" in node) else []
         if skipped:
             return _refusal(f'"{skipped[0]}"', f"{where}/{_escape(skipped[0])}")
-        ref = node.get("$ref")
-        if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
-            return f'"$ref" to {ref!r} (at {where}): only references by path inside the schema ("#/...") are supported'
         declared = _declared_types(node)
         if declared == set():
             return f'an empty "type" list (at {where}) allows no value, and the grammar engine would allow any'
@@ -176,10 +198,12 @@ class _Check:
         for key in ("minLength", "maxLength"):  # unchecked where a draft does not look ("$defs" in draft 7)
             if key in node and (isinstance(node[key], bool) or not isinstance(node[key], (int, float))):
                 return f'"{key}" (at {where}) must be a number'
-        patterns = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
-        patterns += list(node["patternProperties"]) if isinstance(node.get("patternProperties"), dict) else []
-        if any(_LOOKAROUND.search(p) for p in patterns):
-            return _refusal("a lookahead or lookbehind in a pattern", where)
+        patterns = [("pattern", node["pattern"])] if isinstance(node.get("pattern"), str) else []
+        if isinstance(node.get("patternProperties"), dict):
+            patterns += [("patternProperties", p) for p in node["patternProperties"]]
+        for key, pattern in patterns:
+            if issue := _pattern_issue(pattern):
+                return f"{issue} in {json.dumps(pattern)} (at {where}/{key}) is not enforced by the grammar engine"
         if isinstance(node.get("pattern"), str):
             implied = 0 if self._matches(node["pattern"], "") else 1  # a pattern that cannot match "" says 1
             beside = [key for key in ("maxLength", "format") if key in node]
@@ -208,13 +232,15 @@ class _Check:
                 return _refusal('"patternProperties" beside "properties" and more properties', where)
             for name in known:
                 if any(self._matches(pattern, name) for pattern in patterns):
-                    return f'property "{name}" (at {where}) also matches "patternProperties", which the grammar engine then does not enforce'
+                    return f'property {json.dumps(name)} (at {where}) also matches "patternProperties", which the grammar engine then does not enforce'
         return None
 
     # -- what the rules ask ---------------------------------------------------------------------------
-    def _types_of(self, node: object, without_type: bool = False) -> set[str] | None:
+    def _types_of(self, node: object, without_type: bool = False, depth: int = 0) -> set[str] | None:
         """The JSON types every value ``node`` allows has, where the schema says (None: any, or unknown)."""
         self._visit()
+        if depth > MAX_REF_CHAIN:
+            raise _TooCostly
         if not isinstance(node, dict):
             return None
         if not without_type and (declared := _declared_types(node)) is not None:
@@ -223,7 +249,7 @@ class _Check:
         if isinstance(ref, str):
             if ref not in self.ref_types:
                 self.ref_types[ref] = None  # while it is worked out: a loop back to it learns nothing
-                self.ref_types[ref] = self._types_of(_resolve(self.root, ref))
+                self.ref_types[ref] = self._types_of(_resolve(self.root, ref), depth=depth + 1)
             return self.ref_types[ref]
         if isinstance(node.get("enum"), list):
             return {_json_type(value) for value in node["enum"]}
@@ -231,9 +257,17 @@ class _Check:
             return {_json_type(node["const"])}
         for key in ("anyOf", "oneOf", "allOf"):
             if isinstance(node.get(key), list) and node[key]:
-                branches = [self._types_of(branch) for branch in node[key]]
+                branches = [self._types_of(branch, depth=depth + 1) for branch in node[key]]
                 return None if None in branches else set().union(*branches)
         return None
+
+    def _names_strings(self, node: dict) -> bool:
+        """Whether a "propertyNames" schema allows only strings, as xgrammar needs to write keys
+        (else it writes bare ones: ``{1: 2}``)."""
+        if self._types_of(node) == {"string"}:
+            return True
+        plain = not any(key in node for key in WHOLE_NODE)
+        return plain and any(key in node for key in ("minLength", "maxLength", "pattern", "format"))
 
     def _matches(self, pattern: str, name: str) -> bool:
         """Whether ``name`` matches ``pattern``. A pattern that does not compile here counts as
@@ -250,15 +284,46 @@ class _Check:
             return True
 
 
+def _pattern_issue(pattern: str) -> str | None:
+    """What of ``pattern`` xgrammar drops: a lookaround, or an anchor inside it (``^a$b``; an
+    anchor at the start or end of a branch is kept)."""
+    i, in_class, branch_start = 0, False, True
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\":
+            i, branch_start = i + 2, False
+            continue
+        if in_class:
+            in_class = ch != "]"
+        elif ch == "[":
+            in_class, branch_start = True, False
+        elif ch == "(":
+            if pattern.startswith(("(?=", "(?!", "(?<=", "(?<!"), i):
+                return "a lookahead or lookbehind"
+            i += 3 if pattern.startswith("(?:", i) else 1
+            branch_start = True
+            continue
+        elif ch == "|":
+            branch_start = True
+        elif ch == "^" and not branch_start:
+            return 'an anchor "^" inside the pattern'
+        elif ch == "$" and pattern[i + 1 : i + 2] not in ("", ")", "|"):
+            return 'an anchor "$" inside the pattern'
+        elif ch != "^":
+            branch_start = False
+        i += 1
+    return None
+
+
 def _number_problem(node: dict, where: str, declared: set[str] | None) -> str | None:
     if "multipleOf" not in node:
         return None
     step, bounded = node["multipleOf"], [key for key in BOUNDS if key in node]
-    whole = isinstance(step, int) or (isinstance(step, float) and step.is_integer())
+    whole = (isinstance(step, int) or (isinstance(step, float) and step.is_integer())) and step <= MAX_STEP
     if bounded:
         return _refusal(f'"multipleOf" beside {_listed(bounded)}', where)
     if declared is None or declared - {"null"} != {"integer"} or not whole:
-        return _refusal('"multipleOf"', where) + " except as a whole number on integers"
+        return _refusal('"multipleOf"', where) + f" except as a whole number up to {MAX_STEP} on integers"
     return None
 
 

@@ -233,7 +233,8 @@ def check_constraint(c: Constraint) -> None:
         from jsonschema import SchemaError, validators  # imported on first use: most requests have no schema
 
         try:
-            validators.validator_for(schema).check_schema(schema)
+            # An unknown "$schema" is read as the latest draft (jsonschema's own default, without its warning).
+            validators.validator_for(schema, default=validators.Draft202012Validator).check_schema(schema)
         except SchemaError as e:
             where = "/".join(str(p) for p in e.absolute_path)
             raise InvalidRequest(

@@ -82,6 +82,33 @@ SKIPPED_BY_XGRAMMAR = [
         "(at #/properties//not)",
     ),
     ({"type": "string", "format": "json-pointer", "minLength": 1}, '""', 'length limit beside "format"'),
+    # property names that may be other than strings: xgrammar writes them bare, not even JSON
+    (
+        {"type": "object", "additionalProperties": INT, "propertyNames": {"enum": [1, "a"]}},
+        "{1: 2}",
+        '"propertyNames" (at #/propertyNames)',
+    ),
+    ({"type": "object", "additionalProperties": INT, "propertyNames": {"title": "k"}}, "{1: 2}", '"propertyNames"'),
+    ({"type": "integer", "multipleOf": 1025}, "3", "up to 1024"),
+    # an unknown "$schema" is read as 2020-12, where "maximum" beside "$ref" counts
+    (
+        {"$schema": "https://example.com/draft-07/x", "$ref": "#/$defs/x", "$defs": {"x": INT}, "maximum": 3},
+        "5",
+        '"maximum" beside "$ref"',
+    ),
+    (
+        {
+            "$ref": "#/$defs/s",
+            "$defs": {
+                "t": INT,
+                "s": {"$id": "http://e.com/s", "$ref": "#/$defs/t", "$defs": {"t": {"type": "string"}}},
+            },
+        },
+        "1",
+        '"$id" below the root',
+    ),
+    ({"type": "string", "pattern": "^a$b"}, '"ab"', 'an anchor "$" inside the pattern in "^a$b" (at #/pattern)'),
+    ({"type": "string", "pattern": "b^"}, '"b"', 'an anchor "^" inside the pattern'),
     (
         {"type": "object", "properties": {"abc": INT}, "propertyNames": {"type": "string", "maxLength": 2}},
         '{"abc": 1}',
@@ -165,6 +192,21 @@ def test_what_xgrammar_skips_is_refused_naming_it(compiler, schema, breaking, na
             "5",
         ),
         ({"type": "integer", "$defs": {"unused": {"not": {}}}}, '"s"', "1"),  # never reached: never built
+        ({"type": "string", "pattern": "^a$|^(b$|c)$"}, '"ab"', '"b"'),  # anchors that end or start a branch
+        ({"type": "string", "pattern": "[$^]x\\$"}, '"yx$"', '"^x$"'),  # in a class, or escaped: characters
+        ({"type": "integer", "multipleOf": 1024}, "1025", "2048"),
+        # drafts 4-7: what sits beside "$ref" means nothing, to the spec and to xgrammar
+        (
+            {
+                "$schema": "http://json-schema.org/draft-07/schema#",
+                "definitions": {"x": INT},
+                "type": "object",
+                "properties": {"p": {"$ref": "#/definitions/x", "not": {"const": 1}}},
+                "required": ["p"],
+            },
+            '{"p": "s"}',
+            '{"p": 1}',
+        ),
         # pydantic's HttpUrl: a limit of 2083 beside a format is kept as an approximation (README)
         ({"type": "string", "format": "uri", "minLength": 1, "maxLength": 2083}, '"a b"', '"http://x.org/"'),
     ],
@@ -268,6 +310,8 @@ def test_hostile_schemas_are_answered_quickly():
         ({"type": "integer", "$ref": "#/examples/" + "9" * 5000, "examples": [1]}, '"type" beside'),
         ({"type": "integer", "$ref": "#/examples/²", "examples": [1]}, '"type" beside'),
     ]  # fmt: skip
+    chain = {f"a{i}": {"$ref": f"#/$defs/a{i + 1}"} for i in range(1000)} | {"a1000": INT}
+    cases.append(({"$defs": chain, "type": "integer", "anyOf": [{"$ref": "#/$defs/a0"}]}, "takes more than"))
     # every pair of 30 names and 30 patterns that backtrack on them: the whole check has one deadline
     names = {"a" * 15 + "!" + str(i): INT for i in range(30)}
     patterns = {f"^(a|a)*$|^z{{{i}}}$": INT for i in range(30)}

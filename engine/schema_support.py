@@ -82,6 +82,8 @@ def skipped_part(schema: object) -> str | None:
     """What in ``schema`` (parsed JSON) the grammar engine would skip, and where (a JSON
     pointer fragment, ``#/properties/a``), or None when it enforces all of it."""
     check = _Check(schema)
+    if check.draft == "Draft3Validator":
+        return "draft-03 schemas are not supported: their keywords are not enforced by the grammar engine"
     try:
         return check.walk()
     except _TooCostly:
@@ -98,8 +100,7 @@ class _Check:
     deadline: float = field(default_factory=lambda: time.monotonic() + CHECK_TIME_S)
     visits_left: int = MAX_VISITS
     ref_types: dict[str, set[str] | None] = field(default_factory=dict)  # each reference's, once known
-
-    draft: str = ""  # the draft jsonschema reads the schema as ("Draft7Validator", ...)
+    draft: str = field(init=False)  # the draft jsonschema reads the schema as ("Draft7Validator", ...)
 
     def __post_init__(self) -> None:
         from jsonschema import validators  # loaded by the schema check already
@@ -152,8 +153,6 @@ class _Check:
 
     # -- the rules, in the order a refusal names the first -------------------------------------------
     def _node_problem(self, node: dict, where: str, implied: str | None) -> str | None:
-        if self.draft == "Draft3Validator":
-            return "draft-03 schemas are not supported: their keywords are not enforced by the grammar engine"
         ref = node.get("$ref")
         if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
             return f'"$ref" to {ref!r} (at {where}/$ref): only references by path inside the schema ("#/...") are supported'
@@ -174,7 +173,7 @@ class _Check:
         if declared == set():
             return f'an empty "type" list (at {where}) allows no value, and the grammar engine would allow any'
         for key in WHOLE_NODE:
-            if key not in node or (key == "$ref" and self.legacy_ref):
+            if key not in node:
                 continue
             beside = sorted(set(node) & ASSERTIONS - {key, "type"})
             if beside:

@@ -116,7 +116,7 @@ class GrammarCompiler:
         return GrammarState(_xgrammar().GrammarMatcher(self._compile(c)), self.stop_token_ids)
 
 
-@functools.lru_cache(maxsize=256)  # every admission of a request asks again
+@functools.lru_cache(maxsize=64)  # every admission asks again (keys: schemas of up to 100k characters)
 def _schema_refusal(schema_text: str) -> str | None:
     """Why a JSON schema is refused beyond what the grammar engine says, or None."""
     try:

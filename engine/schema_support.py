@@ -80,18 +80,18 @@ _SCHEMAS = ("items", "additionalItems", "additionalProperties", "unevaluatedProp
 
 def skipped_part(schema: object) -> str | None:
     """What in ``schema`` (parsed JSON) the grammar engine would skip, and where (a JSON
-    pointer fragment, ``#/properties/a``), or None when it enforces all of it."""
+    pointer fragment, ``#/properties/a``), or None when it enforces all of it. Raises
+    ``CheckTooCostly`` past ``CHECK_TIME_S`` or ``MAX_VISITS`` (an answer that depends on the
+    machine's load, so not one to remember)."""
     check = _Check(schema)
     if check.draft == "Draft3Validator":
         return "draft-03 schemas are not supported: their keywords are not enforced by the grammar engine"
-    try:
-        return check.walk()
-    except _TooCostly:
-        return f"the schema takes more than {CHECK_TIME_S} s or {MAX_VISITS} subschemas to check"
+    return check.walk()
 
 
-class _TooCostly(Exception):
-    pass
+class CheckTooCostly(Exception):
+    def __init__(self) -> None:
+        super().__init__(f"the schema takes more than {CHECK_TIME_S} s or {MAX_VISITS} subschemas to check")
 
 
 @dataclass
@@ -149,7 +149,7 @@ class _Check:
     def _visit(self) -> None:
         self.visits_left -= 1
         if self.visits_left < 0 or time.monotonic() > self.deadline:
-            raise _TooCostly
+            raise CheckTooCostly
 
     # -- the rules, in the order a refusal names the first -------------------------------------------
     def _node_problem(self, node: dict, where: str, implied: str | None) -> str | None:
@@ -239,7 +239,7 @@ class _Check:
         """The JSON types every value ``node`` allows has, where the schema says (None: any, or unknown)."""
         self._visit()
         if depth > MAX_REF_CHAIN:
-            raise _TooCostly
+            raise CheckTooCostly
         if not isinstance(node, dict):
             return None
         if not without_type and (declared := _declared_types(node)) is not None:
@@ -274,11 +274,11 @@ class _Check:
         refuses the schema."""
         left = self.deadline - time.monotonic()
         if left <= 0:
-            raise _TooCostly
+            raise CheckTooCostly
         try:
             return regex.search(pattern, name, timeout=left, concurrent=True) is not None
         except TimeoutError:
-            raise _TooCostly from None
+            raise CheckTooCostly from None
         except (regex.error, RecursionError, OverflowError, ValueError):
             return True
 

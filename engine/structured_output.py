@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.engine.schema_support import skipped_part
+from pdserve.engine.schema_support import CheckTooCostly, skipped_part
 from pdserve.request_rules import Constraint, InvalidRequest
 
 if TYPE_CHECKING:
@@ -116,14 +116,20 @@ class GrammarCompiler:
         return GrammarState(_xgrammar().GrammarMatcher(self._compile(c)), self.stop_token_ids)
 
 
-@functools.lru_cache(maxsize=64)  # every admission asks again (keys: schemas of up to 100k characters)
 def _schema_refusal(schema_text: str) -> str | None:
     """Why a JSON schema is refused beyond what the grammar engine says, or None."""
     try:
-        return skipped_part(json.loads(schema_text))
+        return _skipped_part(schema_text)
+    except CheckTooCostly as e:  # not remembered: under less load the check may finish
+        return str(e)
     except Exception:  # never let a schema through unchecked: refused, and the bug logged
         log.exception("structured output: could not check what the grammar engine enforces of a schema")
         return "could not be checked against what the grammar engine enforces"
+
+
+@functools.lru_cache(maxsize=64)  # every admission asks again (keys: schemas of up to 100k characters)
+def _skipped_part(schema_text: str) -> str | None:
+    return skipped_part(json.loads(schema_text))
 
 
 class GrammarState:

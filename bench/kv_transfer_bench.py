@@ -20,7 +20,8 @@ Parts:
   xxh3 of the source).
 * ``real``: the same for the KV of a ``--prompt-tokens`` prompt on the default model's layout,
   in fp32 and bf16.
-* ``ttft``: a real ``LLMEngine`` (default model, fp32) as the prefill side, its KV connector
+* ``ttft``: a real ``LLMEngine`` (default model, in the dtype ``pdserve up`` picks here unless
+  ``--ttft-dtype`` says otherwise) as the prefill side, its KV connector
   shipping to a decode side per transport (a child process, as above). The engine gets the
   torch threads ``pdserve up`` gives a 1P1D prefill worker here, every core, waiting passively
   (``--prefill-threads``). Per repeat and
@@ -143,7 +144,7 @@ def render(result: dict) -> str:
     if ttft:
         lines.append("")
         lines.append(
-            f"TTFT, {ttft['prompt_tokens']}-token prompt, default model fp32, KV {ttft['transfer_bytes'] / 1e6:.1f} MB, "
+            f"TTFT, {ttft['prompt_tokens']}-token prompt, default model {ttft['dtype']}, KV {ttft['transfer_bytes'] / 1e6:.1f} MB, "
             f"{ttft['torch_threads']} prefill thread(s), {ttft['repeats']} triples per transport; "
             "medians, differences taken within each triple"
         )
@@ -191,6 +192,7 @@ def run(args) -> dict:
             "blocks": args.blocks,
             "prompt_tokens": args.prompt_tokens,
             "ttft_repeats": args.ttft_repeats,
+            "ttft_dtype": args.ttft_dtype,
             "decode_in_process": args.decode_in_process,
             "seed": args.seed,
         },
@@ -297,6 +299,12 @@ def main(argv: list[str] | None = None) -> int:
         "--prompt-tokens", type=int, default=1024, help="prompt length of the real request and the TTFT runs"
     )
     parser.add_argument("--ttft-repeats", type=int, default=3, help="TTFT runs per mode and transport (default 3)")
+    parser.add_argument(
+        "--ttft-dtype",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        default="auto",
+        help="the TTFT part's model and KV dtype (default auto: what pdserve up picks on this machine)",
+    )
     parser.add_argument(
         "--prefill-threads",
         type=int,

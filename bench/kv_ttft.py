@@ -23,7 +23,7 @@ def measure_ttft(args, transports: list[str], ucx_pair) -> dict:
 
     # No prefix caching: every run must compute its whole prompt (prompts also differ).
     config = EngineConfig(
-        dtype="float32", kv_cache_memory="512MiB", enable_prefix_caching=False, num_threads=args.prefill_threads
+        dtype=args.ttft_dtype, kv_cache_memory="512MiB", enable_prefix_caching=False, num_threads=args.prefill_threads
     )
     engine = LLMEngine(config)
     deployed = "pipelined" if engine.connector.pipelined else "after"  # what a worker with these threads does
@@ -122,7 +122,7 @@ def measure_ttft(args, transports: list[str], ucx_pair) -> dict:
     all_prefill = [r["none"][1] for runs in triples.values() for r in runs]
     return {
         "model_dir": engine.model_dir,
-        "dtype": "float32",
+        "dtype": str(engine.dtype).removeprefix("torch."),
         "prompt_tokens": n,
         "block_size": block_size,
         "transfer_bytes": n * layout.num_layers * layout.token_bytes,

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from pdserve.bench.kv_transfer_bench import check_targets, main
 from pdserve.kvtransfer.ucx_worker import ucx_available, ucx_unavailable_reason
@@ -108,6 +109,26 @@ def test_ucx_iov_probe_refuses_bad_arguments():
         probe(["--sizes-mib", "16,lots"])
     with pytest.raises(SystemExit):
         probe(["--sizes-mib", "1", "--block-bytes", str(2 << 20)])
+
+
+def test_ttft_part_hands_a_real_prefill_off_in_the_deployed_dtype(tmp_path):
+    """The TTFT part on the default model: a short prompt, one triple over TCP. Every handoff's
+    KV is checked against the engine's (the part raises otherwise); the engine runs in the dtype
+    ``pdserve up`` picks here, which the report names."""
+    from pdserve.engine.engine_config import EngineConfig
+    from pdserve.engine.loader import parse_dtype
+
+    out = tmp_path / "kv.json"
+    argv = ["--parts", "ttft", "--transports", "tcp", "--ttft-repeats", "1", "--prompt-tokens", "40", "--json", str(out)]
+    assert main(argv) == 0
+    ttft = json.loads(out.read_text())["ttft"]
+    deployed = str(parse_dtype(EngineConfig().dtype, torch.device("cpu"))).removeprefix("torch.")
+    assert ttft["dtype"] == deployed and ttft["prompt_tokens"] == 40
+    assert ttft["transfer_bytes"] == 40 * 30 * 3 * 64 * 2 * torch.empty(0, dtype=getattr(torch, deployed)).element_size()
+    (runs,) = ttft["runs_ms"]["tcp"]
+    assert set(runs) == {"none", "pipelined", "after"}
+    assert all(0 < first <= acked for first, acked in runs.values())
+    assert ttft["per_transport"]["tcp"]["prefill_ms"] > 0
 
 
 def test_bad_thread_counts_are_refused():

@@ -286,22 +286,38 @@ void attend_avx512(const float* q, int64_t num_q_heads, const uint8_t* cache, co
         }
 #endif
       } else {
-        // K of each KV head loaded once for its group, one reduction per score.
-        for (int64_t j = 0; j < n; ++j) {
-          prefetch_share(later[j], lines, 0, h, heads);
-          __m512 k[NV];
-          const float ks = load_vecs<T, KIND, NV>(tokens[j], fmt, 0, h, k);
-          for (int64_t g = 0; g < group; ++g) {
-            const float* qg = qs + (h * group + g) * D;
-            __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(qg), k[0]);
-            __m512 a1 = _mm512_mul_ps(_mm512_loadu_ps(qg + 16), k[1]);
+        // Each K row widened once for up to four of its query heads, and a chunk's 16 dot
+        // products per head summed by one shuffle tree, then scaled by each token's K scale.
+        alignas(64) float k_scales[kChunk];
+        for (int64_t g0 = 0; g0 < group; g0 += 4) {
+          const int64_t gn = std::min<int64_t>(4, group - g0), qh0 = h * group + g0;
+          __m512 dots[4][kChunk];
+          for (int64_t j = 0; j < kChunk; ++j) {
+            __m512 k[NV];
+            if (j < n) {
+              if (g0 == 0) prefetch_share(later[j], lines, 0, h, heads);
+              k_scales[j] = load_vecs<T, KIND, NV>(tokens[j], fmt, 0, h, k);
+            } else {
+              k_scales[j] = 0.f;
 #pragma GCC unroll 8
-            for (int v = 2; v < NV; v += 2) {
-              a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * v), k[v], a0);
-              a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * (v + 1)), k[v + 1], a1);
+              for (int v = 0; v < NV; ++v) k[v] = _mm512_setzero_ps();
             }
-            p[h * group + g][j] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) * ks;
+#pragma GCC unroll 4
+            for (int64_t g = 0; g < 4; ++g) {
+              if (g >= gn) break;
+              const float* qg = qs + (qh0 + g) * D;
+              __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(qg), k[0]);
+              __m512 a1 = _mm512_mul_ps(_mm512_loadu_ps(qg + 16), k[1]);
+#pragma GCC unroll 8
+              for (int v = 2; v < NV; v += 2) {
+                a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * v), k[v], a0);
+                a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * (v + 1)), k[v + 1], a1);
+              }
+              dots[g][j] = _mm512_add_ps(a0, a1);
+            }
           }
+          const __m512 scales = _mm512_load_ps(k_scales);
+          for (int64_t g = 0; g < gn; ++g) _mm512_store_ps(p[qh0 + g], _mm512_mul_ps(sum16(dots[g]), scales));
         }
       }
     }

@@ -97,11 +97,40 @@ constexpr int64_t kMaxQHeads = 64;
 // with nothing to compute meanwhile. Into L2, not L1: an L1 prefetch holds one of L1's few miss
 // slots until its line arrives, while L2 keeps many more in flight (and the L1 prefetcher
 // brings each line the last step).
-inline void prefetch_share(const uint8_t* token, int64_t lines, int kv, int64_t h, int64_t heads) {
-  if (token == nullptr) return;
-  const int64_t half = lines / 2, first = kv ? half : 0, count = kv ? lines - half : half;
-  for (int64_t l = first + h * count / heads; l < first + (h + 1) * count / heads; ++l) {
-    __builtin_prefetch(token + 64 * l, 0, 2);
+struct PrefetchShares {
+  int16_t begin[2][kMaxQHeads + 1];  // lines [begin[kv][h], begin[kv][h + 1]) of the K (0) or V (1) half: head h's
+
+  // Worked out once per item: two divisions per prefetch step cost more than the step's compute.
+  PrefetchShares(int64_t lines, int64_t heads) {
+    const int64_t half = lines / 2;
+    for (int kv = 0; kv < 2; ++kv) {
+      const int64_t first = kv ? half : 0, count = kv ? lines - half : half;
+      for (int64_t h = 0; h <= heads; ++h) begin[kv][h] = static_cast<int16_t>(first + h * count / heads);
+    }
+  }
+
+  void operator()(const uint8_t* token, int kv, int64_t h) const {
+    if (token == nullptr) return;
+    for (int64_t l = begin[kv][h]; l < begin[kv][h + 1]; ++l) __builtin_prefetch(token + 64 * l, 0, 2);
+  }
+};
+
+// Where tokens c0 .. c0 + n - 1 sit in the paged cache, and the tokens one chunk later (null
+// past t1), walked block by block: two divisions per chunk, not four per token.
+inline void chunk_tokens(const uint8_t* cache, const int64_t* table, int64_t block_size, int64_t tb, int64_t c0,
+                         int64_t n, int64_t t1, const uint8_t** tokens, const uint8_t** later) {
+  for (int pass = 0; pass < 2; ++pass) {
+    const int64_t first = c0 + pass * kChunk, count = pass ? std::max<int64_t>(0, std::min(n, t1 - first)) : n;
+    const uint8_t** out = pass ? later : tokens;
+    int64_t block = first / block_size, offset = first % block_size;
+    for (int64_t j = 0; j < count; ++j) {
+      out[j] = cache + (table[block] * block_size + offset) * tb;
+      if (++offset == block_size) {
+        offset = 0;
+        ++block;
+      }
+    }
+    for (int64_t j = count; j < n; ++j) out[j] = nullptr;
   }
 }
 
@@ -148,8 +177,8 @@ inline float load_vecs(const uint8_t* token, const KVFormat& fmt, int kv, int64_
 // (what the unpacks give); unpair_dims restores the order once per item.
 template <int NV>
 inline void values_bf16_pairs(const uint8_t* const* tokens, const uint8_t* const* later, int64_t n,
-                              const KVFormat& fmt, int64_t num_q_heads, int64_t lines, const float (*p)[kChunk],
-                              float* acc_out) {
+                              const KVFormat& fmt, int64_t num_q_heads, const PrefetchShares& prefetch,
+                              const float (*p)[kChunk], float* acc_out) {
   constexpr int64_t D = NV * 16;
   constexpr int64_t kHeads = NV <= 4 ? 4 : 2;  // query heads at once: their accumulators stay in the 32 registers
   const int64_t heads = fmt.heads, group = num_q_heads / heads;
@@ -168,8 +197,8 @@ inline void values_bf16_pairs(const uint8_t* const* tokens, const uint8_t* const
         for (int v = 0; v < NV; ++v) acc[g][v] = g < gn ? _mm512_loadu_ps(acc_base + g * D + 16 * v) : _mm512_setzero_ps();
       for (int64_t j = 0; j < n; j += 2) {
         if (g0 == 0) {
-          prefetch_share(later[j], lines, 1, h, heads);
-          if (j + 1 < n) prefetch_share(later[j + 1], lines, 1, h, heads);
+          prefetch(later[j], 1, h);
+          if (j + 1 < n) prefetch(later[j + 1], 1, h);
         }
         const uint8_t* a = tokens[j] + fmt.code_offset(1, h);
         const uint8_t* b = j + 1 < n ? tokens[j + 1] + fmt.code_offset(1, h) : nullptr;
@@ -247,15 +276,11 @@ void attend_avx512(const float* q, int64_t num_q_heads, const uint8_t* cache, co
   std::fill(out.acc, out.acc + num_q_heads * D, 0.f);
   const uint8_t* tokens[kChunk];
   const uint8_t* later[kChunk];
-  const int64_t lines = (tb + 63) / 64;
+  const PrefetchShares prefetch((tb + 63) / 64, heads);
   for (int64_t c0 = t0; c0 < t1; c0 += kChunk) {
     const int64_t n = std::min(kChunk, t1 - c0);
     const __mmask16 valid = n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t t = c0 + j, ahead = t + kChunk;
-      tokens[j] = cache + (table[t / block_size] * block_size + t % block_size) * tb;
-      later[j] = ahead < t1 ? cache + (table[ahead / block_size] * block_size + ahead % block_size) * tb : nullptr;
-    }
+    chunk_tokens(cache, table, block_size, tb, c0, n, t1, tokens, later);
     // Scores of every query head for these tokens.
     for (int64_t h = 0; h < heads; ++h) {
       if constexpr (kBf16Dots) {
@@ -267,7 +292,7 @@ void attend_avx512(const float* q, int64_t num_q_heads, const uint8_t* cache, co
           const int64_t gn = std::min<int64_t>(4, group - g0), qh0 = h * group + g0;
           __m512 dots[4][kChunk];
           for (int64_t j = 0; j < kChunk; ++j) {
-            if (g0 == 0 && j < n) prefetch_share(later[j], lines, 0, h, heads);
+            if (g0 == 0 && j < n) prefetch(later[j], 0, h);
             __m512bh k[NV / 2];
 #pragma GCC unroll 4
             for (int v = 0; v < NV / 2; ++v) {
@@ -295,7 +320,7 @@ void attend_avx512(const float* q, int64_t num_q_heads, const uint8_t* cache, co
           for (int64_t j = 0; j < kChunk; ++j) {
             __m512 k[NV];
             if (j < n) {
-              if (g0 == 0) prefetch_share(later[j], lines, 0, h, heads);
+              if (g0 == 0) prefetch(later[j], 0, h);
               k_scales[j] = load_vecs<T, KIND, NV>(tokens[j], fmt, 0, h, k);
             } else {
               k_scales[j] = 0.f;
@@ -338,7 +363,7 @@ void attend_avx512(const float* q, int64_t num_q_heads, const uint8_t* cache, co
     }
     if constexpr (kBf16Dots) {
 #if defined(__AVX512BF16__)
-      values_bf16_pairs<NV>(tokens, later, n, fmt, num_q_heads, lines, p, out.acc);
+      values_bf16_pairs<NV>(tokens, later, n, fmt, num_q_heads, prefetch, p, out.acc);
 #endif
       continue;
     }
@@ -353,7 +378,7 @@ void attend_avx512(const float* q, int64_t num_q_heads, const uint8_t* cache, co
 #pragma GCC unroll 8
           for (int v = 0; v < NV; ++v) acc[g][v] = g < gn ? _mm512_loadu_ps(acc_base + g * D + 16 * v) : _mm512_setzero_ps();
         for (int64_t j = 0; j < n; ++j) {
-          if (g0 == 0) prefetch_share(later[j], lines, 1, h, heads);
+          if (g0 == 0) prefetch(later[j], 1, h);
           __m512 vr[NV];
           const float vs = load_vecs<T, KIND, NV>(tokens[j], fmt, 1, h, vr);
 #pragma GCC unroll 4

@@ -119,12 +119,25 @@ def test_ttft_part_hands_a_real_prefill_off_in_the_deployed_dtype(tmp_path):
     from pdserve.engine.loader import parse_dtype
 
     out = tmp_path / "kv.json"
-    argv = ["--parts", "ttft", "--transports", "tcp", "--ttft-repeats", "1", "--prompt-tokens", "40", "--json", str(out)]
+    argv = [
+        "--parts",
+        "ttft",
+        "--transports",
+        "tcp",
+        "--ttft-repeats",
+        "1",
+        "--prompt-tokens",
+        "40",
+        "--json",
+        str(out),
+    ]
     assert main(argv) == 0
     ttft = json.loads(out.read_text())["ttft"]
     deployed = str(parse_dtype(EngineConfig().dtype, torch.device("cpu"))).removeprefix("torch.")
     assert ttft["dtype"] == deployed and ttft["prompt_tokens"] == 40
-    assert ttft["transfer_bytes"] == 40 * 30 * 3 * 64 * 2 * torch.empty(0, dtype=getattr(torch, deployed)).element_size()
+    assert (
+        ttft["transfer_bytes"] == 40 * 30 * 3 * 64 * 2 * torch.empty(0, dtype=getattr(torch, deployed)).element_size()
+    )
     (runs,) = ttft["runs_ms"]["tcp"]
     assert set(runs) == {"none", "pipelined", "after"}
     assert all(0 < first <= acked for first, acked in runs.values())

@@ -37,7 +37,7 @@ def _filled_cache(fmt: KVFormat, num_blocks: int, block_size: int, seed: int) ->
 @pytest.mark.parametrize("cache_dtype", ["auto", "int8", "fp8"])
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim", [(9, 3, 64), (4, 4, 128), (8, 1, 64), (6, 2, 80)])
-@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("block_size", [1, 5, 8, 16])  # 1 and 5: chunks of 16 tokens span many blocks
 def test_decode_attention_matches_reference(
     kernel, cache_dtype, dtype, atol, num_q_heads, num_kv_heads, head_dim, block_size
 ):

@@ -507,8 +507,8 @@ def test_a_send_stuck_on_a_dropped_connection_holds_up_no_other_connection(ucx_p
     assert wait_until(lambda: decode.ledger.counters["protocol_errors"] == 1)  # its message did not come
     monkeypatch.setattr(prefill.ucx, "send", real_send)
     ended: list = []
-    for peer, buffer, tag, done in held:  # now it comes: nothing takes it
-        real_send(peer, buffer, tag, lambda error, done=done: (ended.append(error), done(error)))
+    for address, buffer, tag, done in held:  # now it comes: nothing takes it
+        real_send(address, buffer, tag, lambda error, done=done: (ended.append(error), done(error)))
     transfer.cancel()
     conn.close()
     again = prefill.connect(decode.address)

@@ -37,6 +37,7 @@ import numpy as np
 from pdserve.kvtransfer.ucx_worker import ucx_available, ucx_unavailable_reason  # also quiets UCX's env warnings
 
 MODES = ("contiguous", "recv-iov", "send-iov", "both-iov")
+RNDV_SCHEMES = ("", "auto", "get_zcopy", "put_zcopy", "get_ppln", "put_ppln", "am", "rkey_ptr")  # UCX 1.21's
 UCP_DATATYPE_IOV = 2  # ucp_dt_make_iov()
 UCP_OP_ATTR_FIELD_DATATYPE = 1 << 3
 UCS_INPROGRESS = 1
@@ -219,7 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline-s", type=float, default=10.0, help="how long one transfer may take")
     parser.add_argument("--modes", default=",".join(MODES), help="(default: %(default)s)")
     parser.add_argument(
-        "--rndv-scheme", default="", help="UCX's RNDV_SCHEME for both sides (default: UCX's own choice)"
+        "--rndv-scheme",
+        choices=RNDV_SCHEMES,
+        default="",
+        help="UCX's RNDV_SCHEME for both sides (default: UCX's own choice)",
     )
     args = parser.parse_args(argv)
     modes = args.modes.split(",")

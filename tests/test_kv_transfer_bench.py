@@ -109,6 +109,8 @@ def test_ucx_iov_probe_refuses_bad_arguments():
         probe(["--sizes-mib", "16,lots"])
     with pytest.raises(SystemExit):
         probe(["--sizes-mib", "1", "--block-bytes", str(2 << 20)])
+    with pytest.raises(SystemExit):  # refused here, not by UCX in each child after a deadline
+        probe(["--rndv-scheme", "bogus"])
 
 
 def test_ttft_part_hands_a_real_prefill_off_in_the_deployed_dtype(tmp_path):

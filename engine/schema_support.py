@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import regex  # a user's patterns run with a time limit here (re has none)
 
+from pdserve.request_rules import schema_validator
+
 # Skipped wherever they appear, unless their value asserts nothing. ("minContains" and
 # "maxContains" mean nothing without "contains"; "then"/"else" nothing without "if".)
 SKIPPED = {
@@ -103,10 +105,7 @@ class _Check:
     draft: str = field(init=False)  # the draft jsonschema reads the schema as ("Draft7Validator", ...)
 
     def __post_init__(self) -> None:
-        from jsonschema import validators  # loaded by the schema check already
-
-        read_as = validators.validator_for(self.root, default=validators.Draft202012Validator)  # as request_rules does
-        self.draft = read_as.__name__ if isinstance(self.root, dict) else ""
+        self.draft = schema_validator(self.root).__name__ if isinstance(self.root, dict) else ""
 
     @property
     def legacy_ref(self) -> bool:

@@ -230,11 +230,10 @@ def check_constraint(c: Constraint) -> None:
             raise InvalidRequest(field, f"is nested more than {MAX_SCHEMA_DEPTH} levels deep")
         if not isinstance(schema, (dict, bool)):
             raise InvalidRequest(field, f"must be a JSON object (a schema), got {type(schema).__name__}")
-        from jsonschema import SchemaError, validators  # imported on first use: most requests have no schema
+        from jsonschema import SchemaError  # imported on first use: most requests have no schema
 
         try:
-            # An unknown "$schema" is read as the latest draft (jsonschema's own default, without its warning).
-            validators.validator_for(schema, default=validators.Draft202012Validator).check_schema(schema)
+            schema_validator(schema).check_schema(schema)
         except SchemaError as e:
             where = "/".join(str(p) for p in e.absolute_path)
             raise InvalidRequest(
@@ -242,6 +241,14 @@ def check_constraint(c: Constraint) -> None:
             ) from None
         except (OverflowError, RecursionError, ValueError) as e:  # a pattern Python's re cannot take
             raise InvalidRequest(field, f"is not a valid JSON Schema: {type(e).__name__}: {e}") from None
+
+
+def schema_validator(schema: object):
+    """The jsonschema validator class of the draft ``schema`` declares. An unknown "$schema" is
+    read as the latest draft (jsonschema's own default, without its warning)."""
+    from jsonschema import validators
+
+    return validators.validator_for(schema, default=validators.Draft202012Validator)
 
 
 def nesting_depth(value) -> int:

@@ -15,17 +15,24 @@ peer in the order they were sent, so only each queue's head is checked (a receiv
 order waits in a queue of its own). Cancelling a posted receive: ucxx offers no
 per-request cancel, so the worker sends itself an empty message with the receive's tag; the
 receive completes (with nothing in it) and from then on nothing can land in its buffer.
+
+Stopping: ucxx's worker destructor receives every message no receive took, cancels what is
+in flight, and waits for each to end; a rendezvous message whose sender stopped, or a send no
+peer takes, never does. So the stop receives those messages itself and gives sends a bounded
+time; a worker left with one that cannot end is kept until the process exits, not destroyed.
 """
 
 from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import ctypes
 import itertools
 import logging
 import os
 import select
 import threading
+import time
 import weakref
 from collections import deque
 from typing import Callable
@@ -38,12 +45,13 @@ _IMPORT_ERROR: str | None = None
 try:
     from ucxx._lib import libucxx as _ucx
     from ucxx._lib.arr import Array
-    from ucxx.types import Tag
+    from ucxx.types import Tag, TagMask
 except Exception as e:  # noqa: BLE001 - any failure means: no UCX here
     _IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
 TAG_BITS = 40  # a tag is (connection tag << TAG_BITS) | sequence number
 MAX_APART = 1024  # cancelled tags remembered for a receive not posted yet
+SETTLE_S = 2.0  # at stop: how long stray messages and unfinished sends get to end
 Done = Callable[[BaseException | None], None]
 _LIVE: "weakref.WeakSet[UcxWorker]" = weakref.WeakSet()  # closed at exit: UCX must not die under its thread
 
@@ -78,6 +86,7 @@ class UcxWorker:
         self._endpoints: dict[bytes, object] = {}
         self._self_endpoint = None
         self._stopped = False
+        self.kept_until_exit = False  # set at stop when destroying the worker would wait for ever
         self._thread = threading.Thread(target=self._run, name="ucx-progress", daemon=True)
         self._thread.start()
         _LIVE.add(self)
@@ -201,13 +210,45 @@ class UcxWorker:
         with self._lock:  # no command comes in after this
             left, self._commands = list(self._commands), deque()
         stopped = RuntimeError("UCX worker stopped")
-        waiting = [on_error for _, on_error in left] + [done for q in self._queues.values() for _, _, done, _ in q]
+        entries = [entry for queue in self._queues.values() for entry in queue]
+        sends = [entry for key, queue in self._queues.items() if key[0] in ("send", "cancel") for entry in queue]
         self._queues.clear()
-        for done in waiting:
+        for done in [on_error for _, on_error in left] + [done for _, _, done, _ in entries]:
             self._call(done, stopped)
+        # Their buffers outlive the worker (set after it, so freed after it): the destructor
+        # cancels the receives still posted into them.
+        self._posted = entries
+        settled = self._settle(sends)
         for endpoint in self._endpoints.values():
             endpoint.close_blocking(period=10**8)
         self._endpoints.clear()
+        if not settled:
+            log.warning(
+                "a UCX message could not end at stop (its peer stopped): the worker is kept until the process exits"
+            )
+            self.kept_until_exit = True
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(self))  # never destroyed, not even at exit
+
+    def _settle(self, sends: list) -> bool:
+        """Receives the messages no receive took (a rendezvous one needs its sender to progress)
+        and gives unfinished sends time to end: True when nothing is left unfinished."""
+        strays = []
+        deadline = time.monotonic() + SETTLE_S
+        while True:
+            while self._worker.progress_once():
+                pass
+            probe = self._worker.tag_probe(Tag(0), TagMask(0), remove=True)
+            if probe.matched:
+                buffer = bytearray(probe.length + 1)
+                strays.append((self._worker.tag_recv_with_handle(Array(memoryview(buffer)[:-1]), probe), buffer))
+                continue
+            unfinished = [entry for entry in strays + sends if not entry[0].completed]
+            if not unfinished:
+                return True
+            if time.monotonic() > deadline:
+                self._posted += unfinished
+                return False
+            time.sleep(0.001)
 
     def _complete(self) -> None:
         for key, queue in list(self._queues.items()):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from kv_sides import LAYERS, TOKEN_BYTES, UCX_SKIP_REASON, Decode, Prefill, assert_same_tokens, peer
 
-from pdserve.kvtransfer import cuda_ipc_transport, receiver, ucx_transport
+from pdserve.kvtransfer import cuda_ipc_transport, receiver, ucx_transport, ucx_worker
 from pdserve.kvtransfer.protocol import FrameHeader, FrameKind
 from pdserve.kvtransfer.ucx_worker import UcxWorker
 
@@ -506,19 +506,39 @@ def test_a_send_stuck_on_a_dropped_connection_holds_up_no_other_connection(ucx_p
     transfer.send_layer(0, [0], 0, 10)
     assert wait_until(lambda: decode.ledger.counters["protocol_errors"] == 1)  # its message did not come
     monkeypatch.setattr(prefill.ucx, "send", real_send)
-    for args in held:
-        real_send(*args)  # now it comes: nothing takes it
+    ended = []
+    for peer_address, buffer, tag, done in held:  # now it comes: nothing takes it
+        real_send(peer_address, buffer, tag, lambda e, done=done: (ended.append(e), done(e)))
     transfer.cancel()
     conn.close()
     again = prefill.connect(decode.address)
     tid = decode.grant([3, 4], 10)
     assert prefill.ship(again, tid, [0], [3, 4], 8, 10).ok and decode.outcome(tid).ok
     again.close()
-    # Let the stuck send end (ucxx cannot cancel a send: destroying its worker would spin).
-    ended = []
-    for _, _, tag, _ in held:
-        decode.ucx.recv(memoryview(bytearray(1))[:0], tag, ended.append)
-    assert wait_until(lambda: len(ended) == len(held))
+    assert ended == []  # still stuck
+    # Stopping the decode side receives the stray message (ucxx's destructor would wait for it
+    # for ever once its sender stops), so the stuck send ends and both workers can go.
+    decode.close()
+    assert wait_until(lambda: len(ended) == len(held)) and ended == [None] * len(held)
+    assert not decode.ucx.kept_until_exit
+
+
+@pytest.mark.skipif(UCX_SKIP_REASON is not None, reason=str(UCX_SKIP_REASON))
+def test_a_worker_whose_send_cannot_end_is_kept_instead_of_destroyed(monkeypatch):
+    """A rendezvous send that no receive takes never ends, and ucxx's destructor would wait for it
+    for ever: the stop gives it a bounded time, then keeps that worker until the process exits."""
+    monkeypatch.setenv("UCX_RNDV_THRESH", "1024")
+    monkeypatch.setattr(ucx_worker, "SETTLE_S", 0.3)
+    sender, peer = UcxWorker(), UcxWorker()
+    sent = []
+    sender.send(peer.address, bytearray(64 * 1024), 5, sent.append)
+    sender.connect(peer.address).result(timeout=5)  # commands run in order: the send is posted
+    started = time.monotonic()
+    sender.close()
+    assert sender.kept_until_exit and time.monotonic() - started < 5
+    assert len(sent) == 1 and isinstance(sent[0], RuntimeError)
+    peer.close()  # the message it never took: received at its stop, or its worker kept; either way it ends
+    assert time.monotonic() - started < 10
 
 
 @pytest.mark.skipif(UCX_SKIP_REASON is not None, reason=str(UCX_SKIP_REASON))

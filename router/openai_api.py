@@ -13,10 +13,10 @@ non-streaming answer, cancels the generation and with it the workers' RPCs.
 Beyond OpenAI's parameters, the vLLM extensions ``top_k`` (-1 or 0: off), ``ignore_eos``,
 ``stop_token_ids``, ``priority``, ``prompt_logprobs`` and ``guided_*`` are understood
 (choices, logprobs, echo and structured output: ``router.openai_params``). Parameters that
-would change the answer but are not implemented (penalties, ``logit_bias``, tools, vLLM's
-``min_p``, ``repetition_penalty`` and ``min_tokens``, ``suffix``) are rejected with a 400 rather
-than silently ignored, unless they have their no-op value; unknown parameters are
-ignored, as vLLM does.
+would change the answer but are not implemented (penalties, ``logit_bias``, tools, ``suffix``,
+and vLLM's extensions listed in ``openai_protocol``: ``min_p``, beam search, chat-template
+options, ...) are rejected with a 400 rather than silently ignored, unless they have their
+no-op value; unknown parameters are ignored, as vLLM does.
 """
 
 from __future__ import annotations
@@ -186,12 +186,21 @@ class _OpenAI:
             sampling=replace(sampling, **parity.sampling),
         )
         validated = await self.validate(completion, {**names, **parity.names})
-        prompt_text = (
-            (inputs.get("prompt") or self.completions.tokenizer.decode(validated.prompt_token_ids))
-            if parity.echo
-            else ""
+        prompt_text = ""
+        if parity.echo:  # the prompt as sent, or its ids' text, special tokens and all
+            prompt_text = inputs.get("prompt") or self.completions.tokenizer.decode(
+                validated.prompt_token_ids, skip_special_tokens=False
+            )
+        job = Job(
+            self.model_name,
+            chat,
+            validated,
+            include_usage,
+            self.texts,
+            parity.echo,
+            prompt_text,
+            parity.show_prompt_logprobs,
         )
-        job = Job(self.model_name, chat, validated, include_usage, self.texts, parity.echo, prompt_text)
         headers = {"X-Request-Id": job.id}
         try:
             if stream:

@@ -1,5 +1,6 @@
 """One OpenAI request on its way through the API: its id and its response shapes, whole or
-streamed, for every choice (``n``), with log probabilities and the echoed prompt when asked."""
+streamed, for every choice (``n``), with log probabilities, vLLM's prompt logprobs and the
+echoed prompt when asked."""
 
 from __future__ import annotations
 
@@ -8,7 +9,13 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from pdserve.router.completions import Chunk
-from pdserve.router.openai_logprobs import CompletionLogprobs, TokenTexts, chat_logprobs, merge_blocks
+from pdserve.router.openai_logprobs import (
+    CompletionLogprobs,
+    TokenTexts,
+    chat_logprobs,
+    merge_blocks,
+    prompt_logprobs,
+)
 from pdserve.router.openai_protocol import openai_finish_reason, sse, usage_body
 from pdserve.router.validation import ValidatedRequest
 from pdserve.v1 import pdserve_pb2 as pb
@@ -35,7 +42,10 @@ class Job:
         texts: TokenTexts,
         echo: bool = False,
         prompt_text: str = "",
+        show_prompt_logprobs: bool = False,
     ) -> None:
+        """``show_prompt_logprobs``: the client asked for vLLM's ``prompt_logprobs`` (answered
+        whole only; echo with logprobs asks the engine for them too, for its own block)."""
         self.model_name = model_name
         self.chat = chat
         self.validated = validated
@@ -48,6 +58,7 @@ class Job:
         self.prompt_text = prompt_text
         self.logprobs = validated.sampling.logprobs is not None
         self.prompt_logprobs: list[pb.TokenLogprob] | None = None  # arrive with choice 0's first chunk
+        self.show_prompt_logprobs = show_prompt_logprobs
         self.choices: dict[int, _Choice] = {}
 
     def _head(self, obj: str) -> dict[str, Any]:
@@ -75,8 +86,8 @@ class Job:
             blocks = []
             if first and self.echo and self.prompt_logprobs is not None:
                 prompt = self.validated.prompt_token_ids
-                blocks.append(choice.offsets.block(prompt, [None, *self.prompt_logprobs]))
-                choice.offsets.offset = len(self.prompt_text)  # offsets index the returned text
+                blocks.append(choice.offsets.block(prompt, [None, *self.prompt_logprobs], skip_special=False))
+                choice.offsets.restart_at(len(self.prompt_text))  # the completion follows the echoed text
             if self.logprobs:
                 blocks.append(choice.offsets.block(chunk.token_ids, chunk.logprobs))
             block = merge_blocks(blocks)
@@ -93,6 +104,9 @@ class Job:
         for chunk in chunks:
             self._take(chunk)
         usage = usage_body(chunks[-1].usage if chunks else None)
+        shown = None
+        if self.show_prompt_logprobs:
+            shown = prompt_logprobs(self.texts, self.validated.prompt_token_ids, self.prompt_logprobs or [])
         out = []
         for index in sorted(self.choices):
             c = self.choices[index]
@@ -118,10 +132,14 @@ class Job:
                         "text": "".join(c.text),
                         "logprobs": merge_blocks(c.logprob_blocks),
                         "finish_reason": c.finish_reason,
+                        **({"prompt_logprobs": shown} if shown is not None else {}),
                     }
                 )
         kind = "chat.completion" if self.chat else "text_completion"
-        return {**self._head(kind), "choices": out, "usage": usage}
+        body = {**self._head(kind), "choices": out, "usage": usage}
+        if self.chat and shown is not None:
+            body["prompt_logprobs"] = shown  # vLLM: once per chat response
+        return body
 
     # -- streaming -----------------------------------------------------------------------------
     def _chunk(self, choices: list[dict[str, Any]], usage=None, last: bool = False) -> bytes:

@@ -7,11 +7,19 @@ it). /v1/chat/completions: ``{"content": [{"token", "logprob", "bytes", "top_log
 [{"token", "logprob", "bytes"}]}], "refusal": null}``.
 
 A token's text is its own bytes decoded as UTF-8 (a token that holds part of a character
-shows U+FFFD, as in vLLM); ``bytes`` are the exact bytes, so a client can join them.
+shows U+FFFD, as in vLLM); ``bytes`` are the exact bytes, so a client can join them. A
+token's ``text_offset`` indexes the returned text: the characters its predecessors' bytes
+complete (so tokens that share a character share its offset), a special token the answer's
+text leaves out taking none.
+
+vLLM's ``prompt_logprobs``: one entry per prompt token, ``null`` for the first (nothing
+predicts it), else ``{token_id: {"logprob", "rank", "decoded_token"}}`` for the prompt's token
+and the most likely alternatives.
 """
 
 from __future__ import annotations
 
+import codecs
 from functools import lru_cache
 from typing import Any
 
@@ -37,6 +45,7 @@ class TokenTexts:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.byte_level = type(tokenizer.decoder).__name__ == "ByteLevel"
+        self.special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
         self._cache: dict[int, tuple[str, list[int]]] = {}
 
     def __call__(self, token_id: int) -> tuple[str, list[int]]:
@@ -60,18 +69,27 @@ class TokenTexts:
 class CompletionLogprobs:
     """One choice's /v1/completions ``logprobs``, built chunk by chunk (offsets run on)."""
 
-    def __init__(self, texts: TokenTexts, offset: int = 0) -> None:
+    def __init__(self, texts: TokenTexts) -> None:
         self.texts = texts
-        self.offset = offset  # characters of the choice's text before the next token
+        self.restart_at(0)
 
-    def block(self, token_ids: list[int], logprobs: list[pb.TokenLogprob | None]) -> dict[str, Any]:
-        """``logprobs[i]`` None: no prediction for that token (the prompt's first)."""
+    def restart_at(self, offset: int) -> None:
+        """The next token starts at character ``offset`` of the returned text."""
+        self.offset = offset
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")  # holds a character's first bytes
+
+    def block(
+        self, token_ids: list[int], logprobs: list[pb.TokenLogprob | None], skip_special: bool = True
+    ) -> dict[str, Any]:
+        """``logprobs[i]`` None: no prediction for that token (the prompt's first).
+        ``skip_special``: the returned text leaves special tokens out (a completion's does)."""
         tokens, token_logprobs, tops, offsets = [], [], [], []
         for token_id, lp in zip(token_ids, logprobs):
-            text = self.texts(token_id)[0]
+            text, raw = self.texts(token_id)
             tokens.append(text)
             offsets.append(self.offset)
-            self.offset += len(text)
+            if not (skip_special and token_id in self.texts.special):
+                self.offset += len(self._utf8.decode(bytes(raw)))
             token_logprobs.append(lp.logprob if lp is not None else None)
             tops.append(
                 None
@@ -79,6 +97,21 @@ class CompletionLogprobs:
                 else {self.texts(t)[0]: v for t, v in zip(lp.top_token_ids, lp.top_logprobs)} | {text: lp.logprob}
             )
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_logprobs(
+    texts: TokenTexts, prompt_ids: list[int], logprobs: list[pb.TokenLogprob]
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs``; ``logprobs[i]`` is for ``prompt_ids[i + 1]``."""
+    out: list[dict[str, dict[str, Any]] | None] = [None]
+    for token_id, lp in zip(prompt_ids[1:], logprobs):
+        entry = {
+            str(t): {"logprob": v, "rank": rank, "decoded_token": texts(t)[0]}
+            for rank, (t, v) in enumerate(zip(lp.top_token_ids, lp.top_logprobs), 1)
+        }
+        entry[str(token_id)] = {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": texts(token_id)[0]}
+        out.append(entry)
+    return out
 
 
 def merge_blocks(blocks: list[dict[str, Any]]) -> dict[str, Any] | None:

@@ -6,7 +6,7 @@ field back to the parameter the client sent.
 - ``n``, ``best_of`` (completions; ``best_of`` > ``n`` cannot stream, as OpenAI says);
 - completions ``logprobs`` (an integer: alternatives per token) and ``echo`` (the prompt
   returned before the completion; with ``logprobs``, with its tokens' logprobs too); vLLM's
-  ``prompt_logprobs``;
+  ``prompt_logprobs`` (answered whole, as vLLM does: not with ``stream``);
 - chat ``logprobs`` (a boolean) and ``top_logprobs``;
 - ``response_format``: ``text``, ``json_object``, ``json_schema`` (``{"json_schema":
   {"name", "schema", "strict"}}``), and vLLM's ``guided_json``, ``guided_regex``,
@@ -30,6 +30,7 @@ class ParityFields:
     sampling: dict[str, Any]  # SamplingRequest fields
     names: dict[str, str] = field(default_factory=dict)  # validation's field -> the client's parameter
     echo: bool = False
+    show_prompt_logprobs: bool = False  # vLLM's prompt_logprobs, asked for by name
 
 
 def parity_fields(p: Params, chat: bool, stream: bool) -> ParityFields:
@@ -53,7 +54,10 @@ def parity_fields(p: Params, chat: bool, stream: bool) -> ParityFields:
         names["sampling.best_of"] = "best_of"
         if echo and sampling["logprobs"] is not None:  # the prompt's tokens get logprobs too
             sampling["prompt_logprobs"] = sampling["logprobs"]
-    if p.given("prompt_logprobs"):  # a vLLM extension
+    show_prompt_logprobs = p.get_int("prompt_logprobs") is not None  # a vLLM extension
+    if show_prompt_logprobs:
+        if stream:
+            raise invalid("prompt_logprobs", "is not available when stream is true")
         sampling["prompt_logprobs"] = p.get_int("prompt_logprobs")
         names["sampling.prompt_logprobs"] = "prompt_logprobs"
     constraint, param = _constraint(p)
@@ -67,7 +71,7 @@ def parity_fields(p: Params, chat: bool, stream: bool) -> ParityFields:
         )
         names["sampling.structured_output"] = param
         names["sampling.ignore_eos"] = "ignore_eos"
-    return ParityFields({k: v for k, v in sampling.items() if v is not None}, names, echo)
+    return ParityFields({k: v for k, v in sampling.items() if v is not None}, names, echo, show_prompt_logprobs)
 
 
 def _constraint(p: Params) -> tuple[Constraint | None, str]:

@@ -259,6 +259,34 @@ def _content(content: Any, where: str) -> str:
     return "\n".join(texts)  # as vLLM joins text parts
 
 
+# vLLM's extensions that would change the answer and are not built: refused unless null, empty
+# or their no-op value (None: no value is a no-op).
+_NOT_BUILT = (
+    ("min_p", 0.0),
+    ("repetition_penalty", 1.0),
+    ("min_tokens", 0),
+    ("length_penalty", 1.0),
+    ("use_beam_search", False),
+    ("include_stop_str_in_output", False),
+    ("skip_special_tokens", True),
+    ("return_tokens_as_token_ids", False),
+    ("truncate_prompt_tokens", None),
+    ("bad_words", None),
+    ("allowed_token_ids", None),
+    ("guided_whitespace_pattern", None),
+)
+_NOT_BUILT_CHAT = (
+    ("echo", False),
+    ("add_generation_prompt", True),
+    ("continue_final_message", False),
+    ("add_special_tokens", False),
+    ("chat_template", None),
+    ("chat_template_kwargs", None),
+    ("documents", None),
+)
+_NOT_BUILT_COMPLETIONS = (("add_special_tokens", True),)
+
+
 def reject_unsupported(p: Params, chat: bool) -> None:
     if chat:
         for name in ("tools", "functions"):
@@ -271,11 +299,16 @@ def reject_unsupported(p: Params, chat: bool) -> None:
             raise invalid(name, "penalties are not supported (only 0)")
     if p.raw("logit_bias"):
         raise invalid("logit_bias", "logit_bias is not supported")
-    # vLLM's extensions that change the answer: refused unless they are their no-op value.
-    for name, no_op in (("min_p", 0.0), ("repetition_penalty", 1.0), ("min_tokens", 0)):
-        value = p.get_number(name)
-        if value is not None and value != no_op:
-            raise invalid(name, f"is not supported (only {no_op:g})")
+    for name, no_op in (*_NOT_BUILT, *(_NOT_BUILT_CHAT if chat else _NOT_BUILT_COMPLETIONS)):
+        if not _is_no_op(p.raw(name), no_op):
+            raise invalid(name, "is not supported" + (f" (only {json.dumps(no_op)})" if no_op is not None else ""))
+
+
+def _is_no_op(value: Any, no_op: Any) -> bool:
+    if value is None or value == [] or value == {}:
+        return True
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (value, no_op))
+    return (numbers or type(value) is type(no_op)) and value == no_op
 
 
 def stream_options(p: Params, stream: bool) -> bool:

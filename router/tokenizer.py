@@ -46,8 +46,8 @@ class RouterTokenizer:
             ids = ids["input_ids"]
         return list(ids)
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self.hf.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def text_stream(self, stop: tuple[str, ...] = ()) -> TextStream:
         return TextStream(self.backend, stop)

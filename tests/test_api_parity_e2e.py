@@ -117,6 +117,23 @@ async def test_openai_sdk_echo_and_chat_logprobs_equal_transformers(stack, hf_re
         assert abs(lp.token_logprobs[i] - ref[i - 1, ids[i]].item()) < TOLERANCE
         assert len(lp.top_logprobs[i]) >= 2
 
+    # vLLM's prompt_logprobs: the prompt token's and the 2 likeliest, by token id.
+    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2}
+    shown = (await client.post("/completions", body=body, cast_to=object))["choices"][0]["prompt_logprobs"]
+    assert len(shown) == len(prompt_ids) and shown[0] is None
+    for i in range(1, len(prompt_ids)):
+        row = ref[i - 1]
+        assert abs(shown[i][str(prompt_ids[i])]["logprob"] - row[prompt_ids[i]].item()) < TOLERANCE
+        best = sorted(shown[i].values(), key=lambda e: e["rank"])[:2]
+        assert [e["rank"] for e in best] == [1, 2]
+        assert [e["logprob"] for e in best] == pytest.approx(row.topk(2).values.tolist(), abs=TOLERANCE)
+    # Echoed token ids keep their special tokens, and every offset indexes the returned text.
+    body = {"model": model, "prompt": [1, *prompt_ids], "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 0}
+    choice = (await client.post("/completions", body=body, cast_to=object))["choices"][0]
+    offsets, start = choice["logprobs"]["text_offset"], "<|im_start|>"
+    assert choice["text"].startswith(start + prompt) and offsets == sorted(offsets)
+    assert offsets[1] == len(start) and offsets[len(prompt_ids) + 1] == len(start + prompt)
+
     messages = [{"role": "user", "content": "Name a colour."}]
     chat = await client.chat.completions.create(
         model=model, messages=messages, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3
@@ -125,6 +142,11 @@ async def test_openai_sdk_echo_and_chat_logprobs_equal_transformers(stack, hf_re
         messages, add_generation_prompt=True, tokenize=True, return_dict=True
     )["input_ids"]
     content = chat.choices[0].logprobs.content
+    body = {"model": model, "messages": messages, "max_tokens": 1, "prompt_logprobs": 0}
+    shown = (await client.post("/chat/completions", body=body, cast_to=object))["prompt_logprobs"]
+    assert (
+        len(shown) == len(chat_ids) and shown[0] is None and all(str(t) in e for t, e in zip(chat_ids[1:], shown[1:]))
+    )
     generated = hf_reference.greedy(chat_ids, len(content))
     ref = reference(hf_reference, chat_ids + generated)
     for k, entry in enumerate(content):

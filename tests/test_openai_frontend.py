@@ -29,10 +29,12 @@ from pdserve.client import build_request
 from pdserve.router.completions import Completions
 from pdserve.router.dispatch import DispatchError, TokenEvent
 from pdserve.router.openai_api import create_app, http_port, serve_http
+from pdserve.router.openai_logprobs import CompletionLogprobs, TokenTexts, prompt_logprobs
 from pdserve.router.request import CompletionRequest
 from pdserve.router.servicer import RouterService, add_router_service
 from pdserve.router.tokenizer import RouterTokenizer
 from pdserve.router.validation import InvalidRequest
+from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc
 
 MAX_INFLIGHT = 64
@@ -308,6 +310,77 @@ async def test_a_client_gone_while_sending_its_body_is_no_server_error(tokenizer
             assert (await http.post("/v1/completions", json=ok)).status_code == 200
         assert "the client went away" in caplog.text
         assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")], caplog.text
+    finally:
+        await _stop(server, task)
+        completions.close()
+
+
+@pytest.mark.parametrize("prompt", ["Hello, and the", "😀 is é€ and 中文 ok", "<|im_start|>user\nHi 👋🏽"])
+def test_completion_text_offsets_index_the_returned_text(tokenizer, prompt):
+    """Each token's offset is where its text starts in the returned text: tokens that split a
+    character share its offset, offsets never go back, and special tokens count where the text
+    holds them (an echoed prompt) and take no room where it leaves them out (a completion)."""
+    texts = TokenTexts(tokenizer.backend)
+    ids = tokenizer.encode(prompt)
+    assert tokenizer.decode(ids, skip_special_tokens=False) == prompt
+    offsets = CompletionLogprobs(texts).block(ids, [None] * len(ids), skip_special=False)["text_offset"]
+    expected = [len(bytes(b for t in ids[:i] for b in texts(t)[1]).decode("utf-8", "ignore")) for i in range(len(ids))]
+    assert offsets == expected and offsets == sorted(offsets) and offsets[-1] < len(prompt)
+    for i, token_id in enumerate(ids):
+        if texts(token_id)[0].isprintable() and "\ufffd" not in texts(token_id)[0]:  # a whole character or more
+            assert prompt[offsets[i] :].startswith(texts(token_id)[0]), (i, texts(token_id)[0])
+    completion = CompletionLogprobs(texts)
+    completion.restart_at(len(prompt))
+    generated = [*tokenizer.encode(" a"), 2, *tokenizer.encode(" b")]  # <|im_end|> between: not in the text
+    assert completion.block(generated, [None] * 3)["text_offset"] == [len(prompt), len(prompt) + 2, len(prompt) + 2]
+
+
+def test_prompt_logprobs_take_vllm_shape(tokenizer):
+    texts = TokenTexts(tokenizer.backend)
+    ids = tokenizer.encode("Hello world")
+    world, other = ids[1], tokenizer.encode(" there")[0]
+    lp = pb.TokenLogprob(logprob=-2.5, rank=3, top_token_ids=[other, 28], top_logprobs=[-0.5, -1.0])
+    assert prompt_logprobs(texts, ids, [lp]) == [
+        None,
+        {
+            str(other): {"logprob": -0.5, "rank": 1, "decoded_token": " there"},
+            "28": {"logprob": -1.0, "rank": 2, "decoded_token": ","},
+            str(world): {"logprob": -2.5, "rank": 3, "decoded_token": " world"},
+        },
+    ]
+
+
+@pytest.mark.parametrize(
+    "chat, body, param",
+    [
+        (False, {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+        (False, {"use_beam_search": True}, "use_beam_search"),
+        (False, {"length_penalty": 0.5}, "length_penalty"),
+        (False, {"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+        (False, {"skip_special_tokens": False}, "skip_special_tokens"),
+        (False, {"truncate_prompt_tokens": 2}, "truncate_prompt_tokens"),
+        (False, {"add_special_tokens": False}, "add_special_tokens"),
+        (False, {"bad_words": ["x"]}, "bad_words"),
+        (True, {"continue_final_message": True}, "continue_final_message"),
+        (True, {"add_generation_prompt": False}, "add_generation_prompt"),
+        (True, {"echo": True}, "echo"),
+        (True, {"chat_template": "{{ messages }}"}, "chat_template"),
+    ],
+)
+async def test_vllm_parameters_that_would_change_the_answer_are_refused_not_ignored(tokenizer, chat, body, param):
+    dispatcher = EchoDispatcher()
+    completions = Completions(tokenizer, dispatcher, 600, max_inflight=MAX_INFLIGHT)
+    server, task, base = await _http(create_app(completions, "m"))
+    base_body = {"messages": [{"role": "user", "content": "Hi"}]} if chat else {"prompt": "Hi"}
+    url = "/v1/chat/completions" if chat else "/v1/completions"
+    no_ops = {"use_beam_search": False, "length_penalty": 1, "skip_special_tokens": True, "bad_words": []}
+    try:
+        async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+            answer = await http.post(url, json={"model": "m", "max_tokens": 2, **base_body, **body})
+            assert_openai_error(answer, 400, param)
+            answer = await http.post(url, json={"model": "m", "max_tokens": 2, **base_body, **no_ops})
+            assert answer.status_code == 200, answer.text
+        assert len(dispatcher.seen) == 1  # only the no-op request reached a worker
     finally:
         await _stop(server, task)
         completions.close()

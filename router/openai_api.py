@@ -11,11 +11,12 @@ retry later (504). A client that goes away, mid-stream or while waiting for a
 non-streaming answer, cancels the generation and with it the workers' RPCs.
 
 Beyond OpenAI's parameters, the vLLM extensions ``top_k`` (-1 or 0: off), ``ignore_eos``,
-``stop_token_ids``, ``priority``, ``prompt_logprobs`` and ``guided_*`` are understood
+``stop_token_ids``, ``priority``, ``prompt_logprobs``, ``guided_*`` and chat's
+``add_generation_prompt`` and ``continue_final_message`` are understood
 (choices, logprobs, echo and structured output: ``router.openai_params``). Parameters that
 would change the answer but are not implemented (penalties, ``logit_bias``, tools, ``suffix``,
-and vLLM's extensions listed in ``openai_protocol``: ``min_p``, beam search, chat-template
-options, ...) are rejected with a 400 rather than silently ignored, unless they have their
+and vLLM's extensions listed in ``openai_protocol``: ``min_p``, beam search, a chat template
+of the client's, ...) are rejected with a 400 rather than silently ignored, unless they have their
 no-op value; unknown parameters are ignored, as vLLM does.
 """
 
@@ -55,6 +56,7 @@ from pdserve.router.openai_protocol import (
     ClientGone,
     Params,
     chat_messages,
+    chat_template_options,
     invalid,
     json_body,
     param_name,
@@ -172,7 +174,7 @@ class _OpenAI:
         reject_unsupported(p, chat)
         p.get_str("user")  # accepted and ignored
         if chat:
-            inputs = {"messages": chat_messages(p)}
+            inputs = {"messages": chat_messages(p), **chat_template_options(p)}
             max_param = "max_completion_tokens" if p.given("max_completion_tokens") else "max_tokens"
         else:
             inputs = prompt_input(p)

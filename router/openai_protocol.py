@@ -241,6 +241,15 @@ def chat_messages(p: Params) -> tuple[ChatMessage, ...]:
     return tuple(out)
 
 
+def chat_template_options(p: Params) -> dict[str, Any]:
+    """vLLM's ``add_generation_prompt`` and ``continue_final_message`` (the ``CompletionRequest``
+    fields they fill; validation judges them together)."""
+    options: dict[str, Any] = {"continue_final_message": p.get_bool("continue_final_message")}
+    if p.given("add_generation_prompt"):
+        options["add_generation_prompt"] = p.get_bool("add_generation_prompt")
+    return options
+
+
 def _content(content: Any, where: str) -> str:
     if content is None:  # e.g. an assistant message that only called tools
         return ""
@@ -277,8 +286,6 @@ _NOT_BUILT = (
 )
 _NOT_BUILT_CHAT = (
     ("echo", False),
-    ("add_generation_prompt", True),
-    ("continue_final_message", False),
     ("add_special_tokens", False),
     ("chat_template", None),
     ("chat_template_kwargs", None),

@@ -74,6 +74,8 @@ class CompletionRequest:
     priority: int = 0
     ttft_budget_ms: float | None = None
     sampling: SamplingRequest = field(default_factory=SamplingRequest)
+    add_generation_prompt: bool | None = None  # messages only (None: unless continue_final_message)
+    continue_final_message: bool = False  # messages only
 
     @classmethod
     def from_proto(cls, req: pb.GenerateRequest) -> "CompletionRequest":
@@ -85,4 +87,6 @@ class CompletionRequest:
             priority=req.priority,
             ttft_budget_ms=req.ttft_budget_ms if req.HasField("ttft_budget_ms") else None,
             sampling=SamplingRequest.from_proto(req.sampling),
+            add_generation_prompt=req.add_generation_prompt if req.HasField("add_generation_prompt") else None,
+            continue_final_message=req.continue_final_message,
         )

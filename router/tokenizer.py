@@ -38,10 +38,17 @@ class RouterTokenizer:
     def encode(self, prompt: str) -> list[int]:
         return self.hf(prompt, add_special_tokens=True)["input_ids"]
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, continue_final_message: bool = False
+    ) -> list[int]:
         if not self.has_chat_template:
             raise ValueError("messages: this model has no chat template; send a prompt instead")
-        ids = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = self.hf.apply_chat_template(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=True,
+        )
         if isinstance(ids, dict) or hasattr(ids, "keys"):  # BatchEncoding in newer transformers
             ids = ids["input_ids"]
         return list(ids)

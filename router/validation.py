@@ -84,6 +84,13 @@ def _prompt_ids(req: CompletionRequest, tokenizer: RouterTokenizer) -> list[int]
         )
 
     field = given[0]
+    if field != "messages":
+        for name, set_ in (
+            ("add_generation_prompt", req.add_generation_prompt is not None),
+            ("continue_final_message", req.continue_final_message),
+        ):
+            if set_:
+                raise InvalidRequest(name, "applies to messages only")
     if field == "prompt":
         if not req.prompt:
             raise InvalidRequest("prompt", "must not be empty")
@@ -98,12 +105,25 @@ def _prompt_ids(req: CompletionRequest, tokenizer: RouterTokenizer) -> list[int]
         if not tokenizer.has_chat_template:
             raise InvalidRequest("messages", "this model has no chat template; send a prompt instead")
         _refuse_if_prefix_fills_context("".join(m["content"] for m in messages), tokenizer, field)
+        add_generation_prompt = _chat_turn(req, messages)
         try:
-            ids = tokenizer.encode_chat(messages)
+            ids = tokenizer.encode_chat(messages, add_generation_prompt, req.continue_final_message)
         except Exception as e:  # noqa: BLE001 - the model's own template refused these messages
             raise InvalidRequest("messages", f"the chat template cannot render them: {e}") from None
     check_prompt_tokens(ids, vocab_size=tokenizer.vocab_size, max_model_len=tokenizer.max_model_len, field=field)
     return ids
+
+
+def _chat_turn(req: CompletionRequest, messages: list[dict[str, str]]) -> bool:
+    """Whether the template opens the assistant's turn after ``messages`` (vLLM's rules; a
+    continued final message closes nothing, so by default it opens nothing either)."""
+    add = req.add_generation_prompt if req.add_generation_prompt is not None else not req.continue_final_message
+    if req.continue_final_message:
+        if add:
+            raise InvalidRequest("continue_final_message", "cannot be combined with add_generation_prompt: true")
+        if messages[-1]["role"] != "assistant":
+            raise InvalidRequest("continue_final_message", "the last message must be the assistant's, to continue")
+    return add
 
 
 def _refuse_if_prefix_fills_context(text: str, tokenizer: RouterTokenizer, field: str) -> None:

@@ -181,6 +181,29 @@ async def test_chat_completion_greedy(api, tokenizer, hf_reference):
     assert out.usage.total_tokens == len(prompt_ids) + len(expected_ids)
 
 
+async def test_chat_continues_the_final_message(api, hf_reference):
+    """vLLM's continue_final_message: the assistant's last message goes on, as transformers'
+    template renders it (no turn closed, none opened)."""
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My favourite is"}]
+    prompt_ids = hf_reference.tokenizer.apply_chat_template(
+        messages, continue_final_message=True, tokenize=True, return_dict=True
+    )["input_ids"]
+    _, expected = hf_greedy_text(hf_reference, prompt_ids)
+    extra = {"continue_final_message": True, "add_generation_prompt": False}
+    out = await api.sdk.chat.completions.create(
+        model=api.model, messages=messages, max_completion_tokens=MAX_NEW, temperature=0, extra_body=extra
+    )
+    assert out.choices[0].message.content == expected and out.usage.prompt_tokens == len(prompt_ids)
+    with pytest.raises(openai.BadRequestError) as err:  # both: the turn would be closed and a new one opened
+        await api.sdk.chat.completions.create(
+            model=api.model,
+            messages=messages,
+            max_completion_tokens=2,
+            extra_body={**extra, "add_generation_prompt": True},
+        )
+    assert err.value.body["param"] == "continue_final_message"
+
+
 async def test_chat_stream_with_usage(api, tokenizer, hf_reference):
     prompt_ids = tokenizer.encode_chat([MESSAGES[0], {"role": "user", "content": "What is the capital of Italy?"}])
     expected_ids, expected = hf_greedy_text(hf_reference, prompt_ids)

@@ -361,8 +361,6 @@ def test_prompt_logprobs_take_vllm_shape(tokenizer):
         (False, {"truncate_prompt_tokens": 2}, "truncate_prompt_tokens"),
         (False, {"add_special_tokens": False}, "add_special_tokens"),
         (False, {"bad_words": ["x"]}, "bad_words"),
-        (True, {"continue_final_message": True}, "continue_final_message"),
-        (True, {"add_generation_prompt": False}, "add_generation_prompt"),
         (True, {"echo": True}, "echo"),
         (True, {"chat_template": "{{ messages }}"}, "chat_template"),
     ],
@@ -382,5 +380,49 @@ async def test_vllm_parameters_that_would_change_the_answer_are_refused_not_igno
             assert answer.status_code == 200, answer.text
         assert len(dispatcher.seen) == 1  # only the no-op request reached a worker
     finally:
+        await _stop(server, task)
+        completions.close()
+
+
+async def test_a_continued_final_message_reaches_the_workers_as_transformers_renders_it(tokenizer):
+    """continue_final_message (both front ends): the worker gets the template's rendering with
+    the assistant's last message left open; without messages, or with add_generation_prompt
+    true, or with a last message not the assistant's, it is refused naming the field."""
+    dispatcher = EchoDispatcher()
+    completions = Completions(tokenizer, dispatcher, 600, max_inflight=MAX_INFLIGHT)
+    server, task, base = await _http(create_app(completions, "m"))
+    grpc_server = grpc.aio.server()
+    add_router_service(RouterService(completions), grpc_server)
+    grpc_port = grpc_server.add_insecure_port("127.0.0.1:0")
+    await grpc_server.start()
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! My name"}]
+    continued = tokenizer.hf.apply_chat_template(messages, continue_final_message=True, tokenize=True, return_dict=True)
+    try:
+        async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+            body = {"model": "m", "messages": messages, "max_tokens": 2, "continue_final_message": True}
+            assert (await http.post("/v1/chat/completions", json=body)).status_code == 200
+            assert list(dispatcher.seen[-1].prompt_token_ids) == continued["input_ids"]
+            both = {**body, "add_generation_prompt": True}
+            assert_openai_error(await http.post("/v1/chat/completions", json=both), 400, "continue_final_message")
+            user_last = {**body, "messages": messages[:1]}
+            assert_openai_error(await http.post("/v1/chat/completions", json=user_last), 400, "continue_final_message")
+            closed = {"model": "m", "messages": messages, "max_tokens": 2, "add_generation_prompt": False}
+            assert (await http.post("/v1/chat/completions", json=closed)).status_code == 200
+            assert tokenizer.hf.decode(dispatcher.seen[-1].prompt_token_ids).endswith("Hello! My name<|im_end|>\n")
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            stub = pdserve_pb2_grpc.RouterStub(channel)
+            chat = [pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages]
+            request = pb.GenerateRequest(
+                messages=chat, continue_final_message=True, sampling=pb.SamplingParams(max_tokens=2)
+            )
+            assert [m async for m in stub.Generate(request, timeout=60)][-1].finish_reason == "length"
+            assert list(dispatcher.seen[-1].prompt_token_ids) == continued["input_ids"]
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                prompt = pb.GenerateRequest(prompt="Hi", add_generation_prompt=False)
+                await stub.Generate(prompt, timeout=60).read()
+            assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert err.value.details() == "add_generation_prompt: applies to messages only"
+    finally:
+        await grpc_server.stop(None)
         await _stop(server, task)
         completions.close()

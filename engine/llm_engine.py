@@ -28,6 +28,7 @@ from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.model_store import resolve_model
 from pdserve.engine.parallel.rank_caches import KVShards
+from pdserve.engine.prefill_rate import PrefillRate
 from pdserve.engine.request_output import FirstToken, RequestOutput, RequestRejected
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -106,7 +107,7 @@ class LLMEngine:
             self._start_choices(seq, [(t, None) for t in token_ids], emit=False) or [None]
         )[-1]
         self.requests: dict[str, Sequence] = {}
-        self.prefill_rate = 0.0  # tokens/s of recent prefill steps (an EMA), for TTFT estimates
+        self.prefill_rate = PrefillRate()  # for TTFT estimates
         self._digest: tuple[int, tuple[int, ...]] = (-1, ())  # (block cache version, its hashes)
         log.info(
             "engine loaded: %s %s on %s, %d KV blocks of %d tokens (%.0f MiB), attention=%s",
@@ -269,10 +270,7 @@ class LLMEngine:
             self.speculator.propose(schedule)
         started = time.perf_counter()
         sampled = self.runner.run(schedule, hook)
-        if schedule.prefills:
-            tokens = sum(c.num_tokens for c in schedule.prefills) + len(schedule.decodes)
-            rate = tokens / max(time.perf_counter() - started, 1e-6)
-            self.prefill_rate = rate if not self.prefill_rate else 0.8 * self.prefill_rate + 0.2 * rate
+        self.prefill_rate.observe(sum(c.num_tokens for c in schedule.prefills), time.perf_counter() - started)
 
         for chunk in schedule.chunks:
             chunk.seq.num_computed_tokens = chunk.start + chunk.num_tokens
@@ -370,7 +368,7 @@ class LLMEngine:
             self.scheduler,
             self.connector,
             cached_block_hashes=self._cached_hashes() if with_digest else (),
-            prefill_tokens_per_s=self.prefill_rate,
+            prefill_tokens_per_s=self.prefill_rate.tokens_per_s,
             forks=self.forker.num_forks,
             spec=self.speculator.stats if self.speculator is not None else None,
         )

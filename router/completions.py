@@ -30,6 +30,7 @@ class Usage:
     cached_prompt_tokens: int
     ttft_ms: float
     e2e_ms: float
+    migrations: int = 0  # times the request moved to another worker mid-stream
 
     def to_proto(self) -> pb.Usage:
         return pb.Usage(
@@ -38,6 +39,7 @@ class Usage:
             cached_prompt_tokens=self.cached_prompt_tokens,
             ttft_ms=self.ttft_ms,
             e2e_ms=self.e2e_ms,
+            migrations=self.migrations,
         )
 
 
@@ -144,7 +146,12 @@ class Completions:
                         metrics.REQUESTS.labels(finish).inc()
                         metrics.E2E.observe(now - started)
                         usage = Usage(
-                            len(req.prompt_token_ids), completion_tokens, cached, ttft_ms, (now - started) * 1e3
+                            len(req.prompt_token_ids),
+                            completion_tokens,
+                            cached,
+                            ttft_ms,
+                            (now - started) * 1e3,
+                            event.migrations,
                         )
                     yield Chunk(
                         token_ids,

@@ -20,7 +20,7 @@ import contextlib
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
 import grpc
@@ -47,6 +47,7 @@ class TokenEvent:
     index: int = 0  # which choice (n > 1)
     logprobs: list[pb.TokenLogprob] = field(default_factory=list)  # one per token, when asked for
     prompt_logprobs: list[pb.TokenLogprob] | None = None  # with the first token, when asked for
+    migrations: int = 0  # times the request had moved to another worker mid-stream when this came
 
     @classmethod
     def from_batch(cls, batch: pb.TokenBatch) -> "TokenEvent":
@@ -139,6 +140,7 @@ class Dispatcher:
         n, ended = req.engine_sampling.n, set()  # choices, and those that have finished
         priors: dict[int, list[int]] = {}  # n > 1: each choice's tokens so far
         watch = self.observer.watch(req) if self.observer is not None and not prior else None
+        moved = 0
         for attempt in range(1, self.max_attempts + 1):
             try:
                 # Closed as soon as the request ends, not whenever the generator is collected:
@@ -149,7 +151,7 @@ class Dispatcher:
                         priors.setdefault(event.index, []).extend(event.token_ids)
                         if watch is not None:
                             watch.token(len(event.token_ids), event.finish_reason)
-                        yield event
+                        yield replace(event, migrations=moved) if moved else event
                         if event.finish_reason:
                             ended.add(event.index)
                             if len(ended) == n:
@@ -163,12 +165,13 @@ class Dispatcher:
                 if e.worker is not None:
                     failed.add(e.worker.address)
                 kind = "migrations" if prior else "retries"
+                moved += kind == "migrations"
                 self.counters[kind] += 1
                 metrics.MIGRATIONS.labels(kind).inc()
                 if n > 1 and prior:  # several choices under way: each continues on its own
                     async with contextlib.aclosing(continue_choices(self, req, priors, ended, deadline)) as rest:
                         async for event in rest:
-                            yield event
+                            yield replace(event, migrations=moved + event.migrations)
                     return
                 if e.code is grpc.StatusCode.DATA_LOSS:
                     self.counters["reprefills_after_corruption"] += 1
@@ -222,7 +225,12 @@ class Dispatcher:
         stats = worker.last_stats
         if stats is None or stats.prefill_tokens_per_s <= 0:
             return
-        queued = stats.queued_prefill_tokens + worker.inflight_tokens + len(attempt.token_ids)
+        # Only what it would compute: a prompt whose prefix it caches is that much shorter.
+        queued = (
+            stats.queued_prefill_tokens
+            + worker.inflight_tokens
+            + worker.uncached_tokens(PromptBlocks(attempt.token_ids))
+        )
         expected_ms = queued / stats.prefill_tokens_per_s * 1e3
         budget = attempt.request.ttft_budget_ms
         if expected_ms > budget:

@@ -89,8 +89,10 @@ async def test_a_constraint_survives_a_decode_worker_kill_mid_stream(hf_referenc
             want = [t for m in undisturbed for t in m.token_ids]
             assert len(want) >= 12, "the output must be long enough to interrupt"
 
-        got = [t for m in await stream_killing_the_decode_worker(stack, constrained(prompt), 6) for t in m.token_ids]
+        migrated = await stream_killing_the_decode_worker(stack, constrained(prompt), 6)
+        got = [t for m in migrated for t in m.token_ids]
         assert got == want, "the migrated stream changed a token"
+        assert migrated[-1].usage.migrations >= 1  # the request's own usage says it moved
         jsonschema.validate(json.loads(hf_reference.tokenizer.decode(got, skip_special_tokens=True)), SCHEMA)
         assert (await cluster_stats(stack.address)).counters["migrations"] >= 1
         await wait_all_healthy(stack)

@@ -16,7 +16,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.dispatch import Dispatcher, DispatchError
 from pdserve.router.policy import RoundRobin
 from pdserve.router.validation import ValidatedRequest
-from pdserve.router.workers import Role, Worker, WorkerRegistry
+from pdserve.router.workers import PromptBlocks, Role, Worker, WorkerRegistry
 from pdserve.v1 import pdserve_pb2 as pb
 
 PROMPT = list(range(100, 140))
@@ -181,8 +181,9 @@ async def test_a_dead_decode_worker_is_migrated_from_without_losing_or_repeating
     healthy = FakeDecode([([[4, 5], [6]], None)])
     d1, d2 = decode_worker("d1", dying), decode_worker("d2", healthy)
     disp = dispatcher(registry([], [d1, d2]))
-    ids, finish = await collect(disp, request(max_tokens=6))
-    assert (ids, finish) == ([1, 2, 3, 4, 5, 6], "length")
+    events = [event async for event in disp.generate(request(max_tokens=6), 30.0)]
+    assert [t for e in events for t in e.token_ids] == [1, 2, 3, 4, 5, 6] and events[-1].finish_reason == "length"
+    assert [e.migrations for e in events] == [0, 0, 1, 1]  # the request's usage reports the move
     (resumed,) = healthy.requests  # the prompt plus the three tokens the client already has
     assert list(resumed.token_ids) == PROMPT + [1, 2, 3] and resumed.num_prior_output_tokens == 3
     assert disp.counters["migrations"] == 1 and d1.consecutive_failures == 1
@@ -238,6 +239,21 @@ async def test_a_ttft_budget_the_queue_cannot_meet_is_refused_before_any_worker_
     assert err.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED and err.value.retry_after_ms > 0
     assert "ttft_budget_ms" in err.value.message and disp.counters["rejected_ttft_budget"] == 1
     assert not decode.requests and not prefill.requests and idle(p, d)
+
+
+async def test_a_ttft_budget_counts_only_the_tokens_the_worker_would_compute():
+    """A prompt whose prefix the prefill worker caches is that much shorter to prefill: the
+    budget check counts its uncached tokens only (40 tokens at 100/s miss 250 ms; 8 meet it)."""
+    decode, prefill = FakeDecode([([[8]], None)]), FakePrefill([7])
+    p, d = prefill_worker("p", prefill), decode_worker("d", decode)
+    p.update_stats(pb.WorkerStats(address="p", block_size=16, prefill_tokens_per_s=100))
+    disp = dispatcher(registry([p], [d]))
+    with pytest.raises(DispatchError) as err:
+        await collect(disp, request(max_tokens=2, ttft_budget_ms=250))
+    assert err.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+    cached = PromptBlocks(PROMPT).hashes(16)  # both full blocks: 8 of 40 tokens left to compute
+    p.update_stats(pb.WorkerStats(address="p", block_size=16, prefill_tokens_per_s=100, cached_block_hashes=cached))
+    assert await collect(disp, request(max_tokens=2, ttft_budget_ms=250)) == ([7, 8], "length")
 
 
 async def test_the_deadline_bounds_every_attempt():

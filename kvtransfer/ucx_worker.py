@@ -218,7 +218,11 @@ class UcxWorker:
         # Their buffers outlive the worker (set after it, so freed after it): the destructor
         # cancels the receives still posted into them.
         self._posted = entries
-        settled = self._settle(sends)
+        try:
+            settled = self._settle(sends)
+        except Exception:  # noqa: BLE001 - a worker UCX failed: destroying it is no safer
+            log.exception("UCX failed while its worker stopped")
+            settled = False
         for endpoint in self._endpoints.values():
             endpoint.close_blocking(period=10**8)
         self._endpoints.clear()

@@ -278,6 +278,23 @@ def test_compose_monitoring_scrapes_every_role():
         assert yaml.safe_load(path.read_text())["apiVersion"] == 1
 
 
+def test_every_python_folder_is_a_listed_package():
+    """A plain (non-editable) install ships only the packages pyproject.toml lists, each with
+    its __init__.py."""
+    tomllib = pytest.importorskip("tomllib", reason="Python >= 3.11")
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = {}  # package -> its folder
+    for package, folder in setuptools["package-dir"].items():
+        for module in (ROOT / folder).rglob("*.py"):
+            parts = module.parent.relative_to(ROOT / folder).parts
+            if not any(p == "__pycache__" or p.startswith(".") for p in parts):
+                found[".".join((package, *parts))] = module.parent
+    assert set(found) <= set(setuptools["packages"]), (
+        f"not packaged: {sorted(set(found) - set(setuptools['packages']))}"
+    )
+    assert all((folder / "__init__.py").is_file() for folder in found.values())
+
+
 def test_dockerfiles_install_torch_first_and_copy_every_package():
     tomllib = pytest.importorskip("tomllib", reason="Python >= 3.11")
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())

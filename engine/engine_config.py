@@ -157,6 +157,8 @@ def parse_memory(value: str | int | float, name: str = "kv_cache_memory") -> tup
     number, unit = float(match.group(1)), match.group(2)
     if not unit and 0 < number <= 1 and "." in match.group(1):
         return None, number
+    if number * _UNITS[unit] > 2**63:  # also "1e999": infinity
+        raise ValueError(f"{name} is too large: {value!r}")
     size = int(number * _UNITS[unit])
     if size <= 0:
         raise ValueError(f"{name} must be positive, got {value!r}")

@@ -95,7 +95,11 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--show", action="store_true", help="print it (the default action)")
     for p in (up, router, show, *[sub.choices[r] for r in ("prefill", "decode")]):
         p.add_argument("--config", default=None, help="YAML file with settings (flags > env > file > defaults)")
-        p.add_argument("--log-level", default=None)
+        p.add_argument(
+            "--log-level",
+            default=None,
+            help="DEBUG, INFO (default), WARNING, ERROR or CRITICAL (env PDSERVE_LOG_LEVEL; YAML log_level)",
+        )
     return parser
 
 
@@ -116,9 +120,11 @@ def main(argv: list[str] | None = None) -> int:
         from pdserve.probe import run_health
 
         return run_health(args)
-    setup_logging(args.log_level)
     try:
         file = load_file(args.config)
+        # Not a setting of any role: flag > env > file, like the settings, and passed on to up's children.
+        args.log_level = args.log_level or os.environ.get("PDSERVE_LOG_LEVEL") or file.pop("log_level", None)
+        setup_logging(args.log_level)
         return _run(args, file)
     except (ValueError, OSError, TimeoutError, RuntimeError) as e:  # OSError: a port in use, a missing file
         print(f"pdserve {args.command}: error: {e}", file=sys.stderr)
@@ -173,6 +179,7 @@ def _up(args: argparse.Namespace, file: dict) -> int:
         router,
         resolve(ClusterSettings, args, file=file),
         resolve(SecuritySettings, args, file=file),
+        env={"PDSERVE_LOG_LEVEL": args.log_level} if args.log_level else None,
     )
     stop = {"signal": None}
 

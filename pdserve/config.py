@@ -63,7 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, .
 
 
 def _coerce(kind: type, value: Any, source: str) -> Any:
-    if value is None or isinstance(value, kind):
+    if (
+        value is None or isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+    ):  # YAML's true is no 1
         return value
     text = str(value).strip()
     try:
@@ -113,7 +115,7 @@ def resolve(
             values[field.name] = flag_value
         elif env.get(env_name, "") != "":
             values[field.name] = _coerce(kind, env[env_name], env_name)
-        elif field.name in file:
+        elif file.get(field.name) is not None:  # YAML's null: not set
             values[field.name] = _coerce(kind, file[field.name], f"config file key {field.name}")
         choices = field.metadata.get("choices")
         if choices and field.name in values and values[field.name] not in choices:
@@ -143,5 +145,10 @@ def to_args(obj: Any) -> list[str]:
         if isinstance(value, bool):
             args.append(_flag(field.name) if value else "--no-" + field.name.replace("_", "-"))
         else:
-            args += [_flag(field.name), str(value)]
+            args.append(f"{_flag(field.name)}={value}")  # one word: a value may start with "-"
     return args
+
+
+def env_names(*settings: Any) -> set[str]:
+    """The environment variables that set these settings (dataclass instances or classes)."""
+    return {ENV_PREFIX + field.name.upper() for obj in settings for field in dataclasses.fields(obj)}

@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from pdserve.config import to_args
+from pdserve.config import env_names, to_args
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.placement import (
     Placement,
@@ -245,18 +245,24 @@ class Cluster:
         """TLS settings travel as flags; tokens never do (argv is visible to every user)."""
         return to_args(dataclasses.replace(self.security, cluster_token=None, api_token=None))
 
-    def _spawn(self, name: str, args: list[str], router: bool = False, register: bool = True) -> Child:
-        cmd = [sys.executable, "-m", "pdserve.cli", *args]
+    def child_env(self, router: bool = False) -> dict[str, str]:
+        # Every setting was resolved here and travels as a flag (tokens below): a child reading
+        # ours from the environment would override a flag left out for holding its default.
+        settings = env_names(self.engine, self.worker, self.router, self.cluster, self.security)
         env = {
-            **os.environ,
+            **{name: value for name, value in os.environ.items() if name not in settings},
             "TOKENIZERS_PARALLELISM": "false",
             "PYTHONUNBUFFERED": "1",
             **self.env,
             "PDSERVE_CLUSTER_TOKEN": self.security.cluster_token,
         }
-        env.pop("PDSERVE_API_TOKEN", None)
         if router and self.security.api_token:
             env["PDSERVE_API_TOKEN"] = self.security.api_token
+        return env
+
+    def _spawn(self, name: str, args: list[str], router: bool = False, register: bool = True) -> Child:
+        cmd = [sys.executable, "-m", "pdserve.cli", *args]
+        env = self.child_env(router)
         process = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, preexec_fn=_die_with_parent)
         child = Child(name, process, queue.Queue(), args, router)
         threading.Thread(target=_pump, args=(child,), name=f"stdout-{name}", daemon=True).start()

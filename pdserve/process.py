@@ -14,9 +14,15 @@ import sys
 READY_PREFIX = "PDSERVE_READY "
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 def setup_logging(level: str | None = None) -> None:
+    level = (level or os.environ.get("PDSERVE_LOG_LEVEL") or "INFO").upper()
+    if level not in LOG_LEVELS:
+        raise ValueError(f"--log-level: {level.lower()!r} is not one of {', '.join(LOG_LEVELS)}")
     logging.basicConfig(
-        level=(level or os.environ.get("PDSERVE_LOG_LEVEL", "INFO")).upper(),
+        level=level,
         format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
         stream=sys.stderr,
     )

@@ -62,11 +62,22 @@ def test_booleans_optionals_and_bad_values():
         (EngineConfig, {"max_num_batched_tokens": -3}, "max_num_batched_tokens must be"),
         (EngineConfig, {"kv_cache_memory": "lots"}, "kv_cache_memory must look like"),
         (EngineConfig, {"swap_space": "0.5"}, "swap_space must be a size"),
+        (EngineConfig, {"kv_cache_memory": "1e999"}, "kv_cache_memory is too large"),
+        (EngineConfig, {"swap_space": "1e999GiB"}, "swap_space is too large"),
     ],
 )
 def test_settings_out_of_range_are_refused_by_name_before_anything_starts(cls, values, words):
     with pytest.raises(ValueError, match=words):
         cls(**values)
+
+
+def test_yaml_null_is_unset_and_yaml_true_is_not_a_number(tmp_path):
+    file = tmp_path / "pdserve.yaml"
+    file.write_text("port: null\nblock_size: true\n")
+    values = load_file(file)
+    assert resolve(RouterSettings, None, env={}, file=values).port == RouterSettings().port
+    with pytest.raises(ValueError, match="config file key block_size: True is not a valid int"):
+        resolve(EngineConfig, None, env={}, file=values)
 
 
 def test_config_files_that_cannot_be_read_are_clear_errors(tmp_path):
@@ -105,3 +116,15 @@ def test_config_show_prints_the_effective_configuration_without_secrets(tmp_path
         [sys.executable, "-m", "pdserve.cli", "config", "--show", "--config", str(bad)], capture_output=True, text=True
     )
     assert result.returncode == 2 and "no_such_setting" in result.stderr
+
+
+def test_log_level_is_checked_and_read_from_a_config_file_too(tmp_path, capsys, monkeypatch):
+    from pdserve.cli import main
+
+    monkeypatch.delenv("PDSERVE_LOG_LEVEL", raising=False)
+    assert main(["config", "--log-level", "bogus"]) == 2
+    assert "--log-level: 'bogus' is not one of DEBUG, INFO, WARNING, ERROR, CRITICAL" in capsys.readouterr().err
+    file = tmp_path / "pdserve.yaml"
+    file.write_text("log_level: warning\nblock_size: 32\n")
+    assert main(["config", "--config", str(file)]) == 0  # a known key, not a setting of any role
+    assert '"block_size": 32' in capsys.readouterr().out

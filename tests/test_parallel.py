@@ -262,7 +262,7 @@ def test_parallel_sizes_are_settings_of_the_roles_and_of_up(tmp_path):
         RouterSettings(),
         ClusterSettings(prefill=1, decode=1, prefill_tp=1, decode_pp=2),
     )
-    flags = [dict(zip(args, args[1:])) for _, args in cluster.worker_commands(num_gpus=0)]
+    flags = [dict(a.split("=", 1) for a in args if "=" in a) for _, args in cluster.worker_commands(num_gpus=0)]
     assert (
         "--tensor-parallel-size" not in flags[0] and "--pipeline-parallel-size" not in flags[0]
     )  # prefill: TP 1, PP 1
@@ -271,7 +271,7 @@ def test_parallel_sizes_are_settings_of_the_roles_and_of_up(tmp_path):
     speculating = Cluster(
         EngineConfig(speculative="ngram"), WorkerSettings(), RouterSettings(), ClusterSettings(prefill_tp=2)
     )
-    flags = [dict(zip(args, args[1:])) for _, args in speculating.worker_commands(num_gpus=0)]
+    flags = [dict(a.split("=", 1) for a in args if "=" in a) for _, args in speculating.worker_commands(num_gpus=0)]
     assert "--speculative" not in flags[0] and flags[0]["--tensor-parallel-size"] == "2"
     assert flags[1]["--speculative"] == "ngram"
 

@@ -3,11 +3,12 @@ free memory). Pure assignment logic: no GPU needed."""
 
 from __future__ import annotations
 
+import argparse
 import os
 
 import pytest
 
-from pdserve.config import resolve
+from pdserve.config import add_arguments, resolve, to_args
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.kv_cache import parse_memory
 from pdserve.launcher import Cluster
@@ -19,6 +20,7 @@ from pdserve.placement import (
     shared_prefill_threads,
     threads_per_worker,
 )
+from pdserve.security import SecuritySettings
 from pdserve.settings import ClusterSettings, RouterSettings, WorkerSettings
 
 P2D2 = ["prefill", "prefill", "decode", "decode"]
@@ -96,8 +98,13 @@ def test_device_lists_are_validated():
         resolve(ClusterSettings, None, env={"PDSERVE_PREFILL_DEVICES": "tpu:0"})
 
 
+def _flags(args: list[str]) -> dict[str, str]:
+    """A worker command's ``--flag=value`` words, as a dict."""
+    return dict(arg.split("=", 1) for arg in args if arg.startswith("--") and "=" in arg)
+
+
 def _worker_flags(args: list[str]) -> dict[str, str]:
-    return {flag: args[i + 1] for i, flag in enumerate(args) if flag in ("--device", "--kv-cache-memory")}
+    return {flag: value for flag, value in _flags(args).items() if flag in ("--device", "--kv-cache-memory")}
 
 
 def test_pdserve_up_passes_each_worker_its_device_and_budget():
@@ -123,19 +130,45 @@ def test_pdserve_up_passes_each_worker_its_device_and_budget():
     assert all(_worker_flags(args) == {} for _, args in on_cpu.worker_commands(num_gpus=0))
 
 
+def test_up_s_children_take_their_settings_from_its_flags_not_from_its_environment(monkeypatch):
+    """``PDSERVE_PORT=51110 pdserve up`` must not make every worker bind the router's port, nor
+    ``PDSERVE_ENABLE_PREFIX_CACHING=false pdserve up --enable-prefix-caching`` turn caching off
+    in workers that were told their default (left out of their flags)."""
+    for name, value in (
+        ("PDSERVE_PORT", "51110"),
+        ("PDSERVE_ENABLE_PREFIX_CACHING", "false"),
+        ("PDSERVE_KV_FAULTS", "x"),
+    ):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("PDSERVE_API_TOKEN", "secret")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, EngineConfig)
+    engine = resolve(EngineConfig, parser.parse_args(["--enable-prefix-caching"]), env=dict(os.environ))
+    cluster = Cluster(engine, WorkerSettings(), RouterSettings(), ClusterSettings(), SecuritySettings(api_token="t"))
+    for _, args in cluster.worker_commands(num_gpus=0):
+        assert not any(a.startswith("--port") or a.startswith("--enable-prefix-caching") for a in args)  # defaults
+    worker_env, router_env = cluster.child_env(), cluster.child_env(router=True)
+    for env in (worker_env, router_env):
+        assert "PDSERVE_PORT" not in env and "PDSERVE_ENABLE_PREFIX_CACHING" not in env
+        assert env["PDSERVE_KV_FAULTS"] == "x"  # not a setting: passed on
+        assert env["PDSERVE_CLUSTER_TOKEN"] == cluster.security.cluster_token
+    assert "PDSERVE_API_TOKEN" not in worker_env and router_env["PDSERVE_API_TOKEN"] == "t"
+    assert to_args(RouterSettings(served_model_name="-my-model")) == ["--served-model-name=-my-model"]
+
+
 def test_unpinned_cpu_workers_split_the_cores_evenly(monkeypatch):
     monkeypatch.setattr("os.cpu_count", lambda: 8)
     assert [threads_per_worker(n) for n in (1, 2, 3, 8, 16)] == [8, 4, 2, 1, 1]
     cluster = Cluster(EngineConfig(), WorkerSettings(), RouterSettings(), ClusterSettings(prefill=1, decode=1))
-    threads = [dict(zip(args, args[1:]))["--num-threads"] for _, args in cluster.worker_commands(num_gpus=0)]
+    threads = [_flags(args)["--num-threads"] for _, args in cluster.worker_commands(num_gpus=0)]
     assert threads == ["8", "4"]  # the prefill worker shares every core (test below), the decode worker its half
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
     pinned = Cluster(EngineConfig(), WorkerSettings(), RouterSettings(), ClusterSettings(pin_cores=True, decode=3))
-    flags = [dict(zip(args, args[1:])) for _, args in pinned.worker_commands(num_gpus=0)]
+    flags = [_flags(args) for _, args in pinned.worker_commands(num_gpus=0)]
     assert [f["--num-threads"] for f in flags] == ["2"] * 4  # its own cores, one thread each
     assert [f["--cpus"] for f in flags] == ["0,1", "2,3", "4,5", "6,7"]
     set_by_hand = Cluster(EngineConfig(num_threads=3), WorkerSettings(), RouterSettings(), ClusterSettings())
-    assert {dict(zip(args, args[1:]))["--num-threads"] for _, args in set_by_hand.worker_commands(num_gpus=0)} == {"3"}
+    assert {_flags(args)["--num-threads"] for _, args in set_by_hand.worker_commands(num_gpus=0)} == {"3"}
 
 
 def cluster(engine=EngineConfig(), **settings) -> Cluster:
@@ -151,7 +184,7 @@ def test_unpinned_decode_workers_borrow_the_prefill_workers_cores(monkeypatch):
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
 
     def borrowed(cluster: Cluster) -> list[str | None]:
-        return [dict(zip(args, args[1:])).get("--borrow-threads") for _, args in cluster.worker_commands(num_gpus=0)]
+        return [_flags(args).get("--borrow-threads") for _, args in cluster.worker_commands(num_gpus=0)]
 
     assert borrowed(cluster(prefill=1, decode=1)) == [None, "8"]
     assert borrowed(cluster(prefill=2, decode=1)) == [None, None, "8"]
@@ -175,7 +208,7 @@ def test_unpinned_prefill_workers_share_their_pools_split_of_the_cores(monkeypat
 
     def threads_and_sharing(cluster: Cluster, num_gpus: int = 0) -> list[tuple[str, bool]]:
         return [
-            (dict(zip(args, args[1:]))["--num-threads"], "--share-cores" in args)
+            (_flags(args)["--num-threads"], "--share-cores" in args)
             for _, args in cluster.worker_commands(num_gpus=num_gpus)
         ]
 

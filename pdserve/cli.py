@@ -15,7 +15,7 @@ from pdserve.client import DEFAULT_ADDRESS
 from pdserve.config import add_arguments, as_dict, load_file, resolve, unknown_file_keys
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.process import setup_logging
-from pdserve.security import SecuritySettings
+from pdserve.security import SecuritySettings, add_client_tls_arguments
 from pdserve.settings import ClusterSettings, RouterSettings, WorkerSettings
 
 log = logging.getLogger("pdserve")
@@ -62,9 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     gen.add_argument("--json", action="store_true", help="print one JSON object per streamed message")
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
-    gen.add_argument("--tls-ca", default=None, help="CA bundle: connect with TLS")
-    gen.add_argument("--tls-cert", default=None, help="client certificate (mTLS)")
-    gen.add_argument("--tls-key", default=None, help="client key (mTLS)")
+    add_client_tls_arguments(gen)
     gen.add_argument(
         "--api-token", default=os.environ.get("PDSERVE_API_TOKEN"), help="bearer token (env PDSERVE_API_TOKEN)"
     )
@@ -85,6 +83,7 @@ def _parser() -> argparse.ArgumentParser:
         "--service", default="", help="a service name, e.g. pdserve.v1.DecodeWorker (default: the server)"
     )
     health.add_argument("--timeout", type=float, default=3.0)
+    add_client_tls_arguments(health)
 
     sub.add_parser("bench", add_help=False, help="TTFT/ITL serving benchmark (pdserve bench --help)")
     sub.add_parser("profile", add_help=False, help="measure the model on this machine for the simulator and planner")

@@ -9,6 +9,7 @@ import sys
 import grpc
 
 from pdserve.client import Client, build_request
+from pdserve.security import client_credentials
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -52,11 +53,7 @@ def _request_and_credentials(args: argparse.Namespace):
         request = build_request(messages=[{"role": "user", "content": args.prompt}], **sampling)
     else:
         request = build_request(args.prompt, **sampling)
-    credentials = None
-    if args.tls_ca:
-        read = lambda path: open(path, "rb").read() if path else None  # noqa: E731
-        credentials = grpc.ssl_channel_credentials(read(args.tls_ca), read(args.tls_key), read(args.tls_cert))
-    return request, credentials
+    return request, client_credentials(args)
 
 
 def _as_json(msg) -> dict:

@@ -72,6 +72,10 @@ class Cluster:
         self.cluster = cluster
         # Internal ports always require a cluster credential; make one up if none was given.
         security = security or SecuritySettings()
+        if security.tls and not security.tls_ca:
+            raise ValueError(
+                "tls_cert: pdserve up needs tls_ca too (the router checks its workers' certificates with it)"
+            )
         self.security = dataclasses.replace(security, cluster_token=security.cluster_token or secrets.token_urlsafe(24))
         self.children: list[Child] = []
         self.router_info: dict = {}

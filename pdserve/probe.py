@@ -1,4 +1,5 @@
-"""``pdserve health``: exit 0 when a pdserve server answers SERVING (container healthchecks)."""
+"""``pdserve health``: exit 0 when a pdserve server answers SERVING (container healthchecks).
+Over TLS when the flags or the server's own ``PDSERVE_TLS_*`` variables say so."""
 
 from __future__ import annotations
 
@@ -8,9 +9,17 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.security import client_credentials
+
 
 def run_health(args: argparse.Namespace) -> int:
-    with grpc.insecure_channel(args.addr) as channel:
+    try:
+        credentials = client_credentials(args)
+    except ValueError as e:
+        print(f"pdserve health: error: {e}", file=sys.stderr)
+        return 2
+    channel = grpc.secure_channel(args.addr, credentials) if credentials else grpc.insecure_channel(args.addr)
+    with channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout

@@ -10,6 +10,7 @@ token for its children when none is given.
 
 from __future__ import annotations
 
+import argparse
 import hmac
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Sequence
 
 import grpc
 
-from pdserve.config import setting
+from pdserve.config import resolve, setting
 
 AUTH_KEY = "authorization"
 
@@ -58,17 +59,31 @@ class SecuritySettings:
         )
 
     def channel_credentials(self) -> grpc.ChannelCredentials | None:
-        """For calls to other pdserve servers (TLS when a CA is configured; our cert for mTLS)."""
-        if not self.tls_ca:
+        """For calls to other pdserve servers: TLS when we serve it (a cluster speaks TLS
+        throughout) or have a CA, checked against the CA or else the system's roots; our
+        certificate for mTLS."""
+        if not (self.tls or self.tls_ca):
             return None
         return grpc.ssl_channel_credentials(
-            root_certificates=Path(self.tls_ca).read_bytes(),
+            root_certificates=Path(self.tls_ca).read_bytes() if self.tls_ca else None,
             private_key=Path(self.tls_key).read_bytes() if self.tls_key else None,
             certificate_chain=Path(self.tls_cert).read_bytes() if self.tls_cert else None,
         )
 
     def cluster_metadata(self) -> tuple[tuple[str, str], ...]:
         return ((AUTH_KEY, f"Bearer {self.cluster_token}"),) if self.cluster_token else ()
+
+
+def add_client_tls_arguments(parser: argparse.ArgumentParser) -> None:
+    """TLS flags of a client command (generate, health); unset, the servers' variables apply."""
+    parser.add_argument("--tls-ca", default=None, help="CA bundle: connect with TLS (env PDSERVE_TLS_CA)")
+    parser.add_argument("--tls-cert", default=None, help="client certificate, for mTLS (env PDSERVE_TLS_CERT)")
+    parser.add_argument("--tls-key", default=None, help="its private key (env PDSERVE_TLS_KEY)")
+
+
+def client_credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
+    """Raises ValueError naming a missing file or a certificate without its key."""
+    return resolve(SecuritySettings, args).channel_credentials()
 
 
 def bearer_ok(expected: str | None, header: str | None) -> bool:

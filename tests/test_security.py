@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import http.client as http_client
 import json
+import os
 import ssl
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -190,3 +192,59 @@ async def cluster_stats_with_token(stack: Stack) -> pb.ClusterStats:
         return await pdserve_pb2_grpc.RouterStub(channel).GetClusterStats(
             pb.ClusterStatsRequest(), timeout=10, metadata=(("authorization", f"Bearer {TOKEN}"),)
         )
+
+
+def test_pdserve_health_and_generate_speak_tls_from_flags_or_the_servers_variables(stack, certs):
+    """A container's healthcheck runs `pdserve health` beside a worker whose PDSERVE_TLS_*
+    variables turned TLS on: it probes over (m)TLS with them. A certificate without its key is
+    a clear error, not an abort in gRPC's core."""
+    address = process(stack, "decode")["grpc"]
+    tls = {
+        "PDSERVE_TLS_CERT": certs / "node.crt",
+        "PDSERVE_TLS_KEY": certs / "node.key",
+        "PDSERVE_TLS_CA": certs / "ca.crt",
+    }
+
+    def pdserve(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_TLS_")}
+        return subprocess.run(
+            [sys.executable, "-m", "pdserve.cli", *args],
+            env={**clean, **{k: str(v) for k, v in (env or {}).items()}},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    assert pdserve("health", "--addr", address, env=tls).returncode == 0
+    flags = [
+        "--tls-ca",
+        str(certs / "ca.crt"),
+        "--tls-cert",
+        str(certs / "node.crt"),
+        "--tls-key",
+        str(certs / "node.key"),
+    ]
+    assert pdserve("health", "--addr", address, *flags).returncode == 0
+    assert pdserve("health", "--addr", address, "--timeout", "5").returncode == 1  # plaintext: refused
+    half = pdserve(
+        "generate",
+        "--addr",
+        stack.address,
+        "--tls-ca",
+        str(certs / "ca.crt"),
+        "--tls-cert",
+        str(certs / "node.crt"),
+        "Hi",
+    )
+    assert half.returncode == 2 and "tls_cert and tls_key go together" in half.stderr
+
+
+def test_up_refuses_a_certificate_without_a_ca(certs):
+    from pdserve.engine.engine_config import EngineConfig
+    from pdserve.launcher import Cluster
+    from pdserve.security import SecuritySettings
+    from pdserve.settings import ClusterSettings, RouterSettings, WorkerSettings
+
+    security = SecuritySettings(tls_cert=str(certs / "node.crt"), tls_key=str(certs / "node.key"))
+    with pytest.raises(ValueError, match="tls_cert: pdserve up needs tls_ca too"):
+        Cluster(EngineConfig(), WorkerSettings(), RouterSettings(), ClusterSettings(), security)

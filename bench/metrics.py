@@ -104,19 +104,19 @@ class Goodput:
         }
 
     @staticmethod
-    def parse(pairs: list[str] | None) -> "Goodput":
-        """['ttft:500', 'tpot:50'] -> Goodput; raises ValueError with a readable message."""
+    def parse(pairs: list[str] | None, flag: str = "--goodput") -> "Goodput":
+        """['ttft:500', 'tpot:50'] -> Goodput; raises ValueError naming ``flag``."""
         values: dict[str, float] = {}
         for pair in pairs or []:
             name, sep, value = pair.partition(":")
             if not sep or name not in GOODPUT_METRICS:
-                raise ValueError(f"--goodput takes KEY:MS pairs with KEY in {', '.join(GOODPUT_METRICS)}, got {pair!r}")
+                raise ValueError(f"{flag} takes KEY:MS pairs with KEY in {', '.join(GOODPUT_METRICS)}, got {pair!r}")
             try:
                 ms = float(value)
             except ValueError:
-                raise ValueError(f"--goodput {name}: {value!r} is not a number of milliseconds") from None
+                raise ValueError(f"{flag} {name}: {value!r} is not a number of milliseconds") from None
             if not (ms > 0 and math.isfinite(ms)):
-                raise ValueError(f"--goodput {name}: the SLO must be a positive number of milliseconds, got {value}")
+                raise ValueError(f"{flag} {name}: the SLO must be a positive number of milliseconds, got {value}")
             values[f"{name}_ms"] = ms
         return Goodput(**values)
 

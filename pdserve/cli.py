@@ -158,7 +158,10 @@ def _run(args: argparse.Namespace, file: dict) -> int:
         if (code := follow_launcher(engine)) is not None:  # a rank above 0 that torchrun started
             return code
         if worker.cpu_set():
-            os.sched_setaffinity(0, worker.cpu_set())
+            try:
+                os.sched_setaffinity(0, worker.cpu_set())
+            except OSError as e:
+                raise ValueError(f"cpus: cannot run on cores {worker.cpus!r} ({e.strerror})") from None
         if args.command == "prefill":
             from pdserve.prefill_worker.main import serve
         else:
@@ -207,7 +210,7 @@ def _up(args: argparse.Namespace, file: dict) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         cluster.stop()
         log.info("all processes stopped")
-    return code or 0
+    return 128 - code if code and code < 0 else code or 0  # a child killed by signal N: 128 + N, as a shell says
 
 
 if __name__ == "__main__":

@@ -163,7 +163,7 @@ def render(fleet: FleetPlan, profile: Profile, slo: Goodput, attainment: float) 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        slo = Goodput.parse(args.slo)
+        slo = Goodput.parse(args.slo, "--slo")
         if not 0 < args.attainment <= 1:
             raise ValueError(f"--attainment must be in (0, 1], got {args.attainment}")
         if args.devices < 1 or args.max_unit_devices < 1 or args.top_k < 1:

@@ -87,42 +87,44 @@ async def serve(settings: RouterSettings, security: SecuritySettings) -> None:
     )
     address = f"{settings.host}:{server.port}"
     http_server = http_task = http_address = None
-    if settings.http_port is not None:
-        app = create_app(
-            completions,
-            served_name(str(model_dir), settings.served_model_name),
-            extra_routes=[Mount("/metrics", make_asgi_app())],
-            api_token=security.api_token,
+    try:  # a failure after the gRPC server started (an HTTP port in use) still stops it
+        if settings.http_port is not None:
+            app = create_app(
+                completions,
+                served_name(str(model_dir), settings.served_model_name),
+                extra_routes=[Mount("/metrics", make_asgi_app())],
+                api_token=security.api_token,
+            )
+            http_server, http_task = await serve_http(app, settings.host, settings.http_port, security=security)
+            http_address = f"{settings.host}:{http_port(http_server)}"
+        metrics_address = None
+        if settings.metrics_port is not None:
+            metrics_address = f"{settings.host}:{serve_metrics(settings.host, settings.metrics_port)}"
+        if security.api_token and not security.tls and not _loopback(settings.host):
+            log.warning(
+                "the public API takes a bearer token on %s without TLS: it crosses the network in clear "
+                "(set --tls-cert/--tls-key)",
+                settings.host,
+            )
+        mode = "disaggregated" if prefill else "colocated"
+        log.info(
+            "router serving gRPC on %s%s (%s, policy %s)",
+            address,
+            f", HTTP on {http_address}" if http_address else "",
+            mode,
+            settings.policy,
         )
-        http_server, http_task = await serve_http(app, settings.host, settings.http_port, security=security)
-        http_address = f"{settings.host}:{http_port(http_server)}"
-    metrics_address = None
-    if settings.metrics_port is not None:
-        metrics_address = f"{settings.host}:{serve_metrics(settings.host, settings.metrics_port)}"
-    if security.api_token and not security.tls and not _loopback(settings.host):
-        log.warning(
-            "the public API takes a bearer token on %s without TLS: it crosses the network in clear "
-            "(set --tls-cert/--tls-key)",
-            settings.host,
-        )
-    mode = "disaggregated" if prefill else "colocated"
-    log.info(
-        "router serving gRPC on %s%s (%s, policy %s)",
-        address,
-        f", HTTP on {http_address}" if http_address else "",
-        mode,
-        settings.policy,
-    )
-    announce_ready("router", grpc=address, http=http_address, metrics=metrics_address)
+        announce_ready("router", grpc=address, http=http_address, metrics=metrics_address)
 
-    signal_name = await wait_for_shutdown_signal()
-    log.info("%s: shutting down", signal_name)
-    if http_server is not None:
-        http_server.should_exit = True
-        await http_task
-    await server.stop(SHUTDOWN_GRACE_S)
-    if planner is not None:
-        await planner.stop()
-    await monitor.stop()
-    await registry.close()
-    completions.close()
+        signal_name = await wait_for_shutdown_signal()
+        log.info("%s: shutting down", signal_name)
+    finally:
+        if http_server is not None:
+            http_server.should_exit = True
+            await http_task
+        await server.stop(SHUTDOWN_GRACE_S)
+        if planner is not None:
+            await planner.stop()
+        await monitor.stop()
+        await registry.close()
+        completions.close()

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from pdserve.config import add_arguments, load_file, resolve, to_args
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.settings import ClusterSettings, RouterSettings, WorkerSettings
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def parse(cls, argv):
@@ -128,3 +132,59 @@ def test_log_level_is_checked_and_read_from_a_config_file_too(tmp_path, capsys, 
     file.write_text("log_level: warning\nblock_size: 32\n")
     assert main(["config", "--config", str(file)]) == 0  # a known key, not a setting of any role
     assert '"block_size": 32' in capsys.readouterr().out
+
+
+def test_commands_name_the_flag_that_is_wrong(tmp_path):
+    """Each a one-line error naming the setting, exit 2, no traceback (and a router whose HTTP
+    port is taken stops its gRPC server instead of leaving it to the garbage collector)."""
+    from pdserve.process import free_port
+
+    port = free_port()
+    profile = ROOT / "bench" / "profiles" / "smollm2-cpu-2vcpu-quiet.json"
+    cases = [
+        (["prefill", "--cpus", "9999"], "cpus: cannot run on cores '9999'"),
+        (["prefill", "--device", "foo"], "device: 'foo' is not a torch device"),
+        (
+            ["plan", "--profile", str(profile), "--workload", "mixed", "--slo", "ttft:abc", "--devices", "2"],
+            "--slo ttft",
+        ),
+        (
+            ["router", "--port", str(port), "--http-port", str(port), "--decode-workers", "127.0.0.1:1"],
+            "Address already in use",
+        ),
+    ]
+    for argv, words in cases:
+        done = subprocess.run(
+            [sys.executable, "-m", "pdserve.cli", *argv], capture_output=True, text=True, timeout=120, cwd=tmp_path
+        )
+        assert done.returncode == 2 and words in done.stderr, (argv, done.stderr[-2000:])
+        assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr[-2000:]
+
+
+def test_up_exits_as_a_shell_would_when_a_child_is_killed(monkeypatch):
+    from pdserve import cli, launcher
+    from pdserve.security import SecuritySettings
+
+    class KilledRouter:
+        def __init__(self, *args, **kwargs) -> None:
+            self.cluster, self.security, self.router_info = ClusterSettings(), SecuritySettings(), {}
+
+        def start(self) -> str:
+            return "127.0.0.1:1"
+
+        def describe(self) -> list:
+            return []
+
+        def wait(self) -> int:
+            return -9  # SIGKILL
+
+        def stop(self) -> None:
+            pass
+
+    monkeypatch.setattr(launcher, "Cluster", KilledRouter)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}  # up sets its own
+    try:
+        assert cli.main(["up"]) == 137
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)

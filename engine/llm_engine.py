@@ -257,6 +257,8 @@ class LLMEngine:
         outputs += [self.connector.open_grant(seq) for seq in schedule.reserved]
         if not schedule.empty:
             outputs += self._forward(schedule)
+        elif self.speculator is not None:
+            self.speculator.drop_finished()  # an idle engine still lets go of aborted requests' draft blocks
         for out in outputs:
             if out.finished:
                 self.requests.pop(out.request_id, None)

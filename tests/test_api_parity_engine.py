@@ -160,6 +160,24 @@ def test_forks_share_blocks_and_copy_only_the_partial_one(engine):
     assert engine.blocks.num_free == engine.blocks.num_blocks
 
 
+def test_forks_keep_to_max_num_seqs_and_give_the_same_tokens(model_dir):
+    """n = 4 with room for one sequence: the choices run one after another (each recomputes its
+    prompt from the prefix cache), never more at once than max_num_seqs, with the same tokens."""
+    ids = list(range(4000, 4037))
+    sp = SamplingParams(max_tokens=6, temperature=1.0, seed=11, n=4, ignore_eos=True)
+    want = run(make_engine(model_dir), [("r", ids, sp)])
+    narrow = make_engine(model_dir, max_num_seqs=1)
+    narrow.add_request("r", ids, sp)
+    most, got = 0, {}
+    while narrow.has_unfinished():
+        for out in narrow.step():
+            got.setdefault(out.index, []).extend(out.new_token_ids)
+        most = max(most, len(narrow.scheduler.running))
+    assert most == 1 and narrow.forker.num_recomputed == 3
+    assert got == {i: want[("r", i)]["ids"] for i in range(4)}
+    assert narrow.blocks.num_free == narrow.blocks.num_blocks
+
+
 def test_a_fork_without_free_blocks_recomputes_and_gives_the_same_tokens(model_dir):
     ids = list(range(3000, 3037))
     sp = SamplingParams(max_tokens=6, temperature=1.0, seed=9, n=3, ignore_eos=True)

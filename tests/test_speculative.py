@@ -241,6 +241,14 @@ def test_abort_mid_speculation_frees_every_block(model_dir, prompt_ids):
     assert engine.abort("victim")
     assert collect(engine).keys() <= {"keeper"}
     assert_all_free(engine)
+    # Aborted when nothing else runs: the idle engine's next step lets go of its draft blocks too.
+    engine.add_request("alone", prompt_ids[-1], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+    drafts = engine.speculator.stats.drafts
+    while engine.speculator.stats.drafts < drafts + 2:
+        engine.step()
+    assert engine.abort("alone")
+    engine.step()
+    assert_all_free(engine)
 
 
 @pytest.mark.parametrize(

@@ -96,7 +96,7 @@ class Speculator:
         return k
 
     def propose(self, schedule: SchedulerOutput) -> None:
-        self._drop_finished()
+        self.drop_finished()
         chunks = [c for c in schedule.decodes if c.lookahead]
         if isinstance(self.proposer, NgramProposer):
             for chunk in chunks:
@@ -134,8 +134,8 @@ class Speculator:
                 s.drafts + drafts, s.draft_tokens + draft_tokens, s.accepted_tokens + accepted_tokens
             )
 
-    def _drop_finished(self) -> None:
-        """Sequences that left the running batch (aborted, preempted) since the last step."""
+    def drop_finished(self) -> None:
+        """Lets go of sequences that left the running batch (aborted, preempted) since the last step."""
         running = set(self.scheduler.running)
         for seq in [s for s in self.records if s not in running]:
             self._forget(seq)

@@ -138,6 +138,10 @@ class GrantLedger:
         with self._lock:
             return self.grants.get(transfer_id)
 
+    def is_live(self, transfer_id: int) -> bool:
+        grant = self.lookup(transfer_id)
+        return grant is not None and grant.state is GrantState.ACTIVE
+
     def renew(self, grant: Grant) -> None:
         with grant.lock:
             if grant.state is GrantState.ACTIVE:

@@ -18,9 +18,9 @@ import struct
 from dataclasses import dataclass
 
 MAGIC = b"PDKV"
-# 4: units of several layers; 3: chunked XXH64 checksums; 2: HMAC challenge-response, token_bytes
-# in the layout check, RENEW
-VERSION = 4
+# 5: HELD; 4: units of several layers; 3: chunked XXH64 checksums; 2: HMAC challenge-response,
+# token_bytes in the layout check, RENEW
+VERSION = 5
 HEADER = struct.Struct("<4sBBHQIIIqQQ")
 HEADER_SIZE = HEADER.size
 # Handshake and control payloads are small; K/V payloads are bounded by the grant they target.
@@ -42,6 +42,9 @@ class FrameKind(enum.IntEnum):
     CHALLENGE = 9  # decode -> prefill: payload = a nonce to authenticate with
     AUTH = 10  # prefill -> decode: payload = HMAC of the nonces under the cluster credential
     RENEW = 11  # prefill -> decode: the transfer is still wanted (queued or computing): extend its lease
+    # decode -> prefill, answering RENEW on one-sided transports (shm, CUDA IPC): aux = 1 its grant
+    # is live and its blocks are held, 0 it is gone (the lease ended): write nothing into them
+    HELD = 12
 
 
 class AckStatus(enum.IntEnum):

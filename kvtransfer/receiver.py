@@ -153,6 +153,8 @@ class _Connection:
         grant = self.ledger.lookup(h.transfer_id)
         if grant is not None:
             self.ledger.renew(grant)
+        if registry.get(self.transport).one_sided:  # its writer waits for this before writing into our memory
+            self._reply(FrameKind.HELD, h.transfer_id, int(self.ledger.is_live(h.transfer_id)))
 
     def _done(self, h: FrameHeader) -> None:
         payload = recv_payload(self.sock, h.payload_len)
@@ -170,8 +172,11 @@ class _Connection:
             self._ack(h.transfer_id, status)
 
     def _ack(self, transfer_id: int, status: AckStatus) -> None:
+        self._reply(FrameKind.ACK, transfer_id, int(status))
+
+    def _reply(self, kind: FrameKind, transfer_id: int, aux: int) -> None:
         try:
             with self._ack_lock:
-                send_frame(self.sock, FrameHeader(FrameKind.ACK, transfer_id=transfer_id, aux=int(status)))
+                send_frame(self.sock, FrameHeader(kind, transfer_id=transfer_id, aux=aux))
         except OSError as e:
-            log.info("could not acknowledge transfer %016x: %s", transfer_id, e)
+            log.info("could not answer transfer %016x (%s): %s", transfer_id, kind.name, e)

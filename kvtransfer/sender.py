@@ -70,6 +70,9 @@ class OutgoingTransfer:
         self.cancelled = False
         self.finishing = False  # DONE is queued: no more renewals
         self.failed: str | None = None  # a unit could not be read: report instead of DONE
+        self.answered = False  # the decode worker acknowledged it already (a refusal): send nothing more
+        self.held: bool | None = None  # one-sided: the decode worker's answer to our last RENEW
+        self._held = threading.Event()
         self.nbytes = 0
         self._report: Report | None = None
         self._reported = False
@@ -118,6 +121,19 @@ class OutgoingTransfer:
     close = cancel  # the request is over whatever happened: stop renewing and sending
 
     # -- connection threads ---------------------------------------------------------------------
+    # -- the ack thread -------------------------------------------------------------------------
+    def set_held(self, held: bool) -> None:
+        if not held and self.failed is None:
+            self.failed = "the decode worker no longer holds its blocks (the lease ended): nothing more written"
+        self.held = held
+        self._held.set()
+
+    def writable(self, timeout_s: float) -> bool:
+        """One-sided: whether the decode worker said (within ``timeout_s``) it holds the blocks."""
+        if not self._held.wait(timeout_s) and self.failed is None:
+            self.failed = f"the decode worker did not confirm its blocks within {timeout_s:.0f} s: nothing written"
+        return self.held is True and self.failed is None
+
     def resolve(self, outcome: TransferOutcome) -> None:
         """Reports the outcome once (never after a cancel)."""
         with self._lock:
@@ -158,7 +174,10 @@ class KVConnection:
             configure(self.sock, IO_TIMEOUT_S)
             self.ctx = SendContext(self.sock, cache, self.remote.extra, faults or FaultPlan(), ucx)
             self.sender = spec.load().Sender(self.ctx)
-        except (OSError, ProtocolError, ValueError, KeyError, TypeError) as e:
+        except (OSError, IdleTimeout) as e:  # gone, restarting or hung: another decode worker may do
+            shutdown(self.sock)
+            raise ConnectionError(f"KV handshake with {address} broke off: {str(e) or 'no answer in time'}") from None
+        except (ProtocolError, ValueError, KeyError, TypeError) as e:
             shutdown(self.sock)
             raise HandshakeError(f"KV handshake with {address} failed: {e}") from None
         except BaseException:
@@ -264,7 +283,12 @@ class KVConnection:
         if what is None:
             self._renew(transfer)
         elif isinstance(what, Unit):
-            if transfer.failed is None:
+            # A one-sided write lands in the decode worker's memory: only into blocks it holds for us.
+            if (
+                transfer.failed is None
+                and not transfer.answered
+                and (not self.one_sided or transfer.writable(IO_TIMEOUT_S))
+            ):
                 try:
                     self.sender.send(what)
                 except (ValueError, IndexError) as e:  # a bad destination is this transfer's problem only
@@ -310,12 +334,22 @@ class KVConnection:
                 except IdleTimeout:
                     continue
                 recv_payload(self.sock, header.payload_len)
+                if header.kind is FrameKind.HELD:
+                    with self._lock:
+                        transfer = self._transfers.get(header.transfer_id)
+                    if transfer is not None:
+                        transfer.set_held(bool(header.aux))
+                    continue
                 if header.kind is not FrameKind.ACK:
                     raise ProtocolError(f"unexpected {header.kind.name} from the decode worker")
                 with self._lock:
                     transfer = self._transfers.pop(header.transfer_id, None)
                 if transfer is not None:
-                    transfer.resolve(_outcome(AckStatus(header.aux), self.name, transfer.nbytes))
+                    outcome = _outcome(AckStatus(header.aux), self.name, transfer.nbytes)
+                    if not outcome.ok and transfer.failed is None:
+                        transfer.failed = outcome.reason  # reported at DONE if nobody waits for it yet
+                    transfer.answered = True
+                    transfer.resolve(outcome)
         except (OSError, ConnectionError, ProtocolError, ValueError) as e:
             self._break(e)
 
@@ -355,25 +389,40 @@ class KVSender:
         self.ucx = ucx
         self.faults = faults or FaultPlan.from_env()
         self._conns: dict[str, KVConnection] = {}
+        self._connecting: dict[str, threading.Lock] = {}  # one handshake at a time per address
+        self._closed = False
         self._lock = threading.Lock()
 
     def connection(self, address: str) -> KVConnection:
         """A live, handshaken connection (blocking: run it off the event loop). Raises
-        HandshakeError, or OSError when the decode worker cannot be reached."""
+        HandshakeError, or OSError when the decode worker cannot be reached or answer. A
+        handshake holds up only the callers for the same address (a hung decode worker must
+        not stall the others')."""
         with self._lock:
             conn = self._conns.get(address)
             if conn is not None and conn.broken is None:
                 return conn
+            gate = self._connecting.setdefault(address, threading.Lock())
+        with gate:
+            with self._lock:
+                conn = self._conns.get(address)
+            if conn is not None and conn.broken is None:
+                return conn  # another caller connected meanwhile
             if conn is not None:
                 log.info("KV connection to %s was lost (%s); reconnecting", address, conn.broken)
                 conn.close()
             conn = KVConnection(address, self.local, self.cache, secret=self.secret, ucx=self.ucx, faults=self.faults)
-            self._conns[address] = conn
+            with self._lock:
+                closed, self._conns[address] = self._closed, conn
+            if closed:
+                conn.close()
+                raise ConnectionError("the KV sender is closed")
             log.info("KV connection to %s open (transport %s)", address, conn.name)
             return conn
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             for conn in self._conns.values():
                 conn.close()
             self._conns.clear()

@@ -6,6 +6,7 @@ cancelled receives and refused units never sent, and CUDA IPC's data path on CPU
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import pytest
@@ -584,3 +585,86 @@ def test_cuda_ipc_path_on_cpu_tensors(monkeypatch):
     finally:
         prefill.close()
         decode.close()
+
+
+# -- one-sided writes land only in blocks the decode side still holds for them ----------------------
+def test_a_one_sided_transfer_that_opens_after_its_lease_ended_writes_nothing():
+    """The decode side let a grant go (its lease ended) and gave its blocks to another request:
+    the late prefill's shared-memory writes must not land in them (its RENEW is answered HELD 0
+    before any write), and it fails naming why."""
+    decode, prefill = Decode("shm", lease_s=0.3, quarantine_s=0.2), Prefill("shm")
+    try:
+        conn = prefill.connect(decode.address)
+        late = decode.grant([1, 2], 12)
+        assert wait_until(lambda: decode.ledger.reap_expired() or not decode.ledger.is_live(late))
+        assert not decode.outcome(late).ok  # reported after the quarantine: the blocks are free again
+        reused = decode.grant([1, 2], 12)
+        assert prefill.ship(conn, reused, [0], [1, 2], 8, 12).ok and decode.outcome(reused).ok
+        landed = [layer[1:3].clone() for layer in decode.layers]
+        outcome = prefill.ship(conn, late, [3], [1, 2], 8, 12)
+        assert not outcome.ok and "no longer holds its blocks" in outcome.reason
+        assert all(torch.equal(before, layer[1:3]) for before, layer in zip(landed, decode.layers))
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_one_sided_writer_stops_when_the_decode_side_ends_its_grant():
+    """The decode side ends a grant while its prefill still computes (a decode-side cancel): the
+    writer's next unit is refused and answered, and it writes nothing more into blocks that
+    are the decode side's again after the quarantine."""
+    decode, prefill = Decode("shm", quarantine_s=0.2), Prefill("shm")
+    try:
+        conn = prefill.connect(decode.address)
+        tid = decode.grant([1, 2], 12)
+        transfer = conn.open(tid, [1, 2], 8, 12)
+        transfer.send_layer(0, [0], 0, 12)
+        assert wait_until(lambda: bool(decode.ledger.lookup(tid).landed[0].all()))
+        decode.ledger.cancel(tid, "request gone")
+        assert not decode.outcome(tid).ok
+        transfer.send_layer(1, [0], 0, 12)  # refused: the writer is told, and stops
+        assert wait_until(lambda: transfer.answered)
+        decode.layers[2][1:3].zero_()  # the blocks serve another request now
+        for layer in range(2, LAYERS):
+            transfer.send_layer(layer, [0], 0, 12)
+        assert not prefill.finish(transfer).ok
+        assert not decode.layers[2][1:3].any(), "a late write landed in blocks the decode side had let go"
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_hung_decode_worker_holds_up_no_other_and_is_reported_unreachable(monkeypatch):
+    """A decode worker whose KV port accepts but never answers: its handshake times out as a
+    connection error (the router retries elsewhere), and meanwhile a connection to a healthy
+    decode worker opens at once."""
+    from pdserve.kvtransfer import sender as sender_module
+
+    monkeypatch.setattr(sender_module, "HANDSHAKE_TIMEOUT_S", 2.0)
+    hung = socket.create_server(("127.0.0.1", 0))  # the backlog accepts; nobody answers HELLO
+    decode, prefill = Decode("tcp"), Prefill("tcp")
+    kv_sender = sender_module.KVSender(prefill.info, prefill.cache)
+    errors = []
+    try:
+        stuck = threading.Thread(
+            target=lambda: errors.append(_error_of(kv_sender.connection, f"127.0.0.1:{hung.getsockname()[1]}"))
+        )
+        stuck.start()
+        time.sleep(0.2)
+        started = time.monotonic()
+        kv_sender.connection(decode.address)
+        assert time.monotonic() - started < 1.0
+        stuck.join(10)
+        assert isinstance(errors[0], ConnectionError) and "broke off" in str(errors[0])
+    finally:
+        kv_sender.close()
+        decode.close()
+        hung.close()
+
+
+def _error_of(call, *args) -> BaseException | None:
+    try:
+        call(*args)
+    except BaseException as e:  # noqa: BLE001 - returned to the test
+        return e
+    return None

@@ -1,7 +1,9 @@
 """Prometheus metrics: request latencies at the router, engine and KV-transfer state at workers.
 
 Router figures are recorded as requests flow. Worker figures are read at scrape time from
-the engine and the transfer counters (a custom collector), so the hot path pays nothing.
+the engine and the transfer counters (a custom collector), so the hot path pays nothing. Each
+role serves its own registry (with the process's own figures), so a worker never exports
+the router's series as zeros, nor the router the workers'.
 """
 
 from __future__ import annotations
@@ -9,7 +11,16 @@ from __future__ import annotations
 import logging
 from typing import Callable, Iterable, Mapping
 
-from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    start_http_server,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -18,26 +29,60 @@ log = logging.getLogger(__name__)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 
+
+def _registry() -> CollectorRegistry:
+    registry = CollectorRegistry()
+    for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+        registry.register(collector)
+    return registry
+
+
+ROUTER = _registry()
+WORKER = _registry()
+
 # -- router --------------------------------------------------------------------------------------
-REQUESTS = Counter("pdserve_requests", "Finished requests", ["finish_reason"])
-REJECTIONS = Counter("pdserve_request_rejections", "Requests refused or failed", ["reason"])
-TTFT = Histogram("pdserve_time_to_first_token_seconds", "Time to first token, at the router", buckets=_LATENCY_BUCKETS)
+REQUESTS = Counter(
+    "pdserve_requests",
+    "Requests ended, by finish reason (cancelled: the client left)",
+    ["finish_reason"],
+    registry=ROUTER,
+)
+REJECTIONS = Counter("pdserve_request_rejections", "Requests refused or failed", ["reason"], registry=ROUTER)
+TTFT = Histogram(
+    "pdserve_time_to_first_token_seconds",
+    "Time to first token, at the router",
+    buckets=_LATENCY_BUCKETS,
+    registry=ROUTER,
+)
 ITL = Histogram(
-    "pdserve_inter_token_latency_seconds", "Time between streamed chunks, at the router", buckets=_ITL_BUCKETS
+    "pdserve_inter_token_latency_seconds",
+    "Time between streamed chunks, at the router",
+    buckets=_ITL_BUCKETS,
+    registry=ROUTER,
 )
 E2E = Histogram(
-    "pdserve_e2e_request_latency_seconds", "Request latency, first byte in to last byte out", buckets=_LATENCY_BUCKETS
+    "pdserve_e2e_request_latency_seconds",
+    "Request latency, first byte in to last byte out",
+    buckets=_LATENCY_BUCKETS,
+    registry=ROUTER,
 )
-INFLIGHT = Gauge("pdserve_router_inflight_requests", "Requests the router is serving")
-MIGRATIONS = Counter("pdserve_migrations", "Requests moved to another worker after a failure", ["kind"])
+INFLIGHT = Gauge("pdserve_router_inflight_requests", "Requests the router is serving", registry=ROUTER)
+MIGRATIONS = Counter(
+    "pdserve_migrations", "Requests moved to another worker after a failure", ["kind"], registry=ROUTER
+)
 # The online planner (planner.online): what this router's share of the load needs. Sum over routers.
 PLANNER_DESIRED_REPLICAS = Gauge(
     "pdserve_planner_desired_replicas",
     "Replicas this router's load needs per pool (unrounded; sum over routers)",
     ["role"],
+    registry=ROUTER,
 )
-PLANNER_REQUEST_RATE = Gauge("pdserve_planner_request_rate", "Request rate the online planner forecasts (req/s)")
-PLANNER_CORRECTION = Gauge("pdserve_planner_latency_correction", "Measured over profile-predicted latency", ["metric"])
+PLANNER_REQUEST_RATE = Gauge(
+    "pdserve_planner_request_rate", "Request rate the online planner forecasts (req/s)", registry=ROUTER
+)
+PLANNER_CORRECTION = Gauge(
+    "pdserve_planner_latency_correction", "Measured over profile-predicted latency", ["metric"], registry=ROUTER
+)
 
 # -- prefill side of KV transfer ---------------------------------------------------------------------
 KV_TRANSFER_SECONDS = Histogram(
@@ -45,6 +90,7 @@ KV_TRANSFER_SECONDS = Histogram(
     "From the end of prefill compute to the decode side's ack",
     ["transport"],
     buckets=_LATENCY_BUCKETS,
+    registry=WORKER,
 )
 
 
@@ -62,7 +108,7 @@ class WorkerCollector(Collector):
         s = self.engine_stats()
         labels = ["role"]
         for name, doc, value in (
-            ("pdserve_kv_blocks_total", "KV cache blocks", s.blocks_total),
+            ("pdserve_kv_blocks", "KV cache blocks", s.blocks_total),
             ("pdserve_kv_blocks_free", "KV cache blocks free (cached prefixes included)", s.blocks_free),
             ("pdserve_kv_blocks_used", "KV cache blocks held by requests", s.blocks_total - s.blocks_free),
             ("pdserve_kv_blocks_cached", "Blocks holding reusable prefixes", s.blocks_cached),
@@ -132,9 +178,9 @@ def _kv_families(role: str, counters: Mapping[str, float]) -> Iterable:
     return transfers, nbytes, events
 
 
-def serve_metrics(host: str, port: int) -> int:
+def serve_metrics(host: str, port: int, registry: CollectorRegistry) -> int:
     """Starts the /metrics endpoint; returns the bound port (``port`` 0 picks a free one)."""
-    server, _ = start_http_server(port, addr=host)
+    server, _ = start_http_server(port, addr=host, registry=registry)
     return server.server_port
 
 
@@ -142,5 +188,5 @@ def start_worker_metrics(port: int | None, host: str, public_host: str, collecto
     """Registers a worker's collector and serves /metrics if ``port`` is set; returns its address."""
     if port is None:
         return None
-    REGISTRY.register(collector)
-    return f"{public_host}:{serve_metrics(host, port)}"
+    WORKER.register(collector)
+    return f"{public_host}:{serve_metrics(host, port, WORKER)}"

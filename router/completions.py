@@ -113,6 +113,7 @@ class Completions:
         events = self.dispatcher.generate(req, timeout_s)
         metrics.INFLIGHT.inc()
         self.inflight += 1
+        ended = False  # finished or failed: anything else that stops it is the client leaving
         try:
             async with contextlib.aclosing(events):
                 async for event in events:
@@ -142,6 +143,7 @@ class Completions:
                     done[i] = True
                     usage = None
                     if all(done):
+                        ended = True
                         self.counters[f"finished_{finish}"] += 1
                         metrics.REQUESTS.labels(finish).inc()
                         metrics.E2E.observe(now - started)
@@ -165,8 +167,14 @@ class Completions:
                     if usage is not None:
                         return
         except DispatchError as e:
+            ended = True
             self.counters[f"failed_{e.code.name.lower()}"] += 1
             metrics.REJECTIONS.labels(e.code.name.lower()).inc()
+            raise
+        except (GeneratorExit, asyncio.CancelledError):
+            if not ended:  # the client went away (a disconnect, its deadline) before the end
+                self.counters["cancelled"] += 1
+                metrics.REQUESTS.labels("cancelled").inc()
             raise
         finally:
             metrics.INFLIGHT.dec()

@@ -10,6 +10,7 @@ import re
 from prometheus_client import make_asgi_app
 from starlette.routing import Mount
 
+from pdserve import metrics
 from pdserve.engine.model_store import resolve_model
 from pdserve.grpc_server import start_server
 from pdserve.metrics import serve_metrics
@@ -92,14 +93,14 @@ async def serve(settings: RouterSettings, security: SecuritySettings) -> None:
             app = create_app(
                 completions,
                 served_name(str(model_dir), settings.served_model_name),
-                extra_routes=[Mount("/metrics", make_asgi_app())],
+                extra_routes=[Mount("/metrics", make_asgi_app(registry=metrics.ROUTER))],
                 api_token=security.api_token,
             )
             http_server, http_task = await serve_http(app, settings.host, settings.http_port, security=security)
             http_address = f"{settings.host}:{http_port(http_server)}"
         metrics_address = None
         if settings.metrics_port is not None:
-            metrics_address = f"{settings.host}:{serve_metrics(settings.host, settings.metrics_port)}"
+            metrics_address = f"{settings.host}:{serve_metrics(settings.host, settings.metrics_port, metrics.ROUTER)}"
         if security.api_token and not security.tls and not _loopback(settings.host):
             log.warning(
                 "the public API takes a bearer token on %s without TLS: it crosses the network in clear "

@@ -61,8 +61,15 @@ async def test_metrics_move_with_traffic(stack):
         == 2
     )
     assert decode["pdserve_kv_transfer_bytes_total{role=decode,transport=tcp}"] > 0
-    assert decode["pdserve_kv_blocks_total{role=decode}"] > 0
-    assert decode["pdserve_kv_blocks_free{role=decode}"] == decode["pdserve_kv_blocks_total{role=decode}"]
+    assert decode["pdserve_kv_blocks{role=decode}"] > 0
+    assert decode["pdserve_kv_blocks_free{role=decode}"] == decode["pdserve_kv_blocks{role=decode}"]
+    # Each role exports its own series only (and its process's): no router histograms on workers.
+    for role in ("prefill", "decode"):
+        assert not any(
+            k.startswith(("pdserve_time_to_first", "pdserve_router_", "pdserve_planner_")) for k in after[role]
+        )
+        assert "process_resident_memory_bytes{}" in after[role]
+    assert not any(k.startswith(("pdserve_kv_blocks", "pdserve_kv_transfer_duration")) for k in after["router"])
     prefill = after["prefill"]
     assert prefill["pdserve_kv_transfer_duration_seconds_count{transport=tcp}"] == 2
     assert prefill["pdserve_prefix_cache_queries_total{role=prefill}"] >= 1

@@ -4,9 +4,9 @@ model it asks, and the Prometheus gauges it exports (fake clock, no servers)."""
 from __future__ import annotations
 
 import pytest
-from prometheus_client import REGISTRY
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.metrics import ROUTER as REGISTRY  # the router's series
 from pdserve.planner import capacity
 from pdserve.planner.online import OnlinePlanner
 from pdserve.planner.profile import Overheads, Profile, StepCost, TransferCost

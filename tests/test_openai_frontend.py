@@ -25,12 +25,13 @@ except ImportError:  # newer openai SDKs depend on httpx2 instead
 
 from test_openai_api import assert_openai_error
 
+from pdserve import metrics as pdserve_metrics
 from pdserve.client import build_request
 from pdserve.router.completions import Completions
 from pdserve.router.dispatch import DispatchError, TokenEvent
 from pdserve.router.openai_api import create_app, http_port, serve_http
 from pdserve.router.openai_logprobs import CompletionLogprobs, TokenTexts, prompt_logprobs
-from pdserve.router.request import CompletionRequest
+from pdserve.router.request import CompletionRequest, SamplingRequest
 from pdserve.router.servicer import RouterService, add_router_service
 from pdserve.router.tokenizer import RouterTokenizer
 from pdserve.router.validation import InvalidRequest
@@ -195,7 +196,8 @@ async def test_worker_failures_map_to_http_statuses(tokenizer):
     dispatcher = FailingDispatcher()
 
     async def metrics(request):  # how the router adds /metrics to the HTTP port
-        return Response(prometheus_client.generate_latest(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
+        body = prometheus_client.generate_latest(pdserve_metrics.ROUTER)
+        return Response(body, media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
     app = create_app(
         Completions(tokenizer, dispatcher, 600, max_inflight=1024), "m", extra_routes=[Route("/metrics", metrics)]
@@ -425,4 +427,24 @@ async def test_a_continued_final_message_reaches_the_workers_as_transformers_ren
     finally:
         await grpc_server.stop(None)
         await _stop(server, task)
+        completions.close()
+
+
+async def test_a_request_the_client_leaves_is_counted_as_cancelled_and_one_it_reads_to_the_end_is_not(tokenizer):
+    completions = Completions(tokenizer, EchoDispatcher(), 600, max_inflight=MAX_INFLIGHT)
+    try:
+        req = await completions.validate(
+            CompletionRequest(prompt="Hello there, friend", sampling=SamplingRequest(max_tokens=8))
+        )
+        before = pdserve_metrics.ROUTER.get_sample_value("pdserve_requests_total", {"finish_reason": "cancelled"}) or 0
+        left = completions.stream(req, 60)
+        await left.__anext__()
+        await left.aclose()  # the client went away after its first chunk
+        async for chunk in completions.stream(req, 60):
+            if chunk.usage is not None:
+                break  # the last chunk read, then the stream closed: finished, not cancelled
+        assert completions.counters["cancelled"] == 1 and completions.counters["finished_length"] == 1
+        after = pdserve_metrics.ROUTER.get_sample_value("pdserve_requests_total", {"finish_reason": "cancelled"})
+        assert after == before + 1
+    finally:
         completions.close()

@@ -59,12 +59,14 @@ def load_model(cfg: HFConfig):
     import torch
     from transformers import AutoModelForCausalLM
 
+    from pdserve.engine.loader import parse_dtype
     from pdserve.engine.model_store import resolve_model
 
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     folder = resolve_model(cfg.model, cfg.cache_dir)
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, cfg.dtype))
+    dtype = parse_dtype(cfg.dtype, torch.device("cpu"))  # "auto" as the engine reads it (its default)
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
     model.eval()
     return model, str(folder)
 

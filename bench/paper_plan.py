@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.num_prompts < 1 or args.top_k < 1 or not args.span_s > 0:
+        parser.error("--num-prompts and --top-k must be >= 1, --span-s > 0")
     profile = published_profile()
     if args.output:
         profile.save(args.output)

@@ -39,10 +39,17 @@ class StepFigures:
 
 
 def parse_layouts(text: str) -> list[tuple[int, int]]:
+    """'1x1,3x1' -> [(1, 1), (3, 1)] (TP x PP, each >= 1)."""
     layouts = []
     for item in text.split(","):
         tp, _, pp = item.strip().partition("x")
-        layouts.append((int(tp), int(pp or 1)))
+        try:
+            layout = (int(tp), int(pp or 1))
+        except ValueError:
+            raise ValueError(f"a layout is TPxPP (integers), got {item!r}") from None
+        if min(layout) < 1:
+            raise ValueError(f"a layout's degrees are >= 1, got {item!r}")
+        layouts.append(layout)
     return layouts
 
 
@@ -180,6 +187,11 @@ def main() -> None:
     p = sub.add_parser("paper")
     p.add_argument("--prompt-len", type=int, default=2048)
     args = parser.parse_args()
+    if args.command == "measure":
+        try:
+            parse_layouts(args.layouts)
+        except ValueError as e:
+            parser.error(f"--layouts: {e}")
     run_measure(args) if args.command == "measure" else run_paper(args)
 
 

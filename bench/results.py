@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from dataclasses import asdict, dataclass
 from datetime import datetime
@@ -109,6 +110,24 @@ def file_name(info: RunInfo) -> str:
     rate = "inf" if math.isinf(info.request_rate) else f"{info.request_rate:g}"
     conc = f"-concurrency{info.max_concurrency}" if info.max_concurrency else ""
     return f"{info.mode}-{rate}qps{conc}.json"
+
+
+def check_result_dir(path: Path, flag: str = "--result-dir") -> None:
+    """Makes the folder results go to, or refuses it naming ``flag``: before a run, not after."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{flag}: cannot make folder {path}: {e.strerror}") from None
+    if not os.access(path, os.W_OK):
+        raise ValueError(f"{flag}: cannot write in {path}")
+
+
+def check_output_file(path: Path, flag: str) -> None:
+    """Refuses, before a run, a file that could not be written at its end."""
+    if path.is_dir():
+        raise ValueError(f"{flag}: {path} is a folder, not a file")
+    if not path.parent.is_dir() or not os.access(path.parent, os.W_OK):
+        raise ValueError(f"{flag}: cannot write in {path.parent}")
 
 
 def write(result_dir: Path, info: RunInfo, result: dict) -> Path:

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.bench import workloads
+from pdserve.bench import results, workloads
 from pdserve.bench.arrivals import parse_rates
 from pdserve.bench.arrivals import validate as validate_arrivals
 from pdserve.bench.metrics import DEFAULT_SHORT_THRESHOLD, Goodput
@@ -293,6 +293,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     for name in ("time_limit_s", "request_timeout_s", "connect_timeout_s"):
         if not (getattr(args, name) > 0 and math.isfinite(getattr(args, name))):
             raise ValueError(f"--{name.replace('_', '-')} must be a positive number, got {getattr(args, name)}")
+    results.check_result_dir(Path(args.result_dir))
     wl = workload_config(args)
     engine = resolve(EngineConfig, args)
     if any(m.speculative == "draft" for m in modes) and not engine.draft_model:

@@ -218,7 +218,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
-    args.draft_layers = [int(x) for x in args.draft_layers.split(",") if x]
+    try:  # everything a typo can break, before any model loads
+        args.draft_layers = [int(x) for x in args.draft_layers.split(",") if x]
+        if any(n < 1 for n in args.draft_layers) or args.k < 1:
+            raise ValueError("--k and --draft-layers must be >= 1")
+        if not set(args.parts.split(",")) <= {"batch1", "rate"}:
+            raise ValueError(f"--parts takes batch1 and/or rate, got {args.parts!r}")
+        if not set(args.workloads.split(",")) <= {"extractive", "random", "sharegpt"}:
+            raise ValueError(f"--workloads takes extractive, random and/or sharegpt, got {args.workloads!r}")
+        workloads.parse_range(args.output_len), workloads.parse_range(args.random_input_len)
+    except ValueError as e:
+        p.error(str(e))
 
     from transformers import AutoTokenizer
 

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
 from tqdm import tqdm
 
-from pdserve.bench import serve_plan, workloads
+from pdserve.bench import results, serve_plan, workloads
 from pdserve.bench.metrics import Goodput, RunMetrics
 from pdserve.planner.planner import FleetPlan, UnitResult, plan
 from pdserve.planner.profile import Profile
@@ -168,8 +169,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--attainment must be in (0, 1], got {args.attainment}")
         if args.devices < 1 or args.max_unit_devices < 1 or args.top_k < 1:
             raise ValueError("--devices, --max-unit-devices and --top-k must be >= 1")
-        if args.request_rate is not None and not args.request_rate > 0:
-            raise ValueError(f"--request-rate must be > 0, got {args.request_rate}")
+        if args.request_rate is not None and not (args.request_rate > 0 and math.isfinite(args.request_rate)):
+            raise ValueError(f"--request-rate must be a positive number of requests/s, got {args.request_rate}")
+        if args.json:
+            results.check_output_file(args.json, "--json")
         profile = Profile.load(args.profile)
         specs = workloads.build(serve_plan.workload_config(args), lambda: _tokenizer())
         config = SimConfig(

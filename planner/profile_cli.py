@@ -13,6 +13,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from pdserve.bench import results
 from pdserve.config import add_arguments, resolve
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.planner.fit import robust_fit
@@ -68,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         degrees = sorted({int(x) for x in args.degrees.split(",")}) if args.degrees else sorted({1, cores})
         if any(d < 1 for d in degrees) or args.repeats < 1:
             raise ValueError("--degrees and --repeats must be >= 1")
+        results.check_output_file(Path(args.output), "--output")
         engine_config = resolve(EngineConfig, args)
         from pdserve.engine.model_store import resolve_model
 

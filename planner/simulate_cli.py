@@ -56,6 +56,8 @@ def sim_config(plan: serve_plan.Plan, profile: Profile) -> SimConfig:
     """The settings of the stacks ``pdserve bench`` would start with the same flags."""
     e = plan.engine
     nbytes, _ = parse_memory(e.kv_cache_memory) if e.kv_cache_memory != "auto" else (None, None)
+    if nbytes is not None and nbytes < profile.kv_bytes_per_token * e.block_size:
+        raise ValueError(f"--kv-cache-memory {e.kv_cache_memory} holds no block of {e.block_size} tokens")
     return SimConfig(
         max_num_seqs=e.max_num_seqs,
         max_num_batched_tokens=e.max_num_batched_tokens,
@@ -111,10 +113,16 @@ def main(argv: list[str] | None = None) -> int:
         if not args.profile:
             raise ValueError("--profile FILE is required (make one with: pdserve profile --output FILE)")
         plan = serve_plan.make_plan(args)
-        unsupported = [m.label for m in plan.modes if m.kind != "stack"]
+        unsupported = [
+            m.label for m in plan.modes if m.kind != "stack" or (m.speculative or plan.engine.speculative) != "none"
+        ]
         if unsupported:
-            raise ValueError(f"mode {', '.join(unsupported)} cannot be simulated; give colocated or NpMd modes")
+            raise ValueError(
+                f"mode {', '.join(unsupported)} cannot be simulated (speculative decoding is not modelled);"
+                " give colocated or NpMd modes"
+            )
         profile = Profile.load(plan.profile)
+        sim_config(plan, profile)  # refuses settings no stack would start with
         specs = workloads.build(plan.workload, lambda: serve._tokenizer(plan.engine))
     except (ValueError, FileNotFoundError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)

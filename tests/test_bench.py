@@ -544,7 +544,8 @@ def test_hf_baseline_records_every_token(model_dir):
     res = run_hf(specs, HFConfig(num_threads=1, progress=False))
     assert [t.output_tokens for t in res.timelines] == [3, 5] and all(t.success for t in res.timelines)
     assert res.timelines[0].end_time <= res.timelines[1].end_time  # same batch: shared step times
-    sampled = run_hf(specs, HFConfig(num_threads=1, progress=False, temperature=0.8, top_p=0.9))
+    # "auto", pdserve bench's default dtype, read as the engine reads it.
+    sampled = run_hf(specs, HFConfig(dtype="auto", num_threads=1, progress=False, temperature=0.8, top_p=0.9))
     assert [t.output_tokens for t in sampled.timelines] == [3, 5] and all(t.success for t in sampled.timelines)
 
 
@@ -625,3 +626,27 @@ def test_sampling_bench_times_each_setting_on_the_real_model(capsys):
     rows = report["by_batch"]["2"]
     assert set(rows) == set(engine_bench.SAMPLING_SETTINGS)
     assert all(row["step_ms"] > 0 and row["sampler_ms"] > 0 for row in rows.values())
+
+
+@pytest.mark.parametrize(
+    "script, argv, words",
+    [
+        ("speculative_bench", ["--output-len", "abc"], "length range"),
+        ("speculative_bench", ["--parts", "foo"], "--parts"),
+        ("speculative_bench", ["--k", "0"], "--k"),
+        ("speculative_bench", ["--draft-layers", "x"], "invalid literal"),
+        ("parallel_bench", ["measure", "--layouts", "0x1"], "--layouts"),
+        ("parallel_bench", ["measure", "--layouts", "abc"], "--layouts"),
+        ("paper_plan", ["--num-prompts", "0"], "--num-prompts"),
+    ],
+)
+def test_bench_scripts_refuse_bad_arguments_in_one_line_before_loading_anything(
+    script, argv, words, monkeypatch, capsys
+):
+    import importlib
+
+    module = importlib.import_module(f"pdserve.bench.{script}")
+    monkeypatch.setattr("sys.argv", [f"{script}.py", *argv])
+    with pytest.raises(SystemExit) as exit_:
+        module.main(argv) if script != "parallel_bench" else module.main()
+    assert exit_.value.code == 2 and words in capsys.readouterr().err

@@ -145,6 +145,8 @@ def test_simulate_reads_jsonl_traces(tmp_path, profile_path):
         (["--modes", "live"], "cannot be simulated"),
         (["--modes", "colocated-conditional"], "unknown mode"),
         (["--modes", "1p1d", "--slo-tpot-ms", "-5"], "--slo-tpot-ms"),
+        (["--modes", "colocated-ngram"], "speculative decoding is not modelled"),
+        (["--modes", "1p1d", "--kv-cache-memory", "1KiB"], "holds no block"),
     ],
 )
 def test_simulate_bad_input(tmp_path, profile_path, capsys, args, message):
@@ -191,8 +193,11 @@ def test_plan_prints_and_writes_a_plan(tmp_path, profile_path, capsys):
     "args, message",
     [
         (["--slo", "ttft:100", "--devices", "0"], "must be >= 1"),
-        (["--slo", "speed:3", "--devices", "2"], "goodput"),
+        (["--slo", "speed:3", "--devices", "2"], "--slo takes KEY:MS"),
+        (["--slo", "ttft:abc", "--devices", "2"], "--slo ttft: 'abc'"),
         (["--slo", "ttft:100", "--devices", "2", "--attainment", "1.5"], "--attainment"),
+        (["--slo", "ttft:100", "--devices", "2", "--request-rate", "inf"], "--request-rate"),
+        (["--slo", "ttft:100", "--devices", "2", "--json", "/proc/no-such-folder/plan.json"], "--json"),
     ],
 )
 def test_plan_bad_input(profile_path, capsys, args, message):
@@ -246,3 +251,14 @@ def test_plan_says_when_nothing_meets_the_slo(profile_path, capsys):
     )
     assert code == 0
     assert "no placement within 2 cores meets the SLOs for 90% of the requests" in capsys.readouterr().out
+
+
+def test_outputs_that_could_not_be_written_are_refused_before_any_work(tmp_path, profile_path, capsys):
+    from pdserve.planner import profile_cli
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    args = ["--profile", profile_path, "--modes", "1p1d", "--disable-tqdm", "--result-dir", str(a_file)]
+    assert simulate_cli.main(args) == 2 and "--result-dir" in capsys.readouterr().err
+    assert profile_cli.main(["--output", str(tmp_path), "--disable-tqdm"]) == 2
+    assert "--output" in capsys.readouterr().err

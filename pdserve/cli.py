@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import importlib
 import json
 import logging
@@ -12,7 +13,7 @@ import signal
 import sys
 
 from pdserve.client import DEFAULT_ADDRESS
-from pdserve.config import add_arguments, as_dict, load_file, resolve, unknown_file_keys
+from pdserve.config import add_arguments, load_file, resolve, unknown_file_keys
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.process import setup_logging
 from pdserve.security import SecuritySettings, add_client_tls_arguments
@@ -130,16 +131,28 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-SETTINGS_CLASSES = (EngineConfig, WorkerSettings, RouterSettings, ClusterSettings, SecuritySettings)
+# What each part of a deployment reads (a setting of the same name may mean different things in two of them).
+SETTINGS = {
+    "engine": EngineConfig,
+    "worker": WorkerSettings,
+    "router": RouterSettings,
+    "cluster": ClusterSettings,
+    "security": SecuritySettings,
+}
 
 
 def _run(args: argparse.Namespace, file: dict) -> int:
-    unknown = unknown_file_keys(file, *SETTINGS_CLASSES)  # one file serves every role: a typo is a typo anywhere
+    unknown = unknown_file_keys(file, *SETTINGS.values())  # one file serves every role: a typo is a typo anywhere
     if unknown:
         raise ValueError(f"unknown settings in {args.config}: {', '.join(unknown)}")
     if args.command == "config":
-        settings = [resolve(cls, None, file=file) for cls in SETTINGS_CLASSES]
-        shown = {k: ("***" if "token" in k and v else v) for k, v in as_dict(*settings).items()}  # never print secrets
+        shown = {
+            name: {
+                k: ("***" if "token" in k and v else v)
+                for k, v in dataclasses.asdict(resolve(cls, None, file=file)).items()
+            }
+            for name, cls in SETTINGS.items()
+        }  # never print secrets
         print(json.dumps(shown, indent=2))
         return 0
     if args.command == "router":

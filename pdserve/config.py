@@ -128,13 +128,6 @@ def unknown_file_keys(file: Mapping[str, Any], *classes: type) -> list[str]:
     return sorted(set(file) - known)
 
 
-def as_dict(*objs: Any) -> dict[str, Any]:
-    merged: dict[str, Any] = {}
-    for obj in objs:
-        merged.update(dataclasses.asdict(obj))
-    return merged
-
-
 def to_args(obj: Any) -> list[str]:
     """Flags that reproduce ``obj``'s non-default settings (for starting child processes)."""
     args: list[str] = []

@@ -1,4 +1,4 @@
-"""API parity benchmarks (issue 15): what n > 1, structured output and logprobs cost, and
+"""API parity benchmarks: what n > 1, structured output and logprobs cost, and
 whether the OpenAI API's numbers are the engine's.
 
     python bench/api_parity.py choices      # n = 4 vs n = 1: wall time, same prompt and output length

@@ -5,7 +5,7 @@
 
 Runs ``pdserve bench`` with modes colocated, 1p1d and 1p1d-conditional (every stack gets the
 profile: with ``--slo-tpot-ms``, each worker that mixes prefill into decode steps sizes its
-chunks from it) and checks the target of the issue at each rate: goodput of 1p1d-conditional
+chunks from it) and checks its target at each rate: goodput of 1p1d-conditional
 >= 1.1x the better of colocated and 1p1d, with ITL p99 no worse than 1p1d's + 20%. The SLO
 (``--goodput``) is fixed on the command line, before the run. Every other option is
 ``pdserve bench``'s. ``--compare-only`` checks the results of an earlier run.

@@ -25,7 +25,7 @@ from pdserve.engine.quantization import QuantizedLinear
 from pdserve.engine.sampling_params import SamplingParams
 
 PROMPT_TOKENS = 512
-ATTENTION_BATCH, ATTENTION_CONTEXT = 32, 400  # the batched decode shape the issue names
+ATTENTION_BATCH, ATTENTION_CONTEXT = 32, 400  # the batched decode shape the attention target is stated for
 MIXED_LENS = [4000] + [100] * 31  # a long conversation batched with short ones
 
 

@@ -21,7 +21,7 @@ Engines: ``none``, ``ngram``, ``draft-self`` (the default model as its own draft
 greedy proposal is kept, so it measures the bookkeeping, not a speed-up) and
 ``draft-L<n>`` (the default model cut to its first n layers: a real, weaker draft).
 Workloads: ``bench/workloads.py``'s extractive, random and sharegpt (greedy, EOS ignored).
-Targets (issue 14): extractive batch 1 ngram ITL p50 <= 0.6x none; draft-self tokens per
+Targets: extractive batch 1 ngram ITL p50 <= 0.6x none; draft-self tokens per
 forward >= 0.9 (K + 1); random throughput >= 0.95x none.
 """
 

@@ -3,8 +3,8 @@
 oneDNN's bf16 GEMM is the right tool for prefill (hundreds of rows) but streams a weight at a
 fraction of the memory bandwidth for the one to a few dozen rows of a decode step, which is
 memory-bound. The layer keeps the weight as loaded for oneDNN and a column-interleaved copy for
-``kernels/csrc/dense_linear_cpu.cpp``; each call picks by row count (the crossover measured here
-is ~48 rows).
+``kernels/csrc/dense_linear_cpu.cpp``; each call picks by row count: the packed kernel up to
+``MAX_KERNEL_ROWS`` rows, oneDNN above.
 """
 
 from __future__ import annotations

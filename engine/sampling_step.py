@@ -7,7 +7,7 @@ choices are about to fork (n > 1, its first token) gets its row repeated once pe
 each with that choice's seed, so the n first tokens come from the one prefill. A decode that
 carries proposed tokens (speculative decoding) has a row per position, each sampled as that
 output token would be, and ``verify`` keeps what the model agrees with; such requests never
-ask for logprobs, grammars or choices (``speculative.speculates``). Prompt logprobs come from
+ask for logprobs, grammars or choices (``speculator.speculates``). Prompt logprobs come from
 the extra rows ``engine.logprobs.add_prompt_rows`` asked for.
 """
 

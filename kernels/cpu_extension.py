@@ -3,8 +3,9 @@
 The kernels are compiled with the machine's own instruction set, under a name that includes
 the sources, the torch version and the CPU's feature flags, so a cache shared between
 different machines never loads a foreign build, and the source and torch folders, so two
-checkouts never rebuild each other's build. `make setup` builds them
-(`python -m pdserve.kernels.cpu_extension`); otherwise the first process that needs them does.
+checkouts never rebuild each other's build. `make kernels` (and so `make demo` and `make test`)
+builds them (`python -m pdserve.kernels.cpu_extension`); otherwise the first process that needs
+them does.
 
 torch's builder guards a build with a lock file that a killed build leaves behind, after which
 every later load waits on it forever. So builds are serialized by an flock of our own, which the

@@ -16,7 +16,7 @@ from pdserve.client import DEFAULT_ADDRESS
 from pdserve.config import add_arguments, load_file, resolve, unknown_file_keys
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.process import setup_logging
-from pdserve.security import SecuritySettings, add_client_tls_arguments
+from pdserve.security import SECRET_SETTINGS, SecuritySettings, add_client_tls_arguments
 from pdserve.settings import ClusterSettings, RouterSettings, WorkerSettings
 
 log = logging.getLogger("pdserve")
@@ -148,7 +148,7 @@ def _run(args: argparse.Namespace, file: dict) -> int:
     if args.command == "config":
         shown = {
             name: {
-                k: ("***" if "token" in k and v else v)
+                k: ("***" if k in SECRET_SETTINGS and v else v)
                 for k, v in dataclasses.asdict(resolve(cls, None, file=file)).items()
             }
             for name, cls in SETTINGS.items()

@@ -21,6 +21,7 @@ import grpc
 from pdserve.config import resolve, setting
 
 AUTH_KEY = "authorization"
+SECRET_SETTINGS = ("cluster_token", "api_token")  # never printed
 
 
 @dataclass(frozen=True)

@@ -103,7 +103,12 @@ def test_to_args_round_trips():
 def test_config_show_prints_the_effective_configuration_without_secrets(tmp_path):
     file = tmp_path / "c.yaml"
     file.write_text("dtype: bfloat16\nport: 6000\n")
-    env = {"PDSERVE_BLOCK_SIZE": "48", "PDSERVE_API_TOKEN": "hunter2", "PATH": "/usr/bin:/bin"}
+    env = {
+        "PDSERVE_BLOCK_SIZE": "48",
+        "PDSERVE_API_TOKEN": "hunter2",
+        "PDSERVE_MAX_NUM_BATCHED_TOKENS": "2048",  # a "token" in its name, no secret
+        "PATH": "/usr/bin:/bin",
+    }
     out = subprocess.run(
         [sys.executable, "-m", "pdserve.cli", "config", "--show", "--config", str(file)],
         capture_output=True,
@@ -115,6 +120,7 @@ def test_config_show_prints_the_effective_configuration_without_secrets(tmp_path
     assert shown["engine"]["dtype"] == "bfloat16" and shown["engine"]["block_size"] == 48
     assert shown["router"]["port"] == 6000 and shown["worker"]["port"] == 6000
     assert shown["security"]["api_token"] == "***" and "hunter2" not in out.stdout
+    assert shown["engine"]["max_num_batched_tokens"] == 2048
     bad = tmp_path / "bad.yaml"
     bad.write_text("no_such_setting: 1\n")
     result = subprocess.run(

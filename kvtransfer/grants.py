@@ -56,6 +56,7 @@ class Grant:
     nbytes: int = 0
     writers: int = 0  # writes in progress (a TCP payload being read, a posted UCX receive, ...)
     cancellers: list[Callable[[], None]] = field(default_factory=list)  # stop the writes in progress
+    writer_told: bool = False  # a one-sided writer hears of its end (``tell_writer_at_end``)
     pending_done: tuple[int, str, Callable[[AckStatus], None], tuple[int, ...]] | None = (
         None  # DONE seen, writes still landing
     )
@@ -141,6 +142,17 @@ class GrantLedger:
     def is_live(self, transfer_id: int) -> bool:
         grant = self.lookup(transfer_id)
         return grant is not None and grant.state is GrantState.ACTIVE
+
+    def tell_writer_at_end(self, grant: Grant, tell: Callable[[], None]) -> bool:
+        """For a writer into our memory: ``tell`` runs as the grant fails, so the writer stops
+        long before the quarantine ends (registered once). False if the grant has ended."""
+        with grant.lock:
+            if grant.state is not GrantState.ACTIVE:
+                return False
+            if not grant.writer_told:
+                grant.writer_told = True
+                grant.cancellers.append(tell)
+            return True
 
     def renew(self, grant: Grant) -> None:
         with grant.lock:

@@ -153,8 +153,12 @@ class _Connection:
         grant = self.ledger.lookup(h.transfer_id)
         if grant is not None:
             self.ledger.renew(grant)
-        if registry.get(self.transport).one_sided:  # its writer waits for this before writing into our memory
-            self._reply(FrameKind.HELD, h.transfer_id, int(self.ledger.is_live(h.transfer_id)))
+        if registry.get(self.transport).one_sided:  # its writer waits for HELD 1 before writing into our memory
+            tid = h.transfer_id
+            held = grant is not None and self.ledger.tell_writer_at_end(
+                grant, lambda: self._reply(FrameKind.HELD, tid, 0)
+            )
+            self._reply(FrameKind.HELD, tid, int(held))
 
     def _done(self, h: FrameHeader) -> None:
         payload = recv_payload(self.sock, h.payload_len)

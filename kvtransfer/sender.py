@@ -17,7 +17,7 @@ import socket
 import struct
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -371,6 +371,15 @@ def _outcome(status: AckStatus, transport: str, nbytes: int) -> TransferOutcome:
     )
 
 
+@dataclass
+class _Gate:
+    """One address's handshakes, one at a time; callers that waited for one that failed share its error."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    error: BaseException | None = None
+    failed_at: float = float("-inf")
+
+
 class KVSender:
     """The prefill worker's connections to decode workers, one per address, reopened when broken."""
 
@@ -389,7 +398,7 @@ class KVSender:
         self.ucx = ucx
         self.faults = faults or FaultPlan.from_env()
         self._conns: dict[str, KVConnection] = {}
-        self._connecting: dict[str, threading.Lock] = {}  # one handshake at a time per address
+        self._connecting: dict[str, _Gate] = {}  # one handshake at a time per address
         self._closed = False
         self._lock = threading.Lock()
 
@@ -398,20 +407,29 @@ class KVSender:
         HandshakeError, or OSError when the decode worker cannot be reached or answer. A
         handshake holds up only the callers for the same address (a hung decode worker must
         not stall the others')."""
+        asked = time.monotonic()
         with self._lock:
             conn = self._conns.get(address)
             if conn is not None and conn.broken is None:
                 return conn
-            gate = self._connecting.setdefault(address, threading.Lock())
-        with gate:
+            gate = self._connecting.setdefault(address, _Gate())
+        with gate.lock:
             with self._lock:
                 conn = self._conns.get(address)
             if conn is not None and conn.broken is None:
                 return conn  # another caller connected meanwhile
+            if gate.failed_at > asked:  # the attempt we waited for failed: so do we, not after another
+                raise gate.error
             if conn is not None:
                 log.info("KV connection to %s was lost (%s); reconnecting", address, conn.broken)
                 conn.close()
-            conn = KVConnection(address, self.local, self.cache, secret=self.secret, ucx=self.ucx, faults=self.faults)
+            try:
+                conn = KVConnection(
+                    address, self.local, self.cache, secret=self.secret, ucx=self.ucx, faults=self.faults
+                )
+            except (HandshakeError, OSError) as e:
+                gate.error, gate.failed_at = e, time.monotonic()
+                raise
             with self._lock:
                 closed, self._conns[address] = self._closed, conn
             if closed:

@@ -97,9 +97,7 @@ class Forker:
         """Shares ``parent``'s prompt blocks with ``child`` and puts it in the running batch, or,
         without a free block or room in the batch (``max_num_seqs``), queues it to recompute
         its prompt (from the prefix cache, where it is on)."""
-        scheduler = self.scheduler
-        full = len(scheduler.running) + len(scheduler.waiting_for_kv) >= scheduler.config.max_num_seqs
-        copies = None if full else self.blocks.fork(parent, child)
+        copies = self.blocks.fork(parent, child) if self.scheduler.has_room() else None
         if copies is None:
             self.num_recomputed += 1
             self.scheduler.add(child)

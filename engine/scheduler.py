@@ -173,11 +173,7 @@ class Scheduler:
 
         self._swap_in()
         out.expired = self._expire_waiting()
-        while (
-            self.waiting
-            and len(self.running) + len(self.waiting_for_kv) < self.config.max_num_seqs
-            and not self.swapped
-        ):
+        while self.waiting and self.has_room() and not self.swapped:
             seq = self.waiting[0]
             if seq.kv_receive is not None:
                 if not self._reserve_for_remote_kv(seq):
@@ -268,10 +264,14 @@ class Scheduler:
         self.blocks.free(seq)
         self.add(seq)
 
+    def has_room(self) -> bool:
+        """Whether one more sequence may run (``max_num_seqs``, those waiting for remote KV included)."""
+        return len(self.running) + len(self.waiting_for_kv) < self.config.max_num_seqs
+
     def _swap_in(self) -> None:
         """Brings swapped-out sequences back, most important first, while blocks allow."""
         self.swapped.sort(key=_importance)
-        while self.swapped and len(self.running) + len(self.waiting_for_kv) < self.config.max_num_seqs:
+        while self.swapped and self.has_room():
             seq = self.swapped[0]
             needed = len(seq.swapped_blocks)
             if needed > self.blocks.num_free:

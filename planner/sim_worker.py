@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
+from pdserve.engine.prefill_rate import PrefillRate
 from pdserve.engine.request_output import RequestOutput
 from pdserve.planner.sim_engine import EngineLimits, SimEngine
 from pdserve.router.workers import Role, Worker
@@ -35,7 +36,7 @@ class SimWorker:
         self.engine.connector.deliver_early = lambda out: self._hand_out([out])
         self.record = Worker(name, Role.PREFILL if role == "prefill" else Role.DECODE, channel=None)
         self.handlers: dict[str, Callable[[RequestOutput], None]] = {}
-        self.prefill_rate = 0.0  # tokens/s of its recent prefill steps, as LLMEngine reports it
+        self.prefill_rate = PrefillRate()  # as LLMEngine estimates it
         self.schedule = None  # the step in progress
         self.shape = None  # its shape (for its cost at fewer threads)
         self.work_ms = 0.0  # what is left of it, in ms at full speed
@@ -65,9 +66,7 @@ class SimWorker:
         cost = self.sim.profile.step_cost(self.degree)
         self.shape = shape
         self.work_ms = cost.ms(shape) + overheads.step_ms + overheads.seq_ms * len(schedule.chunks)
-        if schedule.prefills:
-            rate = (shape.prefill_tokens + shape.decodes) / (self.work_ms / 1e3)
-            self.prefill_rate = rate if not self.prefill_rate else 0.8 * self.prefill_rate + 0.2 * rate
+        self.prefill_rate.observe(shape.prefill_tokens, self.work_ms / 1e3)
         self.schedule = schedule
         self.sim.reshare(started=self)
 
@@ -86,4 +85,4 @@ class SimWorker:
                 handler(out)
 
     def publish_stats(self) -> None:
-        self.record.update_stats(self.engine.stats(self.record.address, self.role, self.prefill_rate))
+        self.record.update_stats(self.engine.stats(self.record.address, self.role, self.prefill_rate.tokens_per_s))

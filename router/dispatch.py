@@ -91,10 +91,14 @@ class Attempt:
     request: ValidatedRequest
     prior: list[int]
     key: str = field(default_factory=lambda: uuid.uuid4().hex)
+    blocks: PromptBlocks = field(init=False)  # its tokens' block hashes, computed once however often weighed
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "blocks", PromptBlocks(self.request.prompt_token_ids + self.prior))
 
     @property
     def token_ids(self) -> list[int]:
-        return self.request.prompt_token_ids + self.prior
+        return self.blocks.token_ids
 
 
 def _worker_error(worker: Worker, error: grpc.aio.AioRpcError) -> DispatchError:
@@ -226,11 +230,7 @@ class Dispatcher:
         if stats is None or stats.prefill_tokens_per_s <= 0:
             return
         # Only what it would compute: a prompt whose prefix it caches is that much shorter.
-        queued = (
-            stats.queued_prefill_tokens
-            + worker.inflight_tokens
-            + worker.uncached_tokens(PromptBlocks(attempt.token_ids))
-        )
+        queued = stats.queued_prefill_tokens + worker.inflight_tokens + worker.uncached_tokens(attempt.blocks)
         expected_ms = queued / stats.prefill_tokens_per_s * 1e3
         budget = attempt.request.ttft_budget_ms
         if expected_ms > budget:
@@ -264,7 +264,7 @@ class Dispatcher:
         decode.inflight += 1
         # Counted on the prefill worker from the moment it is picked (no await since), so a
         # burst of requests sees each other's work.
-        work = prefill.begin_prefill(PromptBlocks(attempt.token_ids))
+        work = prefill.begin_prefill(attempt.blocks)
         try:
             try:
                 target = await _reservation(call, decode)

@@ -86,7 +86,7 @@ class Job:
             blocks = []
             if first and self.echo and self.prompt_logprobs is not None:
                 prompt = self.validated.prompt_token_ids
-                blocks.append(choice.offsets.block(prompt, [None, *self.prompt_logprobs], skip_special=False))
+                blocks.append(choice.offsets.block(prompt, [None, *self.prompt_logprobs], echoed=self.prompt_text))
                 choice.offsets.restart_at(len(self.prompt_text))  # the completion follows the echoed text
             if self.logprobs:
                 blocks.append(choice.offsets.block(chunk.token_ids, chunk.logprobs))

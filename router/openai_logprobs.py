@@ -79,16 +79,17 @@ class CompletionLogprobs:
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")  # holds a character's first bytes
 
     def block(
-        self, token_ids: list[int], logprobs: list[pb.TokenLogprob | None], skip_special: bool = True
+        self, token_ids: list[int], logprobs: list[pb.TokenLogprob | None], echoed: str | None = None
     ) -> dict[str, Any]:
-        """``logprobs[i]`` None: no prediction for that token (the prompt's first).
-        ``skip_special``: the returned text leaves special tokens out (a completion's does)."""
+        """``logprobs[i]`` None: no prediction for that token (the prompt's first). A completion's
+        text leaves special tokens out; ``echoed`` (the prompt as returned) holds one where it
+        says so (not a BOS the tokenizer added to a text prompt)."""
         tokens, token_logprobs, tops, offsets = [], [], [], []
         for token_id, lp in zip(token_ids, logprobs):
             text, raw = self.texts(token_id)
             tokens.append(text)
             offsets.append(self.offset)
-            if not (skip_special and token_id in self.texts.special):
+            if token_id not in self.texts.special or (echoed is not None and echoed.startswith(text, self.offset)):
                 self.offset += len(self._utf8.decode(bytes(raw)))
             token_logprobs.append(lp.logprob if lp is not None else None)
             tops.append(

@@ -274,7 +274,6 @@ _NOT_BUILT = (
     ("min_p", 0.0),
     ("repetition_penalty", 1.0),
     ("min_tokens", 0),
-    ("length_penalty", 1.0),
     ("use_beam_search", False),
     ("include_stop_str_in_output", False),
     ("skip_special_tokens", True),

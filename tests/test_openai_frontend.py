@@ -325,12 +325,15 @@ def test_completion_text_offsets_index_the_returned_text(tokenizer, prompt):
     texts = TokenTexts(tokenizer.backend)
     ids = tokenizer.encode(prompt)
     assert tokenizer.decode(ids, skip_special_tokens=False) == prompt
-    offsets = CompletionLogprobs(texts).block(ids, [None] * len(ids), skip_special=False)["text_offset"]
+    offsets = CompletionLogprobs(texts).block(ids, [None] * len(ids), echoed=prompt)["text_offset"]
     expected = [len(bytes(b for t in ids[:i] for b in texts(t)[1]).decode("utf-8", "ignore")) for i in range(len(ids))]
     assert offsets == expected and offsets == sorted(offsets) and offsets[-1] < len(prompt)
     for i, token_id in enumerate(ids):
         if texts(token_id)[0].isprintable() and "\ufffd" not in texts(token_id)[0]:  # a whole character or more
             assert prompt[offsets[i] :].startswith(texts(token_id)[0]), (i, texts(token_id)[0])
+    with_bos = [0, *ids]  # a tokenizer that adds a BOS the text prompt does not hold: it takes no room
+    bos_offsets = CompletionLogprobs(texts).block(with_bos, [None] * len(with_bos), echoed=prompt)["text_offset"]
+    assert bos_offsets == [0, *offsets]
     completion = CompletionLogprobs(texts)
     completion.restart_at(len(prompt))
     generated = [*tokenizer.encode(" a"), 2, *tokenizer.encode(" b")]  # <|im_end|> between: not in the text
@@ -357,7 +360,6 @@ def test_prompt_logprobs_take_vllm_shape(tokenizer):
     [
         (False, {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
         (False, {"use_beam_search": True}, "use_beam_search"),
-        (False, {"length_penalty": 0.5}, "length_penalty"),
         (False, {"include_stop_str_in_output": True}, "include_stop_str_in_output"),
         (False, {"skip_special_tokens": False}, "skip_special_tokens"),
         (False, {"truncate_prompt_tokens": 2}, "truncate_prompt_tokens"),

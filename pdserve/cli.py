@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         file = load_file(args.config)
         # Not a setting of any role: flag > env > file, like the settings, and passed on to up's children.
-        args.log_level = args.log_level or os.environ.get("PDSERVE_LOG_LEVEL") or file.pop("log_level", None)
+        in_file = file.pop("log_level", None)
+        args.log_level = args.log_level or os.environ.get("PDSERVE_LOG_LEVEL") or in_file
         setup_logging(args.log_level)
         return _run(args, file)
     except (ValueError, OSError, TimeoutError, RuntimeError) as e:  # OSError: a port in use, a missing file

@@ -18,7 +18,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def setup_logging(level: str | None = None) -> None:
-    level = (level or os.environ.get("PDSERVE_LOG_LEVEL") or "INFO").upper()
+    level = str(level or os.environ.get("PDSERVE_LOG_LEVEL") or "INFO").upper()
     if level not in LOG_LEVELS:
         raise ValueError(f"--log-level: {level.lower()!r} is not one of {', '.join(LOG_LEVELS)}")
     logging.basicConfig(

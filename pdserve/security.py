@@ -60,13 +60,12 @@ class SecuritySettings:
         )
 
     def channel_credentials(self) -> grpc.ChannelCredentials | None:
-        """For calls to other pdserve servers: TLS when we serve it (a cluster speaks TLS
-        throughout) or have a CA, checked against the CA or else the system's roots; our
-        certificate for mTLS."""
-        if not (self.tls or self.tls_ca):
+        """For calls to other pdserve servers: TLS when a CA is configured (a router may serve
+        TLS in front of plaintext workers on a private network); our certificate for mTLS."""
+        if not self.tls_ca:
             return None
         return grpc.ssl_channel_credentials(
-            root_certificates=Path(self.tls_ca).read_bytes() if self.tls_ca else None,
+            root_certificates=Path(self.tls_ca).read_bytes(),
             private_key=Path(self.tls_key).read_bytes() if self.tls_key else None,
             certificate_chain=Path(self.tls_cert).read_bytes() if self.tls_cert else None,
         )

@@ -139,6 +139,9 @@ def test_log_level_is_checked_and_read_from_a_config_file_too(tmp_path, capsys, 
     file.write_text("log_level: warning\nblock_size: 32\n")
     assert main(["config", "--config", str(file)]) == 0  # a known key, not a setting of any role
     assert json.loads(capsys.readouterr().out)["engine"]["block_size"] == 32
+    assert main(["config", "--config", str(file), "--log-level", "info"]) == 0  # the flag wins; the key stays known
+    file.write_text("log_level: 10\n")
+    assert main(["config", "--config", str(file)]) == 2 and "'10' is not one of" in capsys.readouterr().err
 
 
 def test_commands_name_the_flag_that_is_wrong(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 
@@ -284,3 +285,34 @@ def test_the_paper_projection_counts_bytes_from_the_shapes():
     assert llama8b.kv_bytes_per_token() == 128 * 1024  # K and V x 32 layers x 8 heads x 128 x bf16
     assert llama70b.kv_bytes_per_token() == 320 * 1024
     assert parse_layouts("1x1, 3x1,1x2,2") == [(1, 1), (3, 1), (1, 2), (2, 1)]
+
+
+def test_a_worker_that_cannot_split_its_model_says_so_before_starting_ranks_and_leaves_the_process_as_it_was(
+    model_dir, monkeypatch
+):
+    """The default model has 9 query heads and 30 layers: TP 2 and PP 31 are refused naming the
+    setting, before any rank starts; a start that fails later gives back the cores and the
+    process group, so a later engine in the same process starts."""
+    cores, threads = sorted(os.sched_getaffinity(0)), torch.get_num_threads()
+    started = []
+    monkeypatch.setattr(ParallelDriver, "_start_ranks", lambda *a: started.append(a))
+    for sizes, words in (
+        (dict(tensor_parallel_size=2), "tensor_parallel_size 2 does not divide the model's 9 query heads"),
+        (dict(pipeline_parallel_size=31), "pipeline_parallel_size 31 exceeds the model's 30 layers"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            ParallelDriver(EngineConfig(**sizes), str(model_dir), torch.device("cpu"))
+    assert not started
+    monkeypatch.setattr(ParallelDriver, "_start_ranks", lambda self, config, device: _pin_and_fail(cores))
+    with pytest.raises(RuntimeError, match="the ranks could not start"):
+        ParallelDriver(EngineConfig(pipeline_parallel_size=2), str(model_dir), torch.device("cpu"))
+    assert sorted(os.sched_getaffinity(0)) == cores and torch.get_num_threads() == threads
+    assert not torch.distributed.is_initialized()
+
+
+def _pin_and_fail(cores: list[int]):
+    from pdserve.engine.parallel.groups import pin_process
+
+    pin_process(cores[:1])
+    torch.set_num_threads(1)
+    raise RuntimeError("the ranks could not start")

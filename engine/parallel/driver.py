@@ -22,6 +22,7 @@ import torch.distributed as dist
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.engine.model import LayerHook
+from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.parallel.groups import (
     RankGroups,
     destroy_groups,
@@ -64,8 +65,10 @@ def rank_threads(config: EngineConfig, cores: list[int] | None, world: int) -> i
 class ParallelDriver:
     def __init__(self, config: EngineConfig, model_dir: str, base_device: torch.device, kv_storage=None) -> None:
         self.layout = layout = ParallelLayout(config.tensor_parallel_size, config.pipeline_parallel_size)
+        layout.check(ModelConfig.from_folder(model_dir))  # before any rank starts: a clear error naming the setting
         device = rank_device(base_device, 0)
         self.supervisor: RankSupervisor | None = None
+        self.runtime: RankRuntime | None = None
         # This process's cores and torch threads before rank 0 was pinned: close() gives them back
         # (an engine closed in a longer-lived process must not leave it on one core).
         self._unpinned = (sorted(os.sched_getaffinity(0)), torch.get_num_threads())
@@ -76,11 +79,15 @@ class ParallelDriver:
                     f"the launcher's WORLD_SIZE {os.environ['WORLD_SIZE']} must equal tensor_parallel_size x "
                     f"pipeline_parallel_size = {layout.world_size}, and RANK 0 must be the worker"
                 )
-        else:
-            store = self._start_ranks(config, device)
-        self.groups: RankGroups = init_groups(layout, 0, device, store)
-        self.runtime = RankRuntime(self.groups, config, model_dir)
-        self.runtime.allocate_cache(kv_storage)
+        try:
+            if not launched_externally():
+                store = self._start_ranks(config, device)
+            self.groups: RankGroups = init_groups(layout, 0, device, store)
+            self.runtime = RankRuntime(self.groups, config, model_dir)
+            self.runtime.allocate_cache(kv_storage)
+        except BaseException:
+            self._release()  # a failed start leaves this process as it found it
+            raise
         self.channel = StepChannel(self.groups.control, device)
         self.times = StepTimes()
         self.on_broken = stop_worker  # what a failed step does (tests replace it)
@@ -185,9 +192,14 @@ class ParallelDriver:
             self.channel.send(Message(Op.STOP))
         except RuntimeError as e:  # a rank is gone already
             log.info("could not tell every rank to stop: %s", e)
+        self._release()
+
+    def _release(self) -> None:
+        """Stops the ranks and the process group, and gives this process its cores back."""
         if self.supervisor is not None:
             self.supervisor.close()
-        self.runtime.close()
+        if self.runtime is not None:
+            self.runtime.close()
         destroy_groups()
         cores, threads = self._unpinned
         pin_process(cores)

@@ -199,7 +199,6 @@ class Receiver:
             raise ProtocolError(f"a CUDA IPC unit covers one layer, not {h.num_layers}")
         grant = ledger.admit(h.transfer_id, h.layer, h.start, h.end, (h.end - h.start) * cache.token_bytes, "WRITTEN")
         if grant is None:
-            self.ctx.stop_late_writer(h.transfer_id)
             return
         ok = None
         try:

@@ -139,10 +139,6 @@ class GrantLedger:
         with self._lock:
             return self.grants.get(transfer_id)
 
-    def is_live(self, transfer_id: int) -> bool:
-        grant = self.lookup(transfer_id)
-        return grant is not None and grant.state is GrantState.ACTIVE
-
     def tell_writer_at_end(self, grant: Grant, tell: Callable[[], None]) -> bool:
         """For a writer into our memory: ``tell`` runs as the grant fails, so the writer stops
         long before the quarantine ends (registered once). False if the grant has ended."""

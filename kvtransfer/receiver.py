@@ -114,7 +114,6 @@ class _Connection:
             self.server.ucx,
             str(self.peer),
             self.server.local.extra,
-            self._ack,
         )
 
         def reply_extra(transport: str) -> dict:

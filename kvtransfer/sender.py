@@ -70,7 +70,7 @@ class OutgoingTransfer:
         self.cancelled = False
         self.finishing = False  # DONE is queued: no more renewals
         self.failed: str | None = None  # a unit could not be read: report instead of DONE
-        self.answered = False  # the decode worker acknowledged it already (a refusal): send nothing more
+        self.answered = False  # the decode worker acknowledged it already: send nothing more
         self.held: bool | None = None  # one-sided: the decode worker's answer to our last RENEW
         self._held = threading.Event()
         self.nbytes = 0
@@ -121,7 +121,6 @@ class OutgoingTransfer:
     close = cancel  # the request is over whatever happened: stop renewing and sending
 
     # -- connection threads ---------------------------------------------------------------------
-    # -- the ack thread -------------------------------------------------------------------------
     def set_held(self, held: bool) -> None:
         if not held and self.failed is None:
             self.failed = "the decode worker no longer holds its blocks (the lease ended): nothing more written"

@@ -175,7 +175,6 @@ class Receiver:
         nbytes = (h.end - h.start) * cache.token_bytes * h.num_layers
         grant = ledger.admit(h.transfer_id, h.layer, h.start, h.end, nbytes, "WRITTEN", h.num_layers)
         if grant is None:
-            self.ctx.stop_late_writer(h.transfer_id)
             return
         ok = None
         try:

@@ -23,12 +23,11 @@ from __future__ import annotations
 import socket
 import threading
 from dataclasses import dataclass, field
-from typing import Callable
 
 from pdserve.kvtransfer.faults import FaultPlan
 from pdserve.kvtransfer.grants import GrantLedger
 from pdserve.kvtransfer.layout import KVCacheView, Slots
-from pdserve.kvtransfer.protocol import MAX_SPAN_BYTES, AckStatus, FrameHeader
+from pdserve.kvtransfer.protocol import MAX_SPAN_BYTES, FrameHeader
 from pdserve.kvtransfer.sockets import send_buffers
 
 IO_TIMEOUT_S = 10.0  # once a unit has started, the rest of it must arrive within this
@@ -103,13 +102,6 @@ class ReceiveContext:
     ucx: object = None
     peer: str = ""
     local_extra: dict = field(default_factory=dict)  # what this decode worker announced (its pool, ...)
-    ack: Callable = None  # ack(transfer_id, AckStatus): thread-safe
-
-    def stop_late_writer(self, transfer_id: int) -> None:
-        """A one-sided unit was refused: if its grant has ended, tells the writer to stop (it
-        writes into our memory directly; the quarantine covers the units already under way)."""
-        if not self.ledger.is_live(transfer_id):
-            self.ack(transfer_id, AckStatus.UNKNOWN_TRANSFER)
 
     def max_unit_bytes(self, num_layers: int) -> int:
         """The most bytes a unit of ``num_layers`` layers may carry here (a larger one breaks the protocol)."""

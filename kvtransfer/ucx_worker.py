@@ -72,6 +72,9 @@ class UcxWorker:
         self._worker = _ucx.UCXWorker(self._context, enable_delayed_submission=False, enable_python_future=False)
         self._worker.init_blocking_progress_mode()
         self.address: bytes = self._worker.address.tobytes()
+        # Requests still posted at stop, kept with their buffers. Set after the worker, so freed
+        # after it (its destructor cancels what is still posted into them).
+        self._posted: list = []
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -215,8 +218,6 @@ class UcxWorker:
         self._queues.clear()
         for done in [on_error for _, on_error in left] + [done for _, _, done, _ in entries]:
             self._call(done, stopped)
-        # Their buffers outlive the worker (set after it, so freed after it): the destructor
-        # cancels the receives still posted into them.
         self._posted = entries
         try:
             settled = self._settle(sends)

@@ -54,11 +54,12 @@ def parity_fields(p: Params, chat: bool, stream: bool) -> ParityFields:
         names["sampling.best_of"] = "best_of"
         if echo and sampling["logprobs"] is not None:  # the prompt's tokens get logprobs too
             sampling["prompt_logprobs"] = sampling["logprobs"]
-    show_prompt_logprobs = p.get_int("prompt_logprobs") is not None  # a vLLM extension
+    asked = p.get_int("prompt_logprobs")  # a vLLM extension
+    show_prompt_logprobs = asked is not None
     if show_prompt_logprobs:
         if stream:
             raise invalid("prompt_logprobs", "is not available when stream is true")
-        sampling["prompt_logprobs"] = p.get_int("prompt_logprobs")
+        sampling["prompt_logprobs"] = asked
         names["sampling.prompt_logprobs"] = "prompt_logprobs"
     constraint, param = _constraint(p)
     if constraint is not None:

@@ -22,14 +22,16 @@ worker, after preemption or migration.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.request_rules import choice_seed
+
+if TYPE_CHECKING:
+    from pdserve.engine.parallel.rank_caches import KVShards
 
 
 def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
@@ -60,11 +62,15 @@ class Forker:
     """Creates a request's choices once their first tokens are known (engine thread)."""
 
     def __init__(
-        self, blocks: BlockManager, scheduler: Scheduler, kv_cache: KVCache, grammar_state: Callable[[Sequence], object]
+        self,
+        blocks: BlockManager,
+        scheduler: Scheduler,
+        kv_shards: KVShards | None,
+        grammar_state: Callable[[Sequence], object],
     ) -> None:
         self.blocks = blocks
         self.scheduler = scheduler
-        self.kv_cache = kv_cache
+        self.kv_shards = kv_shards  # every rank's cache (None: a multi-GPU worker's, out of reach)
         self.grammar_state = grammar_state
         self.num_forks = 0
         self.num_recomputed = 0  # forks that found no free block and re-prefill instead
@@ -98,12 +104,17 @@ class Forker:
         without a free block or room in the batch (``max_num_seqs``), queues it to recompute
         its prompt (from the prefix cache, where it is on)."""
         copies = self.blocks.fork(parent, child) if self.scheduler.has_room() else None
+        if copies and self.kv_shards is None:  # the partial block cannot be copied on every rank
+            self.blocks.free(child)
+            child.num_cached_tokens = 0
+            copies = None
         if copies is None:
             self.num_recomputed += 1
             self.scheduler.add(child)
             return
-        for src, dst in copies:
-            self.kv_cache.tensor[:, dst] = self.kv_cache.tensor[:, src]
+        for src, dst in copies:  # every layer of every rank: rank 0's cache alone is only its heads
+            for layer in self.kv_shards.layers:
+                layer[dst] = layer[src]
         child.status = SequenceStatus.RUNNING
         child.admitted_at = parent.admitted_at
         self.scheduler.running.append(child)

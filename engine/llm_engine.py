@@ -102,7 +102,7 @@ class LLMEngine:
         self.grammars = GrammarCompiler(
             self.model_dir, self.model_config.vocab_size, sorted(self.model_config.eos_token_ids)
         )
-        self.forker = Forker(self.blocks, self.scheduler, self.kv_cache, self._grammar_state)
+        self.forker = Forker(self.blocks, self.scheduler, self.kv_shards, self._grammar_state)
         self.connector.start_choices = lambda seq, token_ids: (
             self._start_choices(seq, [(t, None) for t in token_ids], emit=False) or [None]
         )[-1]

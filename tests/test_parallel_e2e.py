@@ -76,6 +76,16 @@ def serve(engine: LLMEngine, prompt_ids) -> Outcome:
     return Outcome(tokens, engine.scheduler.num_preemptions, engine.blocks.prefix_hits)
 
 
+def greedy_choices(engine: LLMEngine, ids: list[int], n: int) -> list[list[int]]:
+    engine.add_request("forked", ids, SamplingParams(max_tokens=MAX_NEW, temperature=0.0, n=n))
+    choices: list[list[int]] = [[] for _ in range(n)]
+    while engine.has_unfinished():
+        for out in engine.step():
+            choices[out.index] += out.new_token_ids
+    assert_all_free(engine)
+    return choices
+
+
 @pytest.fixture(scope="module")
 def tp1(model_dir, prompt_ids) -> Outcome:
     return serve(make_engine(model_dir), prompt_ids)
@@ -89,6 +99,8 @@ def test_parallel_engine_gives_the_tokens_of_tp1_and_transformers(model_dir, pro
     ranks = engine.parallel.supervisor.pids
     try:
         got = serve(engine, prompt_ids)
+        story = prompt_ids[2]
+        forked = greedy_choices(engine, story, n=2)
         stats = engine.parallel.rank_comm_stats()
     finally:
         engine.close()
@@ -99,6 +111,8 @@ def test_parallel_engine_gives_the_tokens_of_tp1_and_transformers(model_dir, pro
     assert got == tp1
     for _, rid, ids, sp in arrivals(prompt_ids):
         assert got.tokens[rid] == hf_reference.greedy(ids, sp.max_tokens), rid
+    # n = 2 forks the prompt's partial last block: every rank copies its part of it.
+    assert len(story) % engine.config.block_size and forked == [tp1.tokens["story"]] * 2
     assert len(stats) == tp * pp and all(s["calls"] > 0 and s["bytes"] > 0 for s in stats)  # every rank did its share
     deadline = time.monotonic() + 15
     while any(alive(pid) for pid in ranks) and time.monotonic() < deadline:

@@ -21,7 +21,7 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import AsyncIterator
+from typing import AsyncIterator, Iterator
 
 import grpc
 
@@ -31,7 +31,7 @@ from pdserve.router.choice_migration import continue_choices
 from pdserve.router.conditional import ConditionalRouter
 from pdserve.router.policy import NoWorkerAvailable, RoutingPolicy
 from pdserve.router.validation import ValidatedRequest
-from pdserve.router.workers import PromptBlocks, Worker, WorkerRegistry
+from pdserve.router.workers import OpenCall, PromptBlocks, Worker, WorkerRegistry
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.wire import sampling_to_proto
 
@@ -245,10 +245,14 @@ class Dispatcher:
         call = decode.decode_stub.Decode(
             _decode_request(attempt, prefill_locally=True), timeout=_left(deadline), metadata=self.registry.metadata
         )
+        watch = OpenCall()
+        watch.rpcs.append(call)
         decode.inflight += 1
         try:
-            while (event := await call.read()) is not grpc.aio.EOF:
-                yield TokenEvent.from_batch(event.tokens)
+            with _waiting_on(watch, decode):
+                while (event := await call.read()) is not grpc.aio.EOF:
+                    watch.heard()
+                    yield TokenEvent.from_batch(event.tokens)
         except grpc.aio.AioRpcError as e:
             raise _worker_error(decode, e) from None
         finally:
@@ -261,42 +265,70 @@ class Dispatcher:
         call = decode.decode_stub.Decode(
             _decode_request(attempt, prefill_locally=False), timeout=_left(deadline), metadata=self.registry.metadata
         )
+        watch = OpenCall()
+        watch.rpcs.append(call)
         decode.inflight += 1
         # Counted on the prefill worker from the moment it is picked (no await since), so a
         # burst of requests sees each other's work.
         work = prefill.begin_prefill(attempt.blocks)
         try:
-            try:
-                target = await _reservation(call, decode)
-                response = await prefill.prefill_stub.Prefill(
-                    _prefill_request(attempt, target), timeout=_left(deadline), metadata=self.registry.metadata
-                )
-            except grpc.aio.AioRpcError as e:
-                raise _worker_error(prefill, e) from None
-            finally:
-                prefill.end_prefill(work)
-            choices = response.choices or [
-                pb.FirstToken(token_id=response.first_token_id, finish_reason=response.finish_reason)
-            ]
-            for i, first in enumerate(choices):
-                yield TokenEvent(
-                    [first.token_id],
-                    first.finish_reason or None,
-                    response.num_cached_tokens,
-                    index=i,
-                    logprobs=[first.logprob] if first.HasField("logprob") else [],
-                    prompt_logprobs=list(response.prompt_logprobs) if i == 0 else None,
-                )
-            if all(first.finish_reason for first in choices):
-                return
-            try:
-                while (event := await call.read()) is not grpc.aio.EOF:
-                    yield TokenEvent.from_batch(event.tokens)
-            except grpc.aio.AioRpcError as e:
-                raise _worker_error(decode, e) from None
+            with _waiting_on(watch, decode):
+                try:
+                    with _waiting_on(watch, prefill):
+                        target = await _reservation(call, decode)
+                        prefilled = prefill.prefill_stub.Prefill(
+                            _prefill_request(attempt, target), timeout=_left(deadline), metadata=self.registry.metadata
+                        )
+                        watch.rpcs.append(prefilled)
+                        response = await prefilled
+                except grpc.aio.AioRpcError as e:
+                    raise _worker_error(prefill, e) from None
+                finally:
+                    prefill.end_prefill(work)
+                watch.heard()
+                choices = response.choices or [
+                    pb.FirstToken(token_id=response.first_token_id, finish_reason=response.finish_reason)
+                ]
+                for i, first in enumerate(choices):
+                    yield TokenEvent(
+                        [first.token_id],
+                        first.finish_reason or None,
+                        response.num_cached_tokens,
+                        index=i,
+                        logprobs=[first.logprob] if first.HasField("logprob") else [],
+                        prompt_logprobs=list(response.prompt_logprobs) if i == 0 else None,
+                    )
+                if all(first.finish_reason for first in choices):
+                    return
+                try:
+                    while (event := await call.read()) is not grpc.aio.EOF:
+                        watch.heard()
+                        yield TokenEvent.from_batch(event.tokens)
+                except grpc.aio.AioRpcError as e:
+                    raise _worker_error(decode, e) from None
         finally:
             call.cancel()
             decode.inflight -= 1
+
+
+@contextlib.contextmanager
+def _waiting_on(watch: OpenCall, worker: Worker) -> Iterator[None]:
+    """Registers ``watch`` with ``worker`` while the attempt waits on it; the health monitor
+    cancels it there if the worker stops answering, and the attempt then fails over (UNAVAILABLE)."""
+    worker.open_calls.add(watch)
+    try:
+        yield
+    except asyncio.CancelledError:
+        stopped = watch.abandoned_by
+        if stopped is None or asyncio.current_task().cancelling():  # a real cancellation (client, deadline)
+            raise
+        raise DispatchError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"{stopped.role.value} worker {stopped.address} stopped answering (it fails its health checks)",
+            stopped,
+        ) from None
+    finally:
+        worker.open_calls.discard(watch)
 
 
 async def _reservation(call, decode: Worker) -> pb.KvTarget:

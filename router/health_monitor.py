@@ -3,7 +3,8 @@
 Every interval each worker gets a grpc.health check and a stats call (which also feeds the
 load-aware policies). A worker that fails ``failure_threshold`` probes in a row (or requests
 in a row, counted by the dispatcher) leaves the rotation; the next successful probe brings
-it back.
+it back. The requests waiting on a worker out of rotation that have heard nothing from it for
+``QUIET_S`` are cancelled there and move on (a paused worker's connections stay open).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pdserve.v1 import pdserve_pb2 as pb
 log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 1.0
+QUIET_S = 2.0  # a call on an unhealthy worker that heard nothing for this long is moved elsewhere
 
 
 class HealthMonitor:
@@ -70,5 +72,12 @@ class HealthMonitor:
                     e.code().name if isinstance(e, grpc.aio.AioRpcError) else e,
                 )
             worker.record_failure(self.failure_threshold)
+            if not worker.healthy and (moved := worker.abandon_quiet_calls(QUIET_S)):
+                log.warning(
+                    "%s worker %s does not answer: %d of its requests move to other workers",
+                    worker.role.value,
+                    worker.address,
+                    moved,
+                )
             return
         worker.record_success()

@@ -46,6 +46,7 @@ class Worker:
     _expected: dict[int, float] = field(default_factory=dict, init=False, repr=False)
     _prefilling: int = field(default=0, init=False, repr=False)
     _settled_at: float = field(default=0.0, init=False, repr=False)  # all sent before it had finished prefill
+    open_calls: set["OpenCall"] = field(default_factory=set, init=False, repr=False)  # this router's, on it now
 
     def digest_mark(self) -> float:
         """Take it when asking for stats: what was sent here before it is in the answer's digest."""
@@ -109,11 +110,42 @@ class Worker:
             )
             self.healthy = False
 
+    def abandon_quiet_calls(self, quiet_s: float) -> int:
+        """Cancels the calls that have heard nothing for ``quiet_s`` (call it once the worker
+        fails its health checks: a paused or wedged worker keeps its connections open, and its
+        requests would wait out their deadlines); returns how many."""
+        now = time.monotonic()
+        quiet = [call for call in self.open_calls if now - call.heard_at >= quiet_s]
+        for call in quiet:
+            call.abandon(self)
+        return len(quiet)
+
     def record_success(self) -> None:
         if not self.healthy:
             log.info("%s worker %s is healthy again; back in rotation", self.role.value, self.address)
         self.consecutive_failures = 0
         self.healthy = True
+
+
+class OpenCall:
+    """One attempt's RPCs (its Decode stream, its Prefill) as the workers it waits on see it:
+    registered in their ``open_calls`` while it waits on them, heard from at each message."""
+
+    __slots__ = ("rpcs", "heard_at", "abandoned_by")
+
+    def __init__(self) -> None:
+        self.rpcs: list = []  # grpc.aio calls: anything with cancel()
+        self.heard_at = time.monotonic()
+        self.abandoned_by: Worker | None = None  # the worker that stopped answering, once cancelled for it
+
+    def heard(self) -> None:
+        self.heard_at = time.monotonic()
+
+    def abandon(self, worker: Worker) -> None:
+        if self.abandoned_by is None:
+            self.abandoned_by = worker
+            for rpc in self.rpcs:
+                rpc.cancel()
 
 
 class PromptBlocks:

@@ -29,15 +29,20 @@ def rpc_error(
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details)
 
 
+HANG = object()  # a worker that stops answering (paused): the call waits until it is cancelled
+
+
 class FakeCall:
-    """A server-streaming call: yields ``events`` (DecodeEvents, or an exception to raise)."""
+    """A server-streaming call: yields ``events`` (DecodeEvents, an exception to raise, or HANG)."""
 
     def __init__(self, events: list) -> None:
         self.events = list(events)
         self.cancelled = False
+        self._cancel = asyncio.Event()
 
     def cancel(self) -> bool:
         self.cancelled = True
+        self._cancel.set()
         return True
 
     async def read(self):
@@ -45,9 +50,19 @@ class FakeCall:
         if not self.events:
             return grpc.aio.EOF
         event = self.events.pop(0)
+        if event is HANG:
+            await self._cancel.wait()
+            raise asyncio.CancelledError()  # as grpc.aio raises for a call cancelled on this side
         if isinstance(event, BaseException):
             raise event
         return event
+
+
+class FakeUnaryCall(FakeCall):
+    """A unary call: awaited, it gives its one answer (or raises it, or HANGs)."""
+
+    def __await__(self):
+        return self.read().__await__()
 
 
 @dataclass
@@ -88,18 +103,18 @@ class FakeDecode:
 
 @dataclass
 class FakePrefill:
-    """Scripted Prefill answers, one per call: a first token id, or an exception to raise."""
+    """Scripted Prefill answers, one per call: a first token id, an exception to raise, or HANG."""
 
-    answers: list[int | BaseException]
+    answers: list
     requests: list[pb.PrefillRequest] = field(default_factory=list)
+    calls: list[FakeUnaryCall] = field(default_factory=list)
 
-    async def Prefill(self, request: pb.PrefillRequest, timeout=None, metadata=()) -> pb.PrefillResponse:
+    def Prefill(self, request: pb.PrefillRequest, timeout=None, metadata=()) -> FakeUnaryCall:
         self.requests.append(request)
-        await asyncio.sleep(0)
         answer = self.answers.pop(0)
-        if isinstance(answer, BaseException):
-            raise answer
-        return pb.PrefillResponse(first_token_id=answer)
+        call = FakeUnaryCall([pb.PrefillResponse(first_token_id=answer) if isinstance(answer, int) else answer])
+        self.calls.append(call)
+        return call
 
 
 def decode_worker(name: str, stub: FakeDecode) -> Worker:
@@ -265,3 +280,52 @@ async def test_the_deadline_bounds_every_attempt():
         await collect(disp, request(), timeout_s=0.05)
     assert time.monotonic() - started < 30  # backs off no longer than the deadline allows (generous: loaded machines)
     assert len(d1.decode_stub.requests) + len(d2.decode_stub.requests) <= 2
+
+
+async def until(condition, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition never held"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_decode_worker_that_stops_answering_is_left_once_its_health_checks_fail():
+    paused = FakeDecode([([[1, 2]], HANG)])  # connection open, nothing more comes (SIGSTOP)
+    healthy = FakeDecode([([[3, 4]], None)])
+    d1, d2 = decode_worker("d1", paused), decode_worker("d2", healthy)
+    disp = dispatcher(registry([], [d1, d2]))
+    task = asyncio.create_task(collect(disp, request(max_tokens=4)))
+    await until(lambda: d1.open_calls and not paused.calls[0].events)  # waiting on the paused worker
+    assert d1.abandon_quiet_calls(quiet_s=60.0) == 0  # it only just heard from it: left alone
+    d1.healthy = False  # what the health monitor does after failed probes, then:
+    assert d1.abandon_quiet_calls(quiet_s=0.0) == 1
+    assert await asyncio.wait_for(task, 5.0) == ([1, 2, 3, 4], "length")
+    (resumed,) = healthy.requests
+    assert list(resumed.token_ids) == PROMPT + [1, 2] and disp.counters["migrations"] == 1
+    assert paused.calls[0].cancelled and not d1.open_calls and idle(d1, d2)
+
+
+async def test_a_prefill_worker_that_stops_answering_is_left_and_the_prompt_prefilled_elsewhere():
+    decode = FakeDecode([([], None), ([[8]], None)])
+    paused, good = FakePrefill([HANG]), FakePrefill([7])
+    p1, p2, d = prefill_worker("p1", paused), prefill_worker("p2", good), decode_worker("d", decode)
+    disp = dispatcher(registry([p1, p2], [d]))
+    task = asyncio.create_task(collect(disp, request(max_tokens=2)))
+    await until(lambda: paused.calls)
+    assert p1.open_calls and d.open_calls  # the attempt waits on both
+    p1.healthy = False
+    assert p1.abandon_quiet_calls(quiet_s=0.0) == 1
+    assert await asyncio.wait_for(task, 5.0) == ([7, 8], "length")
+    assert disp.counters["retries"] == 1 and paused.calls[0].cancelled and decode.calls[0].cancelled
+    assert not p1.open_calls and not d.open_calls and idle(p1, p2, d)
+
+
+async def test_a_client_cancel_while_waiting_on_a_worker_stays_a_cancel():
+    d = decode_worker("d", FakeDecode([([[1]], HANG)]))
+    task = asyncio.create_task(collect(dispatcher(registry([], [d])), request()))
+    await until(lambda: d.open_calls)
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not d.open_calls and idle(d)

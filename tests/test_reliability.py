@@ -60,7 +60,7 @@ async def wait_until_busy(stack: Stack, name: str, timeout: float = 120.0) -> No
         await asyncio.sleep(0.02)
 
 
-async def kill_mid_stream(stack: Stack, victim: str, hf_reference, streams: int = 6) -> None:
+async def signal_mid_stream(stack: Stack, victim: str, signum: int, hf_reference, streams: int = 6) -> None:
     prompts = [PROMPTS[i % 3] for i in range(streams)]
     progress: dict[int, int] = {}
     async with grpc.aio.insecure_channel(stack.address) as channel:
@@ -69,26 +69,37 @@ async def kill_mid_stream(stack: Stack, victim: str, hf_reference, streams: int 
         while not all(progress.get(i, 0) >= 3 or task.done() for i, task in enumerate(tasks)):  # all under way
             assert time.monotonic() < deadline, f"streams did not get going: {progress}"
             await asyncio.sleep(0.05)
-        os.kill(pid_of(stack, victim), signal.SIGKILL)
+        os.kill(pid_of(stack, victim), signum)
         results = await asyncio.gather(*tasks)
     for prompt, ids in zip(prompts, results):
         assert ids == expected(hf_reference, prompt), "a migrated stream lost, repeated or changed a token"
 
 
-async def test_kill_decode_worker_mid_stream_all_streams_complete(hf_reference):
+async def all_healthy(stack: Stack, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all(w.healthy for w in (await cluster_stats(stack.address)).workers):
+        assert time.monotonic() < deadline, "a worker never came back into rotation"
+        await asyncio.sleep(1)
+
+
+async def test_decode_worker_paused_or_killed_mid_stream_all_streams_complete(hf_reference):
     stack = Stack.up("--prefill", "1", "--decode", "2", "--policy", "round_robin", *ARGS)
     try:
-        await kill_mid_stream(stack, "decode-0", hf_reference)
-        stats = await cluster_stats(stack.address)
-        assert stats.counters["migrations"] >= 1
-        # The launcher restarts the dead worker; the health monitor brings it back.
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            stats = await cluster_stats(stack.address)
-            if all(w.healthy for w in stats.workers):
-                break
-            await asyncio.sleep(1)
-        assert all(w.healthy for w in stats.workers)
+        # Paused: its connections stay open. Once it fails its health checks its streams move on,
+        # long before their deadline (240 s), and it takes requests again once it answers.
+        paused, started = pid_of(stack, "decode-0"), time.monotonic()
+        try:
+            await signal_mid_stream(stack, "decode-0", signal.SIGSTOP, hf_reference)
+        finally:
+            os.kill(paused, signal.SIGCONT)
+        assert time.monotonic() - started < 90
+        moved = (await cluster_stats(stack.address)).counters["migrations"]
+        assert moved >= 1
+        await all_healthy(stack)
+        # Killed: the launcher restarts it; the health monitor brings it back.
+        await signal_mid_stream(stack, "decode-1", signal.SIGKILL, hf_reference)
+        assert (await cluster_stats(stack.address)).counters["migrations"] > moved
+        await all_healthy(stack)
         ids, _, _ = await collect(stack.address, build_request(PROMPTS[0], max_tokens=8, temperature=0))
         assert ids == expected(hf_reference, PROMPTS[0], 8)
         await assert_blocks_all_free(stack.address)

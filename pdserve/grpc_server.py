@@ -34,9 +34,10 @@ class RunningServer:
     health: HealthServicer
     services: tuple[str, ...]
 
-    async def set_serving(self, serving: bool = True) -> None:
+    async def set_serving(self, serving: bool = True, services: Sequence[str] | None = None) -> None:
+        """``services``: which to set (default: the server, "", and every service it serves)."""
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", *self.services):
+        for name in ("", *self.services) if services is None else services:
             await self.health.set(name, status)
 
     async def stop(self, grace_s: float) -> None:

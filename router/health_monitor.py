@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -30,6 +31,20 @@ class HealthMonitor:
         self.interval_s = interval_s
         self.failure_threshold = failure_threshold
         self._task: asyncio.Task | None = None
+        self._readiness: Callable[[bool], Awaitable[None]] | None = None
+        self._ready: bool | None = None
+
+    async def report_readiness(self, to: Callable[[bool], Awaitable[None]]) -> None:
+        """Tells ``to`` whether the router can serve (every pool it needs has a healthy worker)
+        now and whenever that changes: its gRPC health status, the readiness probes read."""
+        self._readiness, self._ready = to, None
+        await self._report()
+
+    async def _report(self) -> None:
+        ready = self.registry.unready_reason() is None
+        if self._readiness is not None and ready != self._ready:
+            self._ready = ready
+            await self._readiness(ready)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="health-monitor")
@@ -48,6 +63,7 @@ class HealthMonitor:
         if self.registry.dynamic:
             await self.registry.resolve()
         await asyncio.gather(*(self._probe(w) for w in self.registry.all()))
+        await self._report()
 
     async def _probe(self, worker: Worker) -> None:
         service = "pdserve.v1.PrefillWorker" if worker.prefill_stub else "pdserve.v1.DecodeWorker"

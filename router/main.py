@@ -86,6 +86,8 @@ async def serve(settings: RouterSettings, security: SecuritySettings) -> None:
         credentials=security.server_credentials(),
         interceptors=[TokenAuth(security.api_token, ["pdserve.v1.Router"])],
     )
+    # Liveness is the server (""); readiness is the Router service, SERVING while it has workers.
+    await monitor.report_readiness(lambda ready: server.set_serving(ready, ["pdserve.v1.Router"]))
     address = f"{settings.host}:{server.port}"
     http_server = http_task = http_address = None
     try:  # a failure after the gRPC server started (an HTTP port in use) still stops it

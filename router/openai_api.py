@@ -323,8 +323,11 @@ def create_app(
         return APIError(500, "internal server error").response()
 
     @app.get("/health")
-    async def health() -> Response:
-        return JSONResponse({"status": "ok"})
+    async def health() -> Response:  # readiness: 503 while a pool it needs has no healthy worker
+        unready = completions.dispatcher.registry.unready_reason()
+        return JSONResponse(
+            {"status": "unavailable", "reason": unready} if unready else {"status": "ok"}, 503 if unready else 200
+        )
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -234,6 +234,13 @@ class WorkerRegistry:
     def all(self) -> list[Worker]:
         return self.prefill + self.decode
 
+    def unready_reason(self) -> str | None:
+        """Why no request could be served now (a pool with no healthy worker); None when one can."""
+        for role in (Role.DECODE, Role.PREFILL) if self.disaggregated else (Role.DECODE,):
+            if not any(w.healthy for w in self._pool(role)):
+                return f"no healthy {role.value} worker"
+        return None
+
     def _pool(self, role: Role) -> list[Worker]:
         return self.prefill if role is Role.PREFILL else self.decode
 

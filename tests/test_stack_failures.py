@@ -8,7 +8,13 @@ import time
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from processes import Proc
+
+try:
+    import httpx
+except ImportError:  # newer openai SDKs depend on httpx2 instead
+    import httpx2 as httpx
 
 from pdserve.client import build_request
 from pdserve.process import free_port
@@ -41,8 +47,20 @@ async def generate(address: str, request: pb.GenerateRequest, timeout: float = 6
 
 async def test_no_reachable_worker_is_unavailable_not_a_hang():
     dead = f"127.0.0.1:{free_port()}"
-    router, info = start("router", "--port", "0", "--decode-workers", dead, "--prefill-workers", dead)
+    router, info = start(
+        "router", "--port", "0", "--http-port", "0", "--decode-workers", dead, "--prefill-workers", dead
+    )
     try:
+        # Alive (the server), not ready (the Router service, /health): a readiness probe takes it out.
+        async with grpc.aio.insecure_channel(info["grpc"]) as channel:
+            check = health_pb2_grpc.HealthStub(channel).Check
+            alive = await check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+            ready = await check(health_pb2.HealthCheckRequest(service="pdserve.v1.Router"), timeout=10)
+        assert alive.status == health_pb2.HealthCheckResponse.SERVING
+        assert ready.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        async with httpx.AsyncClient(base_url=f"http://{info['http']}") as http:
+            health = await http.get("/health")
+        assert health.status_code == 503 and health.json()["reason"] == "no healthy decode worker"
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await generate(info["grpc"], build_request("hello", max_tokens=4), timeout=120)
         # A hang would end in DEADLINE_EXCEEDED; the router gives up on its own (worker_wait_s).

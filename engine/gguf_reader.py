@@ -36,6 +36,10 @@ _GLOBAL_NAMES = {
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
+class _UnsupportedGGUF(ValueError):
+    """A well-formed GGUF file of something pdserve does not run: its own message says what."""
+
+
 def _field(reader, key: str, default: Any = None) -> Any:
     f = reader.fields.get(key)
     return default if f is None else f.contents()
@@ -44,7 +48,7 @@ def _field(reader, key: str, default: Any = None) -> Any:
 def read_config(reader) -> dict[str, Any]:
     arch = _field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {sorted(ARCHITECTURES)}")
+        raise _UnsupportedGGUF(f"unsupported GGUF architecture {arch!r}; supported: {sorted(ARCHITECTURES)}")
     num_heads = _field(reader, f"{arch}.attention.head_count")
     hidden = _field(reader, f"{arch}.embedding_length")
     tensor_names = {t.name for t in reader.tensors}
@@ -73,14 +77,14 @@ def read_config(reader) -> dict[str, Any]:
         "torch_dtype": "float32",
     }
     if "rope_freqs.weight" in tensor_names:
-        raise ValueError(
+        raise _UnsupportedGGUF(
             "GGUF files with precomputed rope_freqs (Llama 3.1 scaling) are not supported; use the Hugging Face folder"
         )
     scaling = _field(reader, f"{arch}.rope.scaling.type")
     if scaling == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
     elif scaling not in (None, "none"):
-        raise ValueError(f"unsupported GGUF rope scaling {scaling!r}")
+        raise _UnsupportedGGUF(f"unsupported GGUF rope scaling {scaling!r}")
     return config
 
 
@@ -96,7 +100,7 @@ def _hf_name(tensor_name: str, path: str | Path) -> tuple[str, str | None]:
         return _GLOBAL_NAMES[tensor_name], None
     match = _LAYER_RE.fullmatch(tensor_name)
     if not match or match.group(2) not in _LAYER_NAMES:
-        raise ValueError(f"unexpected tensor {tensor_name!r} in {path}")
+        raise _UnsupportedGGUF(f"unexpected tensor {tensor_name!r} in {path}")
     layer, kind, suffix = match.groups()
     return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}", kind
 
@@ -111,6 +115,17 @@ def _rotary_heads(config: dict[str, Any], kind: str | None) -> int | None:
 def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, QuantizedWeight]]:
     """Returns (Hugging Face config dict, fp32 state dict with Hugging Face names, the native
     codes of every tensor stored in a block format a quantized kernel serves: Q4_0, Q4_1, Q8_0)."""
+    try:
+        return _read_gguf(path)
+    except _UnsupportedGGUF:
+        raise
+    except (FileNotFoundError, PermissionError, MemoryError):
+        raise
+    except Exception as e:  # gguf's reader and numpy fail on a cut file with IndexError, reshape errors...
+        raise ValueError(f"{path}: not a readable GGUF file (truncated or corrupt?): {e}") from None
+
+
+def _read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, QuantizedWeight]]:
     from gguf import GGUFReader
     from gguf.quants import dequantize
 

@@ -72,7 +72,10 @@ def pick_device(name: str = "auto") -> torch.device:
 def _weight_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index}: not a safetensors index (a JSON object with a 'weight_map'): {e!r}") from None
         return [folder / s for s in shards]
     files = sorted(folder.glob("*.safetensors"))
     if not files:
@@ -83,10 +86,15 @@ def _weight_files(folder: Path) -> list[Path]:
 def load_state_dict(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     state = {}
     for path in _weight_files(folder):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                if not name.endswith(_IGNORED_SUFFIXES):
-                    state[name] = f.get_tensor(name).to(dtype)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    if not name.endswith(_IGNORED_SUFFIXES):
+                        state[name] = f.get_tensor(name).to(dtype)
+        except (OSError, MemoryError):
+            raise
+        except Exception as e:  # safetensors' own error is no ValueError: name the file it is about
+            raise ValueError(f"{path}: not a readable safetensors file (truncated or corrupt?): {e}") from None
     return state
 
 

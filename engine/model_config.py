@@ -13,6 +13,21 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM",
 }
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3"}
+_ARCHITECTURE_OF_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+
+
+def _count(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
+    """A required (or defaulted) positive integer field, or a ValueError naming it."""
+    value = cfg.get(key, default) if default is not None else cfg.get(key)
+    if value is None:
+        raise ValueError(f"config.json: missing required field {key!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"config.json: {key!r} must be a positive integer, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,12 +70,20 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], *, name: str = "") -> "ModelConfig":
-        archs = cfg.get("architectures") or ["LlamaForCausalLM"]
-        arch = archs[0]
+        if not isinstance(cfg, dict):
+            raise ValueError(f"config.json: expected a JSON object, got {type(cfg).__name__}")
+        archs = cfg.get("architectures") or [_ARCHITECTURE_OF_MODEL_TYPE.get(cfg.get("model_type", "llama"), "")]
+        arch = archs[0] if isinstance(archs, list) else archs
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {arch!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
-        num_heads = cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+            named = arch or f"model_type {cfg.get('model_type')!r}"
+            raise ValueError(f"unsupported architecture {named!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        num_heads = _count(cfg, "num_attention_heads")
+        hidden_size = _count(cfg, "hidden_size")
+        head_dim = _count(cfg, "head_dim") if cfg.get("head_dim") else hidden_size // num_heads
+        if not head_dim:
+            raise ValueError(
+                f"config.json: hidden_size ({hidden_size}) is smaller than num_attention_heads ({num_heads})"
+            )
         # transformers 5 moves rope_theta/rope_scaling into rope_parameters.
         rope_params = dict(cfg.get("rope_parameters") or {})
         rope_scaling = cfg.get("rope_scaling") or None
@@ -81,12 +104,12 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(
             architecture=arch,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
+            vocab_size=_count(cfg, "vocab_size"),
+            hidden_size=hidden_size,
+            intermediate_size=_count(cfg, "intermediate_size"),
+            num_layers=_count(cfg, "num_hidden_layers"),
             num_heads=num_heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            num_kv_heads=_count(cfg, "num_key_value_heads", num_heads) if cfg.get("num_key_value_heads") else num_heads,
             head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
@@ -105,15 +128,28 @@ class ModelConfig:
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelConfig":
         folder = Path(folder)
-        cfg = json.loads((folder / "config.json").read_text())
+        cfg = _read_json(folder / "config.json")
         gen_path = folder / "generation_config.json"
         if gen_path.exists():
             # generate() stops at the generation config's EOS ids; so do we.
-            gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
+            gen_eos = _read_json(gen_path).get("eos_token_id")
             if gen_eos is not None:
                 merged = (
                     [cfg.get("eos_token_id")] if not isinstance(cfg.get("eos_token_id"), list) else cfg["eos_token_id"]
                 )
                 extra = gen_eos if isinstance(gen_eos, list) else [gen_eos]
                 cfg = {**cfg, "eos_token_id": [e for e in dict.fromkeys([*merged, *extra]) if e is not None]}
-        return cls.from_dict(cfg, name=folder.name)
+        try:
+            return cls.from_dict(cfg, name=folder.name)
+        except ValueError as e:
+            raise ValueError(f"{folder}/{e}" if str(e).startswith("config.json") else f"{folder}: {e}") from None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:  # a missing file stays FileNotFoundError
+        raise ValueError(f"{path}: not a readable JSON file ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value

@@ -96,8 +96,14 @@ def quantize_int8_channel(w: torch.Tensor) -> QuantizedWeight:
     return QuantizedWeight(q.to(torch.uint8), scale, -128 * scale, QuantFormat.INT8_CHANNEL)
 
 
+def check_groups(in_features: int) -> None:
+    if in_features % GROUP:
+        raise ValueError(f"in_features must be a multiple of {GROUP} to quantize, got {in_features}")
+
+
 def quantize_int4_group(w: torch.Tensor) -> QuantizedWeight:
     n, k = w.shape
+    check_groups(k)
     g = w.float().view(n, k // GROUP, GROUP)
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)
     # Scales are kept in fp16 by the kernel: quantize against the rounded values.
@@ -139,8 +145,7 @@ class QuantizedLinear(nn.Module):
         """``float_out``: return fp32 whatever the input dtype (the lm_head's logits)."""
         super().__init__()
         n, k = weight.shape
-        if k % GROUP:
-            raise ValueError(f"in_features must be a multiple of {GROUP} to quantize, got {k}")
+        check_groups(k)
         self.in_features, self.out_features, self.fmt, self.float_out = k, n, weight.fmt, float_out
         kernels = cpu_kernels() if device.type == "cpu" else None
         self.kernels = kernels if (use_kernel is None or use_kernel) else None

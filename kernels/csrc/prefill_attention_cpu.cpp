@@ -230,6 +230,7 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [T, H, D]");
   const int64_t tq = q.size(0), hq = q.size(1), d = q.size(2), tk = k.size(0), hkv = k.size(1);
   TORCH_CHECK(has_prefill_attention(d), "prefill_attention supports head_dim 64 and 128 on AVX-512 CPUs");
+  TORCH_CHECK(hq > 0 && hkv > 0, "q, k and v need at least one head");
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(2) == d && hq % hkv == 0, "q, k, v shapes do not fit");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "q, k, v must share a dtype");
   TORCH_CHECK(q_offset >= 0 && q_offset + tq <= tk, "queries must be the last positions of the keys");

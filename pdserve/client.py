@@ -23,7 +23,8 @@ def build_request(
     priority: int = 0,
     **sampling,
 ) -> pb.GenerateRequest:
-    """``sampling``: max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos (None = default)."""
+    """``sampling``: max_tokens, temperature, top_p, top_k, seed, stop (a string or a list),
+    stop_token_ids, ignore_eos (None = default)."""
     req = pb.GenerateRequest(request_id=request_id, priority=priority)
     if prompt is not None:
         req.prompt = prompt
@@ -35,7 +36,7 @@ def build_request(
             continue
         field = getattr(req.sampling, name)
         if hasattr(field, "extend"):
-            field.extend(value)
+            field.extend([value] if isinstance(value, str) else value)  # stop="END" is one stop string
         else:
             setattr(req.sampling, name, value)
     return req

@@ -1,4 +1,5 @@
-"""The generated code under protos/ is what the .proto produces (regenerate with scripts/gen_protos.sh)."""
+"""The generated code under protos/ is what the .proto produces (regenerate with scripts/gen_protos.sh),
+and the Python client fills its messages as callers mean."""
 
 from __future__ import annotations
 
@@ -21,3 +22,10 @@ def test_generated_code_is_up_to_date(tmp_path):
         fresh = (tmp_path / "pdserve" / "v1" / name).read_text()
         committed = (ROOT / "protos" / "pdserve" / "v1" / name).read_text()
         assert fresh == committed, f"protos/pdserve/v1/{name} is stale: run scripts/gen_protos.sh"
+
+
+def test_the_client_takes_one_stop_string_or_a_list():
+    from pdserve.client import build_request
+
+    assert list(build_request("hi", stop="END").sampling.stop) == ["END"]
+    assert list(build_request("hi", stop=["a", "bc"], stop_token_ids=[2, 3]).sampling.stop) == ["a", "bc"]

@@ -40,6 +40,28 @@ UP_WORKER_FIELDS = (
 )
 
 
+def _seed(text: str) -> int:
+    from pdserve.request_rules import MAX_SEED
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**63), got {text}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -58,11 +80,11 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=None)
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--top-k", type=int, default=None)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--seed", type=_seed, default=None)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     gen.add_argument("--json", action="store_true", help="print one JSON object per streamed message")
-    gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    gen.add_argument("--timeout", type=_seconds, default=None, help="deadline in seconds")
     add_client_tls_arguments(gen)
     gen.add_argument(
         "--api-token", default=os.environ.get("PDSERVE_API_TOKEN"), help="bearer token (env PDSERVE_API_TOKEN)"
@@ -83,7 +105,7 @@ def _parser() -> argparse.ArgumentParser:
     health.add_argument(
         "--service", default="", help="a service name, e.g. pdserve.v1.DecodeWorker (default: the server)"
     )
-    health.add_argument("--timeout", type=float, default=3.0)
+    health.add_argument("--timeout", type=_seconds, default=3.0)
     add_client_tls_arguments(health)
 
     sub.add_parser("bench", add_help=False, help="TTFT/ITL serving benchmark (pdserve bench --help)")

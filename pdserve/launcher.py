@@ -140,6 +140,7 @@ class Cluster:
         for flag, value in ports.items():
             args += [flag, value]
         fresh = self._spawn(child.name, args, register=False)
+        fresh.args = child.args  # the first start's: the next restart adds its ports once, not again
         fresh.restarts = child.restarts + 1
         fresh.info = child.info  # same addresses; the ready line will confirm them
         return fresh

@@ -198,3 +198,40 @@ def test_up_exits_as_a_shell_would_when_a_child_is_killed(monkeypatch):
     finally:
         for s, handler in handlers.items():
             signal.signal(s, handler)
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--seed", "99999999999999999999999"], "argument --seed: must be an integer in [0, 2**63)"),
+        (["--seed", "-1"], "argument --seed: must be an integer in [0, 2**63)"),
+        (["--timeout", "-1"], "argument --timeout: must be a positive number of seconds"),
+        (["--timeout", "0"], "argument --timeout: must be a positive number of seconds"),
+    ],
+)
+def test_generate_refuses_bad_flags_by_name_before_calling(capsys, flags, words):
+    from pdserve.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "hi", "--addr", "127.0.0.1:1", *flags])
+    assert exit_.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_a_restarted_worker_gets_its_ports_once_however_often_it_restarts(monkeypatch):
+    from pdserve import launcher
+    from pdserve.settings import ClusterSettings, RouterSettings, WorkerSettings
+
+    cluster = launcher.Cluster(EngineConfig(), WorkerSettings(), RouterSettings(), ClusterSettings())
+    spawned = []
+
+    def spawn(name, args, router=False, register=True):
+        spawned.append(args)
+        return launcher.Child(name, process=None, ready=None, args=args)
+
+    monkeypatch.setattr(cluster, "_spawn", spawn)
+    info = {"grpc": "127.0.0.1:4001", "kv": "127.0.0.1:4002", "metrics": "127.0.0.1:4003"}
+    child = launcher.Child("decode-0", process=None, ready=None, args=["decode", "--port=0"], info=info)
+    for _ in range(3):
+        child = cluster._restart(child)
+    assert child.restarts == 3
+    assert spawned[-1] == ["decode", "--port=0", "--port", "4001", "--kv-port", "4002", "--metrics-port", "4003"]

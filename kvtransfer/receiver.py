@@ -14,6 +14,7 @@ import select
 import socket
 import struct
 import threading
+import time
 
 from pdserve.kvtransfer import registry
 from pdserve.kvtransfer.grants import GrantLedger
@@ -24,7 +25,8 @@ from pdserve.kvtransfer.sockets import IdleTimeout, configure, recv_header, recv
 from pdserve.kvtransfer.transport_api import IO_TIMEOUT_S, ReceiveContext
 
 log = logging.getLogger(__name__)
-HANDSHAKE_TIMEOUT_S = 10.0
+HANDSHAKE_TIMEOUT_S = 10.0  # for the whole handshake, however slowly a peer trickles its bytes
+MAX_HANDSHAKING = 64  # connections still proving their credential; more are dropped at once
 
 
 class KVReceiver:
@@ -48,6 +50,7 @@ class KVReceiver:
         self.port = self._listener.getsockname()[1]
         self._stopped = threading.Event()
         self._conns: set[socket.socket] = set()
+        self._handshaking: dict[socket.socket, float] = {}  # connections in their handshake: deadlines
         self._thread = threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True)
 
     @property
@@ -67,12 +70,34 @@ class KVReceiver:
         while not self._stopped.is_set():
             try:
                 readable, _, _ = select.select([self._listener], [], [], 0.5)
+                self._expire_handshakes()
                 if not readable:
                     continue
                 conn, peer = self._listener.accept()
             except (OSError, ValueError):
                 return
-            threading.Thread(target=_Connection(self, conn, peer).serve, name="kv-conn", daemon=True).start()
+            if len(self._handshaking) >= MAX_HANDSHAKING:
+                log.warning("KV connection from %s dropped: %d others are in their handshake", peer, MAX_HANDSHAKING)
+                self.ledger.counters["handshakes_refused"] += 1
+                shutdown(conn)
+                continue
+            self._handshaking[conn] = time.monotonic() + HANDSHAKE_TIMEOUT_S
+            try:
+                threading.Thread(target=_Connection(self, conn, peer).serve, name="kv-conn", daemon=True).start()
+            except RuntimeError as e:  # no thread for it (a process limit): drop it, keep listening
+                log.warning("KV connection from %s dropped: %s", peer, e)
+                self._handshaking.pop(conn, None)
+                shutdown(conn)
+
+    def _expire_handshakes(self) -> None:
+        """Wakes the threads of handshakes past their deadline; each ends its connection."""
+        now = time.monotonic()
+        for sock, deadline in list(self._handshaking.items()):
+            if now >= deadline and self._handshaking.pop(sock, None) is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
 
 class _Connection:
@@ -127,6 +152,8 @@ class _Connection:
             self.ledger.counters["handshakes_refused"] += 1
             reject(self.sock, e)
             return False
+        finally:
+            self.server._handshaking.pop(self.sock, None)
         log.info("KV connection from %s: transport %s", self.peer, self.transport)
         configure(self.sock, IO_TIMEOUT_S)
         return True

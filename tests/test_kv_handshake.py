@@ -160,3 +160,66 @@ def test_the_fingerprint_hashes_weight_content(tmp_path):
     assert a == resharded  # the same weights, however they are split into files
     assert len(list((cache / "fingerprints").glob("*.json"))) == 4  # computed once per file...
     assert model_fingerprint(tmp_path / "base", cache) == a  # ...and read back
+
+
+def test_peers_that_never_finish_their_handshake_are_dropped_and_cannot_stop_the_listener(monkeypatch):
+    """A peer trickling a byte at a time is cut off at the handshake's deadline for the whole
+    handshake; at most MAX_HANDSHAKING wait at once; a thread that cannot start costs only its
+    connection. Through all of it, a proper prefill side still connects."""
+    import time
+
+    from pdserve.kvtransfer import receiver as receiver_module
+
+    monkeypatch.setattr(receiver_module, "HANDSHAKE_TIMEOUT_S", 1.5)
+    monkeypatch.setattr(receiver_module, "MAX_HANDSHAKING", 3)
+    decode = Decode("tcp", secret=SECRET)
+    hello = FrameHeader(FrameKind.HELLO, payload_len=1000).pack()
+    slow = [socket.create_connection(("127.0.0.1", decode.receiver.port)) for _ in range(3)]
+    try:
+        started = time.monotonic()
+        for sock in slow:
+            sock.sendall(hello)  # a HELLO of 1000 bytes, which then come one at a time
+        dropped = set()
+        while len(dropped) < len(slow) and time.monotonic() - started < 15:
+            for i, sock in enumerate(slow):  # each socket read's own timeout is never reached
+                if i not in dropped:
+                    try:
+                        sock.sendall(b"{")
+                    except OSError:
+                        dropped.add(i)
+            time.sleep(0.2)
+        assert dropped == {0, 1, 2} and time.monotonic() - started < 8  # the deadline, not never
+        # Three in their handshake: a fourth is dropped at once, the listener goes on.
+        waiting = [socket.create_connection(("127.0.0.1", decode.receiver.port)) for _ in range(3)]
+        time.sleep(0.3)
+        extra = socket.create_connection(("127.0.0.1", decode.receiver.port))
+        extra.settimeout(5)
+        assert extra.recv(1) == b""  # closed without a word
+        for sock in waiting:
+            sock.close()
+        extra.close()
+        time.sleep(0.3)
+        # No thread for a connection: that one is dropped, the next is served.
+        real_thread = threading.Thread
+        failures = iter([RuntimeError("can't start new thread")])
+
+        def one_failed_start(*args, **kwargs):
+            thread = real_thread(*args, **kwargs)
+            if kwargs.get("name") == "kv-conn" and (failure := next(failures, None)):
+
+                def start() -> None:
+                    raise failure
+
+                thread.start = start
+            return thread
+
+        monkeypatch.setattr(receiver_module.threading, "Thread", one_failed_start)
+        refused = socket.create_connection(("127.0.0.1", decode.receiver.port))
+        refused.settimeout(5)
+        assert refused.recv(1) == b""
+        refused.close()
+        Prefill("tcp", secret=SECRET).connect(decode.address).close()
+    finally:
+        for sock in slow:
+            sock.close()
+        decode.close()

@@ -19,6 +19,7 @@ import functools
 import hashlib
 import logging
 import os
+import stat
 import sys
 import tempfile
 import time
@@ -56,13 +57,9 @@ def module_name() -> str:
 
 
 def cache_root() -> Path:
-    """The first writable of $PDSERVE_KERNEL_CACHE, ~/.cache/pdserve/kernels and a temp folder."""
-    candidates = [
-        os.environ.get(CACHE_ENV),
-        Path.home() / ".cache" / "pdserve" / "kernels",
-        Path(tempfile.gettempdir()) / f"pdserve-kernels-{os.getuid()}",
-    ]
-    for candidate in candidates:
+    """The first writable of $PDSERVE_KERNEL_CACHE, ~/.cache/pdserve/kernels and a temp folder
+    (this user's own, 0700: a folder another user made there could swap the library we load)."""
+    for candidate in (os.environ.get(CACHE_ENV), Path.home() / ".cache" / "pdserve" / "kernels"):
         if not candidate:
             continue
         try:
@@ -71,14 +68,25 @@ def cache_root() -> Path:
                 return Path(candidate)
         except OSError:
             continue
-    raise OSError("no writable folder for the C++ kernel build")
+    shared = Path(tempfile.gettempdir()) / f"pdserve-kernels-{os.getuid()}"
+    try:
+        shared.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise OSError(f"no writable folder for the C++ kernel build ({e})") from None
+    found = os.lstat(shared)
+    if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid() or found.st_mode & 0o022:
+        raise OSError(f"{shared} is not this user's own private folder: not building the C++ kernels there")
+    return shared
 
 
 def _build(name: str, build_dir: Path):
     from torch.utils import cpp_extension
 
     build_dir.mkdir(parents=True, exist_ok=True)
-    with open(build_dir.parent / f"{name}.flock", "w") as guard:
+    flock = os.open(build_dir.parent / f"{name}.flock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(flock, "w") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)  # released by the kernel if this process dies
         (build_dir / "lock").unlink(missing_ok=True)  # only a dead build can have left it
         return cpp_extension.load(

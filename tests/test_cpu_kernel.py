@@ -238,3 +238,21 @@ def test_prefill_attention_refuses_what_it_cannot_do(kernel):
         kernel.prefill_attention(q, k, k, 0.1, 0)
     with pytest.raises(RuntimeError, match="head_dim"):
         kernel.prefill_attention(torch.randn(4, 2, 80), torch.randn(4, 2, 80), torch.randn(4, 2, 80), 0.1, 0)
+
+
+def test_the_shared_temp_folder_for_the_build_must_be_this_users_own(tmp_path, monkeypatch):
+    import os
+    import tempfile
+
+    from pdserve.kernels import cpu_extension
+
+    home = tmp_path / "home"
+    home.write_text("not a folder: ~/.cache cannot be made")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv(cpu_extension.CACHE_ENV, raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    made = cpu_extension.cache_root()
+    assert made == tmp_path / f"pdserve-kernels-{os.getuid()}" and made.stat().st_mode & 0o777 == 0o700
+    made.chmod(0o777)  # as if another user had made it first, open to all
+    with pytest.raises(OSError, match="not this user's own private folder"):
+        cpu_extension.cache_root()

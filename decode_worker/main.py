@@ -74,6 +74,7 @@ async def serve(engine_config: EngineConfig, settings: WorkerSettings, security:
         tp_size=shards.tp_size,
     )
     cache = KVCacheView(shards.layers, engine.config.block_size, shards.token_bytes)
+    security.warn_if_open("decode", settings.host)
     receiver = KVReceiver(
         ledger,
         cache,
@@ -81,7 +82,7 @@ async def serve(engine_config: EngineConfig, settings: WorkerSettings, security:
         settings.host,
         settings.kv_port,
         ucx=ucx,
-        secret=security.cluster_token.encode() if security.cluster_token else None,
+        secret=security.cluster_secret,
     )
     receiver.start()
     kv_address = f"{public_host}:{receiver.port}"

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import hmac
+import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -20,8 +22,10 @@ import grpc
 
 from pdserve.config import resolve, setting
 
+log = logging.getLogger(__name__)
 AUTH_KEY = "authorization"
 SECRET_SETTINGS = ("cluster_token", "api_token")  # never printed
+_TOKEN = re.compile(r"[\x21-\x7e]*")  # what an HTTP/gRPC header value carries as it is
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,9 @@ class SecuritySettings:
             path = getattr(self, name)
             if path and not Path(path).is_file():
                 raise ValueError(f"{name}: {path} is not a file")
+        for name in SECRET_SETTINGS:  # its value is never repeated in the message
+            if getattr(self, name) is not None and not _TOKEN.fullmatch(getattr(self, name)):
+                raise ValueError(f"{name}: must be printable ASCII without spaces or line breaks")
 
     @property
     def tls(self) -> bool:
@@ -72,6 +79,26 @@ class SecuritySettings:
 
     def cluster_metadata(self) -> tuple[tuple[str, str], ...]:
         return ((AUTH_KEY, f"Bearer {self.cluster_token}"),) if self.cluster_token else ()
+
+    @property
+    def cluster_secret(self) -> bytes | None:
+        """The cluster token as the KV handshake's HMAC key."""
+        return self.cluster_token.encode() if self.cluster_token else None
+
+    def warn_if_open(self, role: str, host: str) -> None:
+        """A worker reachable from other hosts without a cluster token takes anyone's requests
+        and KV writes: say so at start (pdserve up always sets one)."""
+        if not self.cluster_token and not is_loopback(host):
+            log.warning(
+                "%s worker on %s without a cluster token: whoever reaches its ports can run requests "
+                "and write into its KV cache (set --cluster-token or PDSERVE_CLUSTER_TOKEN)",
+                role,
+                host,
+            )
+
+
+def is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def add_client_tls_arguments(parser: argparse.ArgumentParser) -> None:

@@ -48,7 +48,8 @@ async def serve(engine_config: EngineConfig, settings: WorkerSettings, security:
         fingerprint, engine.kv_layout, role="prefill", transports=transports, extra=extra, tp_size=shards.tp_size
     )
     cache = KVCacheView(shards.layers, engine.config.block_size, shards.token_bytes)
-    sender = KVSender(peer, cache, secret=security.cluster_token.encode() if security.cluster_token else None, ucx=ucx)
+    security.warn_if_open("prefill", settings.host)
+    sender = KVSender(peer, cache, secret=security.cluster_secret, ucx=ucx)
     service = PrefillService(
         loop, sender, lease_s=settings.kv_lease_s, max_queued_requests=settings.max_queued_requests
     )

@@ -24,7 +24,7 @@ from pdserve.router.policy import make_policy
 from pdserve.router.servicer import RouterService, add_router_service
 from pdserve.router.tokenizer import RouterTokenizer
 from pdserve.router.workers import WorkerRegistry
-from pdserve.security import SecuritySettings, TokenAuth
+from pdserve.security import SecuritySettings, TokenAuth, is_loopback
 from pdserve.settings import RouterSettings
 
 log = logging.getLogger(__name__)
@@ -38,10 +38,6 @@ def served_name(model_dir: str, override: str | None) -> str:
         return override
     name = re.sub(r"-[0-9a-f]{12}$", "", model_dir.rstrip("/").rsplit("/", 1)[-1])
     return re.sub(r"\.(Q\d\w*|F16|F32|BF16)$", "", name, flags=re.IGNORECASE)
-
-
-def _loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def _return_freed_heap() -> None:
@@ -103,7 +99,7 @@ async def serve(settings: RouterSettings, security: SecuritySettings) -> None:
         metrics_address = None
         if settings.metrics_port is not None:
             metrics_address = f"{settings.host}:{serve_metrics(settings.host, settings.metrics_port, metrics.ROUTER)}"
-        if security.api_token and not security.tls and not _loopback(settings.host):
+        if security.api_token and not security.tls and not is_loopback(settings.host):
             log.warning(
                 "the public API takes a bearer token on %s without TLS: it crosses the network in clear "
                 "(set --tls-cert/--tls-key)",

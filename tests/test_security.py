@@ -248,3 +248,24 @@ def test_up_refuses_a_certificate_without_a_ca(certs):
     security = SecuritySettings(tls_cert=str(certs / "node.crt"), tls_key=str(certs / "node.key"))
     with pytest.raises(ValueError, match="tls_cert: pdserve up needs tls_ca too"):
         Cluster(EngineConfig(), WorkerSettings(), RouterSettings(), ClusterSettings(), security)
+
+
+@pytest.mark.parametrize("token", ["tok\n", "tok en", "toké", "\x00"])
+def test_tokens_that_cannot_travel_in_a_header_are_refused_without_repeating_them(token):
+    from pdserve.security import SecuritySettings
+
+    for name in ("cluster_token", "api_token"):
+        with pytest.raises(ValueError) as err:
+            SecuritySettings(**{name: token})
+        assert str(err.value) == f"{name}: must be printable ASCII without spaces or line breaks"
+    assert SecuritySettings(cluster_token="A-b_c.9~!", api_token="").cluster_secret == b"A-b_c.9~!"
+
+
+def test_a_worker_open_to_other_hosts_without_a_cluster_token_says_so(caplog):
+    from pdserve.security import SecuritySettings
+
+    SecuritySettings().warn_if_open("decode", "127.0.0.1")
+    SecuritySettings(cluster_token="t").warn_if_open("decode", "0.0.0.0")
+    assert not caplog.records
+    SecuritySettings().warn_if_open("decode", "0.0.0.0")
+    assert "decode worker on 0.0.0.0 without a cluster token" in caplog.text

@@ -12,6 +12,7 @@ import logging
 from typing import Callable, Iterable, Mapping
 
 from prometheus_client import (
+    CONTENT_TYPE_LATEST,
     GC_COLLECTOR,
     PLATFORM_COLLECTOR,
     PROCESS_COLLECTOR,
@@ -19,6 +20,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    generate_latest,
     start_http_server,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -66,6 +68,10 @@ E2E = Histogram(
     buckets=_LATENCY_BUCKETS,
     registry=ROUTER,
 )
+PROMPT_TOKENS = Counter(
+    "pdserve_prompt_tokens", "Prompt tokens of requests that got their first token", registry=ROUTER
+)
+GENERATION_TOKENS = Counter("pdserve_generation_tokens", "Tokens streamed to clients", registry=ROUTER)
 INFLIGHT = Gauge("pdserve_router_inflight_requests", "Requests the router is serving", registry=ROUTER)
 MIGRATIONS = Counter(
     "pdserve_migrations", "Requests moved to another worker after a failure", ["kind"], registry=ROUTER
@@ -176,6 +182,17 @@ def _kv_families(role: str, counters: Mapping[str, float]) -> Iterable:
         else:
             events.add_metric([role, key], float(value))
     return transfers, nbytes, events
+
+
+def scrape_route(registry: CollectorRegistry):
+    """``GET /metrics`` for an HTTP app: that exact path (a Mount answers it with a redirect)."""
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    async def scrape(request) -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return Route("/metrics", scrape, methods=["GET"])
 
 
 def serve_metrics(host: str, port: int, registry: CollectorRegistry) -> int:

@@ -73,9 +73,13 @@ class Completions:
         try:
             return await asyncio.get_running_loop().run_in_executor(self._validators, validate, request, self.tokenizer)
         except InvalidRequest:
-            self.counters["rejected_invalid"] += 1
-            metrics.REJECTIONS.labels("invalid_argument").inc()
+            self.count_invalid()
             raise
+
+    def count_invalid(self, reason: str = "invalid_argument") -> None:
+        """A request refused for what it asked (here, or by a front end while parsing it)."""
+        self.counters["rejected_invalid"] += 1
+        metrics.REJECTIONS.labels(reason).inc()
 
     def close(self) -> None:
         self._validators.shutdown(wait=False, cancel_futures=True)
@@ -122,6 +126,7 @@ class Completions:
                         ttft_ms = (now - started) * 1e3
                         cached = event.cached_tokens
                         metrics.TTFT.observe(now - started)
+                        metrics.PROMPT_TOKENS.inc(len(req.prompt_token_ids))
                     else:
                         metrics.ITL.observe(now - last)
                     last = now
@@ -133,6 +138,7 @@ class Completions:
                     # None past the token that completes a stop string.
                     token_ids, logprobs = event.token_ids[: text.consumed], event.logprobs[: text.consumed]
                     completion_tokens += len(token_ids)
+                    metrics.GENERATION_TOKENS.inc(len(token_ids))
                     finish = "stop" if text.stopped else event.finish_reason
                     first_logprobs = None
                     if prompt_logprobs and i == 0:

@@ -7,13 +7,10 @@ import ctypes
 import logging
 import re
 
-from prometheus_client import make_asgi_app
-from starlette.routing import Mount
-
 from pdserve import metrics
 from pdserve.engine.model_store import resolve_model
 from pdserve.grpc_server import start_server
-from pdserve.metrics import serve_metrics
+from pdserve.metrics import scrape_route, serve_metrics
 from pdserve.planner.router_setup import attach_planner
 from pdserve.process import announce_ready, wait_for_shutdown_signal
 from pdserve.router.completions import Completions
@@ -91,7 +88,7 @@ async def serve(settings: RouterSettings, security: SecuritySettings) -> None:
             app = create_app(
                 completions,
                 served_name(str(model_dir), settings.served_model_name),
-                extra_routes=[Mount("/metrics", make_asgi_app(registry=metrics.ROUTER))],
+                extra_routes=[scrape_route(metrics.ROUTER)],
                 api_token=security.api_token,
             )
             http_server, http_task = await serve_http(app, settings.host, settings.http_port, security=security)

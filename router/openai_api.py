@@ -167,26 +167,30 @@ class _OpenAI:
             raise invalid(param_name(e.field, names), e.problem) from None
 
     async def handle(self, request: Request, chat: bool) -> Response:
-        p = await json_body(request)
-        self.check_model(p)
-        stream = p.get_bool("stream")
-        include_usage = stream_options(p, stream)
-        reject_unsupported(p, chat)
-        p.get_str("user")  # accepted and ignored
-        if chat:
-            inputs = {"messages": chat_messages(p), **chat_template_options(p)}
-            max_param = "max_completion_tokens" if p.given("max_completion_tokens") else "max_tokens"
-        else:
-            inputs = prompt_input(p)
-            max_param = "max_tokens"
-        sampling, names = sampling_fields(p, max_param)
-        parity = parity_fields(p, chat, stream)
-        completion = CompletionRequest(
-            **inputs,
-            request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-            priority=p.get_int("priority") or 0,  # a vLLM extension: lower runs first
-            sampling=replace(sampling, **parity.sampling),
-        )
+        try:  # parsed here: a refusal is counted as validation's are
+            p = await json_body(request)
+            self.check_model(p)
+            stream = p.get_bool("stream")
+            include_usage = stream_options(p, stream)
+            reject_unsupported(p, chat)
+            p.get_str("user")  # accepted and ignored
+            if chat:
+                inputs = {"messages": chat_messages(p), **chat_template_options(p)}
+                max_param = "max_completion_tokens" if p.given("max_completion_tokens") else "max_tokens"
+            else:
+                inputs = prompt_input(p)
+                max_param = "max_tokens"
+            sampling, names = sampling_fields(p, max_param)
+            parity = parity_fields(p, chat, stream)
+            completion = CompletionRequest(
+                **inputs,
+                request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+                priority=p.get_int("priority") or 0,  # a vLLM extension: lower runs first
+                sampling=replace(sampling, **parity.sampling),
+            )
+        except APIError as e:
+            self.completions.count_invalid("not_found" if e.status == 404 else "invalid_argument")
+            raise
         validated = await self.validate(completion, {**names, **parity.names})
         prompt_text = ""
         if parity.echo:  # the prompt as sent, or its ids' text, special tokens and all

@@ -27,6 +27,7 @@ class RouterService(pdserve_pb2_grpc.RouterServicer):
         self, request: pb.GenerateRequest | None, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         if request is None:
+            self.completions.count_invalid()
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "request: not a valid GenerateRequest (wire format or UTF-8)"
             )

@@ -37,8 +37,10 @@ async def test_metrics_move_with_traffic(stack):
     by_role = {p["role"]: p["metrics"] for p in stack.processes}
     assert set(by_role) == {"router", "prefill", "decode"} and all(by_role.values())
     before = {role: scrape(address) for role, address in by_role.items()}
+    prompt_tokens = generated = 0
     for prompt in PROMPTS[:2]:
-        await collect(stack.address, build_request(prompt, max_tokens=8, temperature=0))
+        ids, _, messages = await collect(stack.address, build_request(prompt, max_tokens=8, temperature=0))
+        prompt_tokens, generated = prompt_tokens + messages[-1].usage.prompt_tokens, generated + len(ids)
     after = {role: scrape(address) for role, address in by_role.items()}
 
     router_before, router_after = before["router"], after["router"]
@@ -53,6 +55,11 @@ async def test_metrics_move_with_traffic(stack):
         "pdserve_inter_token_latency_seconds_count{}", 0
     )
     assert router_after["pdserve_e2e_request_latency_seconds_count{}"] >= 2
+    for name, sent in (
+        ("pdserve_prompt_tokens_total{}", prompt_tokens),
+        ("pdserve_generation_tokens_total{}", generated),
+    ):
+        assert router_after[name] - router_before.get(name, 0) == sent, name
 
     decode = after["decode"]
     assert (

@@ -13,10 +13,7 @@ from collections import Counter
 
 import grpc
 import openai
-import prometheus_client
 import pytest
-from starlette.responses import Response
-from starlette.routing import Route
 
 try:
     import httpx
@@ -195,12 +192,10 @@ class FailingDispatcher:
 async def test_worker_failures_map_to_http_statuses(tokenizer):
     dispatcher = FailingDispatcher()
 
-    async def metrics(request):  # how the router adds /metrics to the HTTP port
-        body = prometheus_client.generate_latest(pdserve_metrics.ROUTER)
-        return Response(body, media_type=prometheus_client.CONTENT_TYPE_LATEST)
-
     app = create_app(
-        Completions(tokenizer, dispatcher, 600, max_inflight=1024), "m", extra_routes=[Route("/metrics", metrics)]
+        Completions(tokenizer, dispatcher, 600, max_inflight=1024),
+        "m",
+        extra_routes=[pdserve_metrics.scrape_route(pdserve_metrics.ROUTER)],  # as the router adds /metrics
     )
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     server, task = await serve_http(app, "127.0.0.1", 0)
@@ -223,7 +218,17 @@ async def test_worker_failures_map_to_http_statuses(tokenizer):
                     error = assert_openai_error(response, status, code=code.name.lower(), text=f"injected {code.name}")
                     assert error["type"] != "invalid_request_error"
 
-            scrape = await http.get("/metrics")
+            # Refused while parsing (before validation): counted like validation's refusals.
+            def rejected(reason: str) -> float:
+                value = pdserve_metrics.ROUTER.get_sample_value("pdserve_request_rejections_total", {"reason": reason})
+                return value or 0.0
+
+            invalid, unknown = rejected("invalid_argument"), rejected("not_found")
+            assert (await http.post("/v1/chat/completions", json={"messages": []})).status_code == 400
+            assert (await http.post("/v1/completions", json={**body, "model": "other"})).status_code == 404
+            assert (rejected("invalid_argument"), rejected("not_found")) == (invalid + 1, unknown + 1)
+
+            scrape = await http.get("/metrics")  # that path itself, not a redirect to /metrics/
             assert scrape.status_code == 200 and 'pdserve_request_rejections_total{reason="unavailable"}' in scrape.text
 
             # Failing mid-stream: an error event, then [DONE]; the SDK raises it.

@@ -1,7 +1,8 @@
 """The router's online planner: how many prefill and decode replicas its load needs, as gauges.
 
 Every interval the router forecasts its load from its own recent arrivals (the rate over the
-last window and those requests' prompt and output lengths), corrects the profile by what it
+last window, those requests' prompt lengths and the output lengths of the window's finished
+requests: ``max_tokens`` only until a few have finished), corrects the profile by what it
 measured, and asks the capacity model (``capacity``) how many prefill and decode instances
 that load needs within the SLOs. The correction is Dynamo's: measured over predicted TTFT and
 TPOT of the window's requests (predicted from the profile at their prompt length and the
@@ -45,22 +46,31 @@ class Decision:
 
 
 class RequestWatch:
-    """One request's first token and end, for the planner (``Dispatcher.observer``)."""
+    """One request's first token and end, for the planner (``Dispatcher.observer``); with n > 1,
+    each choice's tokens apart, and one report once every choice has ended."""
 
-    __slots__ = ("planner", "prompt_len", "started", "first", "tokens")
+    __slots__ = ("planner", "prompt_len", "started", "first", "tokens", "tpots", "open")
 
-    def __init__(self, planner: "OnlinePlanner", prompt_len: int) -> None:
+    def __init__(self, planner: "OnlinePlanner", prompt_len: int, choices: int = 1) -> None:
         self.planner, self.prompt_len = planner, prompt_len
-        self.started, self.first, self.tokens = planner.clock(), None, 0
+        self.started, self.first = planner.clock(), None
+        self.tokens = [0] * choices
+        self.tpots: list[float] = []
+        self.open = choices
 
-    def token(self, count: int, finish_reason: str | None) -> None:
+    def token(self, count: int, finish_reason: str | None, index: int = 0) -> None:
         now = self.planner.clock()
         if self.first is None:
             self.first = now
-        self.tokens += count
-        if finish_reason:
-            tpot = (now - self.first) / (self.tokens - 1) if self.tokens > 1 else None
-            self.planner.on_finish(self.prompt_len, self.first - self.started, tpot)
+        self.tokens[index] += count
+        if not finish_reason:
+            return
+        if self.tokens[index] > 1:
+            self.tpots.append((now - self.first) / (self.tokens[index] - 1))
+        self.open -= 1
+        if self.open == 0:
+            tpot = statistics.fmean(self.tpots) if self.tpots else None
+            self.planner.on_finish(self.prompt_len, self.first - self.started, tpot, max(self.tokens))
 
 
 class OnlinePlanner:
@@ -88,6 +98,7 @@ class OnlinePlanner:
         self.max_num_seqs = max_num_seqs
         self.started = clock()
         self.arrivals: deque[tuple[float, int, int]] = deque()  # (time, prompt tokens, max tokens)
+        self.outputs: deque[tuple[float, int]] = deque()  # (time, tokens a finished request generated)
         self.ratios: deque[tuple[float, float, float | None]] = deque()  # (time, TTFT measured/predicted, TPOT ...)
         self._task: asyncio.Task | None = None
 
@@ -95,11 +106,16 @@ class OnlinePlanner:
     def watch(self, request) -> RequestWatch:
         """Called as a request arrives (``request``: a ValidatedRequest)."""
         self.arrivals.append((self.clock(), len(request.prompt_token_ids), request.sampling.max_tokens))
-        return RequestWatch(self, len(request.prompt_token_ids))
+        return RequestWatch(self, len(request.prompt_token_ids), request.engine_sampling.n)
 
-    def on_finish(self, prompt_len: int, ttft_s: float, tpot_s: float | None) -> None:
+    def on_finish(self, prompt_len: int, ttft_s: float, tpot_s: float | None, output_tokens: int = 0) -> None:
         o, cost = self.profile.overheads, self.profile.step_cost(self.prefill_degree)
+        now = self.clock()
+        if output_tokens:
+            self.outputs.append((now, output_tokens))
         predicted_ttft = o.first_token_ms + o.handoff_ms + cost.prefill_alone_ms(prompt_len) + o.step_ms
+        if predicted_ttft <= 0:  # a profile that prices nothing predicts nothing to correct
+            return
         tpot_ratio = None
         if tpot_s is not None:
             batch = max(1, round(self.decode_batch()))
@@ -108,13 +124,13 @@ class OnlinePlanner:
                 + o.step_ms
                 + o.seq_ms * batch
             )
-            tpot_ratio = tpot_s * 1e3 / step
-        self.ratios.append((self.clock(), ttft_s * 1e3 / predicted_ttft, tpot_ratio))
+            tpot_ratio = tpot_s * 1e3 / step if step > 0 else None
+        self.ratios.append((now, ttft_s * 1e3 / predicted_ttft, tpot_ratio))
 
     # -- the decision ----------------------------------------------------------------------------
     def decide(self) -> Decision:
         now = self.clock()
-        for q in (self.arrivals, self.ratios):
+        for q in (self.arrivals, self.ratios, self.outputs):
             while q and q[0][0] < now - self.window_s:
                 q.popleft()
         ttft_c = _correction([r for _, r, _ in self.ratios])
@@ -123,7 +139,13 @@ class OnlinePlanner:
             return Decision(0.0, 0.0, 0.0, ttft_c, tpot_c)
         rate = len(self.arrivals) / max(min(self.window_s, now - self.started), 1e-3)
         prompts = statistics.fmean(p for _, p, _ in self.arrivals)
-        outputs = statistics.fmean(m for _, _, m in self.arrivals)
+        # What requests generated, once enough have ended: max_tokens is often far above it.
+        finished = [tokens for _, tokens in self.outputs]
+        outputs = (
+            statistics.fmean(finished)
+            if len(finished) >= MIN_SAMPLES
+            else statistics.fmean(m for _, _, m in self.arrivals)
+        )
         w = capacity.WorkloadStats(prompts, outputs, prompts)
         ttft = self.ttft_ms / ttft_c if self.ttft_ms is not None else None
         tpot = self.tpot_ms / tpot_c if self.tpot_ms is not None else None

@@ -169,16 +169,19 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--attainment must be in (0, 1], got {args.attainment}")
         if args.devices < 1 or args.max_unit_devices < 1 or args.top_k < 1:
             raise ValueError("--devices, --max-unit-devices and --top-k must be >= 1")
+        if args.slo_tpot_ms is not None and not (args.slo_tpot_ms > 0 and math.isfinite(args.slo_tpot_ms)):
+            raise ValueError(f"--slo-tpot-ms must be a positive number of ms, got {args.slo_tpot_ms}")
         if args.request_rate is not None and not (args.request_rate > 0 and math.isfinite(args.request_rate)):
             raise ValueError(f"--request-rate must be a positive number of requests/s, got {args.request_rate}")
         if args.json:
             results.check_output_file(args.json, "--json")
         profile = Profile.load(args.profile)
         specs = workloads.build(serve_plan.workload_config(args), lambda: _tokenizer())
+        profile.check_fits(specs)
         config = SimConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
-            slo_tpot_ms=args.slo_tpot_ms or slo.tpot_ms,
+            slo_tpot_ms=slo.tpot_ms if args.slo_tpot_ms is None else args.slo_tpot_ms,
         )
     except (ValueError, FileNotFoundError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)

@@ -18,7 +18,7 @@ the earlier ones in the prefix cache), long enough that a queue that grows shows
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from pdserve.bench.arrivals import arrival_offsets
@@ -133,7 +133,10 @@ def run_at(
     span_s: float = DEFAULT_SPAN_S,
 ) -> SimRun:
     specs = sustained(specs, rate, span_s)
-    return simulate(profile, topology, specs, arrival_offsets(len(specs), rate, burstiness, seed), config)
+    offsets = arrival_offsets(len(specs), rate, burstiness, seed)
+    # Every request is sent and may take its whole timeout: a low rate must not run out of time.
+    config = replace(config, time_limit_s=max(config.time_limit_s, offsets[-1] + config.request_timeout_s))
+    return simulate(profile, topology, specs, offsets, config)
 
 
 def unit_goodput(

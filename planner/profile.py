@@ -80,6 +80,9 @@ class StepCost:
                 raise ValueError(f"step cost {f.name}: must be a finite number, got {value!r}")
         if self.base_ms < 0:
             raise ValueError(f"step cost base_ms: must be >= 0, got {self.base_ms}")
+        # Fits may give a term a small negative weight; the smallest steps must still take time.
+        if self.prefill_alone_ms(1) <= 0 or self.decode_step_ms(1, 1) <= 0:
+            raise ValueError("step cost: a one-token prefill and a one-sequence decode step must each take > 0 ms")
 
     def coefficients(self) -> tuple[float, ...]:
         return tuple(getattr(self, f.name) for f in fields(self))
@@ -177,6 +180,12 @@ class Profile:
             raise ValueError(f"profile.steps: degrees must be integers >= 1, got {sorted(self.steps)}")
         if self.transport not in self.transfers:
             raise ValueError(f"profile.transport: {self.transport!r} has no entry in profile.transfers")
+        for name in ("kv_bytes_per_token", "cores", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"profile.{name}: must be an integer, got {value!r}")
+        if any(tokens < 1 for tokens in self.kv_cache_tokens.values()):
+            raise ValueError(f"profile.kv_cache_tokens: must be >= 1 per degree, got {self.kv_cache_tokens}")
         if self.kv_bytes_per_token < 1:
             raise ValueError(f"profile.kv_bytes_per_token: must be >= 1, got {self.kv_bytes_per_token}")
         if self.cores is not None and self.cores < 1:
@@ -204,6 +213,18 @@ class Profile:
             return None
         nearest = min(self.kv_cache_tokens, key=lambda d: abs(d - degree))
         return self.kv_cache_tokens[nearest] * degree // nearest
+
+    def check_fits(self, specs) -> None:
+        """ValueError when the workload (RequestSpecs) holds requests the profiled model cannot
+        take: a simulation would count them as SLO misses, and advise looser SLOs."""
+        too_long = [s for s in specs if s.prompt_len + s.max_tokens > self.max_model_len]
+        if too_long:
+            worst = max(too_long, key=lambda s: s.prompt_len + s.max_tokens)
+            raise ValueError(
+                f"--input-len/--output-len: {len(too_long)} of {len(specs)} requests exceed the profile's "
+                f"max_model_len {self.max_model_len} (the longest: {worst.prompt_len} prompt + "
+                f"{worst.max_tokens} output tokens)"
+            )
 
     def transfer_ms(self, num_tokens: int, transport: str | None = None) -> float:
         return self.transfers[transport or self.transport].ms(num_tokens * self.kv_bytes_per_token)

@@ -113,17 +113,17 @@ def main(argv: list[str] | None = None) -> int:
         if not args.profile:
             raise ValueError("--profile FILE is required (make one with: pdserve profile --output FILE)")
         plan = serve_plan.make_plan(args)
-        unsupported = [
-            m.label for m in plan.modes if m.kind != "stack" or (m.speculative or plan.engine.speculative) != "none"
-        ]
-        if unsupported:
-            raise ValueError(
-                f"mode {', '.join(unsupported)} cannot be simulated (speculative decoding is not modelled);"
-                " give colocated or NpMd modes"
-            )
+        for m in plan.modes:
+            if m.kind != "stack":
+                raise ValueError(
+                    f"mode {m.label} is not a pdserve stack and cannot be simulated; give colocated or NpMd modes"
+                )
+            if (m.speculative or plan.engine.speculative) != "none":
+                raise ValueError(f"mode {m.label} cannot be simulated (speculative decoding is not modelled)")
         profile = Profile.load(plan.profile)
         sim_config(plan, profile)  # refuses settings no stack would start with
         specs = workloads.build(plan.workload, lambda: serve._tokenizer(plan.engine))
+        profile.check_fits(specs)
     except (ValueError, FileNotFoundError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections import Counter
@@ -35,6 +36,7 @@ from pdserve.router.workers import OpenCall, PromptBlocks, Worker, WorkerRegistr
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.wire import sampling_to_proto
 
+log = logging.getLogger(__name__)
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.ABORTED}
 DEFAULT_MAX_ATTEMPTS = 4
 
@@ -143,7 +145,7 @@ class Dispatcher:
         failed: set[str] = set()
         n, ended = req.engine_sampling.n, set()  # choices, and those that have finished
         priors: dict[int, list[int]] = {}  # n > 1: each choice's tokens so far
-        watch = self.observer.watch(req) if self.observer is not None and not prior else None
+        watch = self._watch(req) if self.observer is not None and not prior else None
         moved = 0
         for attempt in range(1, self.max_attempts + 1):
             try:
@@ -154,7 +156,11 @@ class Dispatcher:
                         prior += event.token_ids
                         priors.setdefault(event.index, []).extend(event.token_ids)
                         if watch is not None:
-                            watch.token(len(event.token_ids), event.finish_reason)
+                            try:
+                                watch.token(len(event.token_ids), event.finish_reason, event.index)
+                            except Exception:  # noqa: BLE001 - the planner only advises: it never fails a request
+                                log.exception("the online planner failed on a request's token; it stops watching it")
+                                watch = None
                         yield replace(event, migrations=moved) if moved else event
                         if event.finish_reason:
                             ended.add(event.index)
@@ -181,6 +187,14 @@ class Dispatcher:
                     self.counters["reprefills_after_corruption"] += 1
                 # Back off a little: a worker that just died takes its peers' health checks a moment to notice.
                 await asyncio.sleep(min(0.2 * 2 ** (attempt - 1), 2.0, max(0.0, deadline - time.monotonic())))
+
+    def _watch(self, req: ValidatedRequest):
+        """The online planner's watch on a request, or None if the planner fails (it only advises)."""
+        try:
+            return self.observer.watch(req)
+        except Exception:  # noqa: BLE001
+            log.exception("the online planner failed on an arriving request; it does not watch it")
+            return None
 
     async def _pick(self, attempt: Attempt, deadline: float, failed: set[str]) -> tuple[Worker, Worker | None]:
         """(decode, prefill) workers; while every worker of a role is down (restarting), waits

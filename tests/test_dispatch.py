@@ -329,3 +329,24 @@ async def test_a_client_cancel_while_waiting_on_a_worker_stays_a_cancel():
     with pytest.raises(asyncio.CancelledError):
         await task
     assert not d.open_calls and idle(d)
+
+
+async def test_a_planner_that_fails_never_fails_the_request():
+    class BrokenWatch:
+        def token(self, count, finish_reason, index=0):
+            raise ZeroDivisionError("a profile that prices nothing")
+
+    class BrokenPlanner:
+        def __init__(self, watch_fails: bool) -> None:
+            self.watch_fails = watch_fails
+
+        def watch(self, req):
+            if self.watch_fails:
+                raise ZeroDivisionError("a profile that prices nothing")
+            return BrokenWatch()
+
+    for watch_fails in (True, False):
+        d = decode_worker("d", FakeDecode([([[1, 2], [3]], None)]))
+        disp = dispatcher(registry([], [d]))
+        disp.observer = BrokenPlanner(watch_fails)
+        assert await collect(disp, request(max_tokens=3)) == ([1, 2, 3], "length")

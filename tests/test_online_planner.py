@@ -61,7 +61,7 @@ def test_forecast_and_replicas_follow_the_arrival_rate():
 def test_measured_latency_above_the_profile_asks_for_more_replicas():
     clock = Clock()
     planner = OnlinePlanner(PROFILE, ttft_ms=1000, tpot_ms=50, window_s=60, clock=clock)
-    feed(planner, clock, rate=4.0, seconds=30)
+    feed(planner, clock, rate=4.0, seconds=30, max_tokens=3)  # as long as the answers measured below
     base = planner.decide()
     assert (base.ttft_correction, base.tpot_correction) == (1.0, 1.0)
     predicted_ttft_s = (10.0 + COST.prefill_alone_ms(200)) / 1e3
@@ -117,3 +117,40 @@ def test_capacity_model_by_hand():
     # An SLO below one prompt's own prefill (10 + 100 ms + 10 ms overhead) leaves no capacity.
     assert capacity.prefill_rate(PROFILE, 1, w, 115.0) == 0.0
     assert 0 < capacity.prefill_rate(PROFILE, 1, w, 500.0) < capacity.prefill_rate(PROFILE, 1, w, 5000.0)
+
+
+def finish(planner: OnlinePlanner, clock: Clock, req: ValidatedRequest, tokens: int, step_s: float) -> None:
+    """Every choice of ``req`` generates ``tokens`` tokens, one per step of ``step_s``."""
+    watch = planner.watch(req)
+    for i in range(tokens):
+        clock.now += step_s
+        for index in range(req.engine_sampling.n):
+            watch.token(1, "length" if i == tokens - 1 else None, index)
+
+
+def test_output_lengths_come_from_finished_requests_not_max_tokens():
+    clock = Clock()
+    planner = OnlinePlanner(PROFILE, ttft_ms=1000, tpot_ms=50, window_s=60, clock=clock)
+    feed(planner, clock, rate=2.0, seconds=20, max_tokens=4096)  # a client that asks for the most
+    by_max_tokens = planner.decide()
+    for _ in range(3):
+        finish(planner, clock, request(200, 4096), tokens=50, step_s=0.011)
+    d = planner.decide()
+    _, decode = capacity.replicas_needed(
+        PROFILE, capacity.WorkloadStats(200, 50, 200), d.rate, 1000 / d.ttft_correction, 50 / d.tpot_correction, 1, 1
+    )
+    assert d.decode == pytest.approx(decode) and d.decode < by_max_tokens.decode / 20
+
+
+def test_choices_of_one_request_are_one_measurement_at_their_own_pace():
+    step_s = COST.decode_step_ms(1, 200) / 1e3 * 2  # twice as slow as the profile
+    corrections = []
+    for n in (1, 2):
+        clock = Clock()
+        planner = OnlinePlanner(PROFILE, ttft_ms=1000, tpot_ms=50, window_s=60, clock=clock)
+        req = ValidatedRequest("r", list(range(1000, 1200)), SamplingParams(max_tokens=8, n=n))
+        for _ in range(3):
+            finish(planner, clock, req, tokens=8, step_s=step_s)
+        assert len(planner.ratios) == 3  # one per request, not per choice
+        corrections.append(planner.decide().tpot_correction)
+    assert corrections[0] == pytest.approx(corrections[1]) and corrections[0] > 1.5

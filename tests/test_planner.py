@@ -18,7 +18,7 @@ from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.engine.sequence import Sequence
 from pdserve.planner.chunking import ChunkSizer
 from pdserve.planner.fit import StepSample, fit_step_cost
-from pdserve.planner.planner import plan, run_at
+from pdserve.planner.planner import attainment, plan, run_at
 from pdserve.planner.profile import Overheads, Profile, StepCost, StepShape, TransferCost
 from pdserve.planner.sim_topology import SimConfig, Topology
 from pdserve.planner.simulator import simulate
@@ -97,6 +97,9 @@ def test_profile_round_trip(tmp_path):
         (lambda d: d["overheads"].update(handoff_ms=-1), "handoff_ms"),
         (lambda d: d.update(surprise=1), "surprise"),
         (lambda d: d.update(parallel="pipeline"), "parallel"),
+        (lambda d: d["steps"]["1"].update(base_ms=0, decode_ms=0, prefill_ms=0), "must each take > 0 ms"),
+        (lambda d: d.update(cores="2"), "cores"),
+        (lambda d: d.update(kv_cache_tokens={"1": -5}), "kv_cache_tokens"),
     ],
 )
 def test_bad_profiles_are_refused_naming_the_field(tmp_path, change, field):
@@ -420,3 +423,17 @@ def test_plan_refuses_bad_budgets_and_missing_slos():
         plan(p, _fixed_workload(4, 16, 4), Goodput(ttft_ms=100), budget=0)
     with pytest.raises(ValueError, match="SLO"):
         plan(p, _fixed_workload(4, 16, 4), Goodput(), budget=2)
+
+
+def test_a_low_rate_sends_every_request_and_meets_what_a_high_one_meets():
+    """Below num_prompts / time limit req/s the planner's run must still send the whole workload:
+    a slower arrival rate can only make the SLOs easier to meet."""
+    p = profile(SIMPLE, kv_bytes=1000)
+    specs = [req(100, 20, first_id=1000 + 300 * i) for i in range(40)]
+    topology = Topology(prefill=0, decode=1, colocated=True)
+    config = SimConfig(time_limit_s=30.0)  # 40 requests at 0.5 req/s arrive over 80 s
+    slo = Goodput.parse(["ttft:2000", "tpot:100"], "--slo")
+    runs = {rate: run_at(p, topology, specs, rate, config, span_s=1.0) for rate in (0.5, 4.0)}
+    for run in runs.values():
+        assert len(run.timelines) == 40 and not [t.error for t in run.timelines if t.error]
+    assert attainment(runs[0.5], slo) >= attainment(runs[4.0], slo) == 1.0

@@ -142,7 +142,8 @@ def test_simulate_reads_jsonl_traces(tmp_path, profile_path):
     [
         (["--modes", "1p1d"], "--profile FILE is required"),
         (["--profile", "/nonexistent.json", "--modes", "1p1d"], "no such file"),
-        (["--modes", "live"], "cannot be simulated"),
+        (["--modes", "live"], "is not a pdserve stack and cannot be simulated"),
+        (["--modes", "colocated", "--input-len", "9000", "--num-prompts", "2"], "exceed the profile's max_model_len"),
         (["--modes", "colocated-conditional"], "unknown mode"),
         (["--modes", "1p1d", "--slo-tpot-ms", "-5"], "--slo-tpot-ms"),
         (["--modes", "colocated-ngram"], "speculative decoding is not modelled"),
@@ -198,6 +199,8 @@ def test_plan_prints_and_writes_a_plan(tmp_path, profile_path, capsys):
         (["--slo", "ttft:100", "--devices", "2", "--attainment", "1.5"], "--attainment"),
         (["--slo", "ttft:100", "--devices", "2", "--request-rate", "inf"], "--request-rate"),
         (["--slo", "ttft:100", "--devices", "2", "--json", "/proc/no-such-folder/plan.json"], "--json"),
+        (["--slo", "ttft:100", "--devices", "2", "--slo-tpot-ms", "0"], "--slo-tpot-ms must be a positive"),
+        (["--slo", "ttft:100", "--devices", "2", "--input-len", "9000", "--num-prompts", "2"], "max_model_len 8192"),
     ],
 )
 def test_plan_bad_input(profile_path, capsys, args, message):

@@ -58,6 +58,7 @@ def install(engine, profile_path: str, tpot_ms: float | None) -> ChunkSizer | No
     import torch
 
     profile = Profile.load(profile_path)
+    profile.warn_if_other_model(engine.model_dir, profile_path)
     degree = engine.config.num_threads or torch.get_num_threads()
     if profile.parallel == "tensor_parallel":
         degree = getattr(engine.config, "tensor_parallel_size", 1)

@@ -21,10 +21,12 @@ fleet elsewhere (a GPU profile taken on other hardware plans GPUs). JSON, reusab
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
+log = logging.getLogger(__name__)
 PROFILE_VERSION = 1
 PARALLEL_KINDS = ("threads", "tensor_parallel")
 
@@ -213,6 +215,19 @@ class Profile:
             return None
         nearest = min(self.kv_cache_tokens, key=lambda d: abs(d - degree))
         return self.kv_cache_tokens[nearest] * degree // nearest
+
+    def warn_if_other_model(self, model_dir: str, path: str) -> None:
+        """Serving one model with another model's profile sizes chunks and replicas wrongly: say so."""
+        served = Path(model_dir).name
+        if self.model != served:
+            log.warning(
+                "profile %s measured %s on %s; this worker serves %s: its step costs do not describe it "
+                "(make one with: pdserve profile --output FILE)",
+                path,
+                self.model,
+                self.device,
+                served,
+            )
 
     def check_fits(self, specs) -> None:
         """ValueError when the workload (RequestSpecs) holds requests the profiled model cannot

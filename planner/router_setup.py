@@ -14,11 +14,13 @@ from pdserve.settings import RouterSettings
 log = logging.getLogger(__name__)
 
 
-def attach_planner(dispatcher, settings: RouterSettings, disaggregated: bool) -> OnlinePlanner | None:
+def attach_planner(dispatcher, settings: RouterSettings, disaggregated: bool, model_dir: str) -> OnlinePlanner | None:
     """Sets ``dispatcher.conditional`` (with --conditional) and returns the online planner,
     already observing the dispatcher (with --profile and an SLO), for the caller to start.
     Raises ValueError/FileNotFoundError on a bad profile."""
     profile = Profile.load(settings.profile) if settings.profile else None
+    if profile is not None:
+        profile.warn_if_other_model(model_dir, settings.profile)
     if settings.conditional and not disaggregated:
         log.warning(
             "--conditional needs a prefill pool; with none, every prompt is prefilled by its decode worker anyway"

@@ -62,7 +62,7 @@ async def serve(settings: RouterSettings, security: SecuritySettings) -> None:
         failure_threshold=settings.worker_failure_threshold,
         worker_wait_s=settings.worker_wait_s,
     )
-    planner = await asyncio.to_thread(attach_planner, dispatcher, settings, bool(prefill))
+    planner = await asyncio.to_thread(attach_planner, dispatcher, settings, bool(prefill), str(model_dir))
     completions = Completions(tokenizer, dispatcher, settings.request_timeout_s, settings.max_inflight_requests)
     service = RouterService(completions)
     monitor = HealthMonitor(registry, settings.worker_failure_threshold)

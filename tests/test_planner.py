@@ -437,3 +437,11 @@ def test_a_low_rate_sends_every_request_and_meets_what_a_high_one_meets():
     for run in runs.values():
         assert len(run.timelines) == 40 and not [t.error for t in run.timelines if t.error]
     assert attainment(runs[0.5], slo) >= attainment(runs[4.0], slo) == 1.0
+
+
+def test_a_profile_of_another_model_is_named_at_start(caplog):
+    p = profile(SIMPLE)  # of the model "toy"
+    p.warn_if_other_model("/models/toy", "p.json")
+    assert not caplog.records
+    p.warn_if_other_model("/models/SmolLM2-135M", "p.json")
+    assert "profile p.json measured toy on toy; this worker serves SmolLM2-135M" in caplog.text

@@ -225,6 +225,15 @@ class GrantLedger:
                 if not checksum_ok:
                     grant.corrupted = True
                     self.counters["checksum_mismatch"] += 1
+                    # Memory, a NIC or the shared segment corrupted data: worth an operator's look.
+                    log.warning(
+                        "transfer %s: checksum mismatch in layers %d-%d, tokens %d-%d: the transfer is refused",
+                        grant.transfer_key,
+                        layer,
+                        layer + num_layers - 1,
+                        start,
+                        end,
+                    )
             release = grant.state is GrantState.FAILED and grant.writers == 0
             deferred = grant.pending_done if grant.writers == 0 else None
             if deferred is not None:

@@ -33,6 +33,7 @@ from pdserve.kvtransfer.transport_api import IO_TIMEOUT_S, ReceiveContext, SendC
 from pdserve.kvtransfer.ucx_worker import TAG_BITS, ucx_available, ucx_unavailable_reason
 
 _SEQUENCE_MASK = (1 << TAG_BITS) - 1
+_MAX_KEPT_ERRORS = 1024  # failed sends' errors kept for a flush that may never come
 MAX_DRAINS = 64  # receives one connection's drains may have posted
 DRAIN_TIMEOUT_S = IO_TIMEOUT_S  # how long drains may wait without one of them landing
 _NOTHING = memoryview(bytearray(1))[:0]  # what a drain receives into
@@ -54,7 +55,7 @@ class Sender:
         ctx.ucx.connect(self.peer).result(timeout=IO_TIMEOUT_S)
         self.sequence = 0
         self._in_flight: Counter[int] = Counter()  # transfer id -> sends not completed yet
-        self._errors: dict[int, BaseException] = {}
+        self._errors: dict[int, BaseException] = {}  # kept for flush; a transfer given up never flushes
         self._done = threading.Condition()
 
     max_span_bytes = 8 << 20  # each message costs a frame, a rendezvous and a completion: fewer, larger ones
@@ -88,8 +89,12 @@ class Sender:
             data.release()
             with self._done:
                 self._in_flight[unit.transfer_id] -= 1
+                if self._in_flight[unit.transfer_id] <= 0:  # nothing kept for a transfer with no send pending
+                    del self._in_flight[unit.transfer_id]
                 if error is not None:
                     self._errors.setdefault(unit.transfer_id, error)
+                    while len(self._errors) > _MAX_KEPT_ERRORS:  # the oldest: transfers that never flushed
+                        del self._errors[next(iter(self._errors))]
                 self._done.notify_all()
 
         self.ctx.ucx.send(self.peer, payload, (self.tag << TAG_BITS) | (sequence & _SEQUENCE_MASK), sent)
@@ -98,7 +103,7 @@ class Sender:
         with self._done:
             if not self._done.wait_for(lambda: self._in_flight[transfer_id] <= 0, IO_TIMEOUT_S):
                 raise TimeoutError("UCX sends did not complete")
-            del self._in_flight[transfer_id]
+            self._in_flight.pop(transfer_id, None)
             error = self._errors.pop(transfer_id, None)
         if error is not None:
             raise ConnectionError(f"UCX send failed: {error}")

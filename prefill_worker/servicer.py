@@ -127,6 +127,7 @@ class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
             await abort_overloaded(context, "prefill could not start within its ttft_budget_ms")
         except TransferFailed as e:
             self.counters["transfer_checksum_mismatch" if e.corrupted else "transfer_failed"] += 1
+            log.warning("request %s: KV transfer failed: %s", request.request_id, e)
             code = grpc.StatusCode.DATA_LOSS if e.corrupted else grpc.StatusCode.UNAVAILABLE
             await context.abort(code, str(e))
         except EngineError as e:

@@ -178,6 +178,8 @@ class Dispatcher:
                 moved += kind == "migrations"
                 self.counters[kind] += 1
                 metrics.MIGRATIONS.labels(kind).inc()
+                how = "continues" if kind == "migrations" else "is retried"
+                log.info("request %s: %s; it %s elsewhere (attempt %d)", req.request_id, e.message, how, attempt + 1)
                 if n > 1 and prior:  # several choices under way: each continues on its own
                     async with contextlib.aclosing(continue_choices(self, req, priors, ended, deadline)) as rest:
                         async for event in rest:

@@ -179,7 +179,8 @@ async def test_disaggregated_first_token_from_prefill_then_decode_stream():
     assert idle(p, d)
 
 
-async def test_a_corrupted_handoff_is_prefilled_again_elsewhere():
+async def test_a_corrupted_handoff_is_prefilled_again_elsewhere(caplog):
+    caplog.set_level("INFO", logger="pdserve.router.dispatch")
     decode = FakeDecode([([], None), ([[8]], None)])
     bad, good = FakePrefill([rpc_error(grpc.StatusCode.DATA_LOSS, "checksum mismatch")]), FakePrefill([7])
     p1, p2, d = prefill_worker("p1", bad), prefill_worker("p2", good), decode_worker("d", decode)
@@ -187,6 +188,7 @@ async def test_a_corrupted_handoff_is_prefilled_again_elsewhere():
     ids, finish = await collect(disp, request(max_tokens=2))
     assert (ids, finish) == ([7, 8], "length")
     assert disp.counters["retries"] == 1 and disp.counters["reprefills_after_corruption"] == 1
+    assert "p1: checksum mismatch; it is retried elsewhere (attempt 2)" in caplog.text  # said, not only counted
     assert len(decode.calls) == 2 and all(call.cancelled for call in decode.calls)  # the failed attempt's too
     assert idle(p1, p2, d)
 

@@ -128,7 +128,7 @@ def test_a_cached_prefix_is_not_sent_again(transport):
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_corrupted_data_is_detected_and_the_grant_fails(transport):
+def test_corrupted_data_is_detected_and_the_grant_fails(transport, caplog):
     """The fault flips a byte of the K/V themselves (after the checksum was taken)."""
     decode, prefill = Decode(transport), Prefill(transport, faults="corrupt=1")
     try:
@@ -139,6 +139,7 @@ def test_corrupted_data_is_detected_and_the_grant_fails(transport):
         landed = decode.outcome(tid)
         assert not landed.ok and landed.corrupted and "checksum" in landed.reason
         assert decode.ledger.counters["checksum_mismatch"] == 1
+        assert f"transfer {tid:016x}: checksum mismatch in layers 0-" in caplog.text  # an operator sees it
         assert torch.equal(prefill.layers[0][0], Prefill(transport).layers[0][0])  # our own cache was not touched
         tid2 = decode.grant([5], 8)  # the connection keeps working; the next transfer lands
         assert prefill.ship(conn, tid2, [3], [5], 8, 8).ok and decode.outcome(tid2).ok
@@ -555,6 +556,43 @@ def test_a_stopped_ucx_worker_fails_what_it_is_asked_instead_of_dropping_it():
     worker.send(worker.address, bytearray(16), 9, after.append)
     assert wait_until(lambda: len(posted) == 1) and isinstance(posted[0], RuntimeError)
     assert len(after) == 2 and all(isinstance(e, RuntimeError) and "stopped" in str(e) for e in after)
+
+
+@pytest.mark.skipif(UCX_SKIP_REASON is not None, reason=str(UCX_SKIP_REASON))
+def test_the_ucx_sender_keeps_nothing_for_transfers_given_up_before_their_end():
+    """A cancelled or failed transfer never flushes: once its sends complete, no entry is left."""
+    import types
+
+    import numpy as np
+
+    from pdserve.kvtransfer.faults import FaultPlan
+    from pdserve.kvtransfer.layout import HostBytes, slots_of
+    from pdserve.kvtransfer.transport_api import Unit
+
+    class Cache:  # one unit's bytes, already hashed
+        def read_hashed(self, layer, slots, ready, num_layers):
+            return HostBytes(np.zeros(64, np.uint8)), 0
+
+    sender_worker, peer_worker = UcxWorker(), UcxWorker()
+    try:
+        ctx = types.SimpleNamespace(
+            ucx=sender_worker,
+            cache=Cache(),
+            faults=FaultPlan(),
+            remote_extra={"ucx_address": peer_worker.address.hex(), "ucx_tag": 5},
+            send_frame=lambda *args, **kwargs: None,
+        )
+        sender = ucx_transport.Sender(ctx)
+        landed: list = []
+        for transfer_id in range(200):  # each sends one unit, then is given up (no flush)
+            sequence = transfer_id  # the sender tags its n-th send with n
+            peer_worker.recv(bytearray(64), (5 << ucx_transport.TAG_BITS) | sequence, landed.append)
+            sender.send(Unit(transfer_id, 0, 0, 1, slots_of([0], 16, 0, 1), None))
+        assert wait_until(lambda: len(landed) == 200) and not any(landed)
+        assert wait_until(lambda: not sender._in_flight) and not sender._errors
+    finally:
+        sender_worker.close()
+        peer_worker.close()
 
 
 # -- CUDA IPC's data path, on CPU tensors (the pool "opened" by handle is the decode cache) -----------------

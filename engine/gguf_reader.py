@@ -136,7 +136,13 @@ def _read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor
     for tensor in reader.tensors:
         name, kind = _hf_name(tensor.name, path)
         heads = _rotary_heads(config, kind)
-        weights = dequantize(tensor.data, tensor.tensor_type)
+        try:
+            weights = dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError:
+            kind_name = getattr(tensor.tensor_type, "name", tensor.tensor_type)
+            raise _UnsupportedGGUF(
+                f"{path}: tensor {tensor.name} is stored as {kind_name}, which pdserve cannot read"
+            ) from None
         if heads:
             weights = _unpermute_rotary(weights, heads)
         state[name] = torch.from_numpy(np.array(weights, dtype=np.float32))  # a writable copy

@@ -20,9 +20,18 @@ _ARCHITECTURE_OF_MODEL_TYPE = {
 }
 
 
+def _positive(cfg: dict[str, Any], key: str, value: Any) -> float:
+    """A positive finite number field (given ``value``, its default when absent)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"config.json: {key!r} must be a positive number, got {value!r}")
+    return float(value)
+
+
 def _count(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
     """A required (or defaulted) positive integer field, or a ValueError naming it."""
-    value = cfg.get(key, default) if default is not None else cfg.get(key)
+    value = cfg.get(key)
+    if value is None:  # absent or null: the default, where there is one
+        value = default
     if value is None:
         raise ValueError(f"config.json: missing required field {key!r}")
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -74,6 +83,8 @@ class ModelConfig:
             raise ValueError(f"config.json: expected a JSON object, got {type(cfg).__name__}")
         archs = cfg.get("architectures") or [_ARCHITECTURE_OF_MODEL_TYPE.get(cfg.get("model_type", "llama"), "")]
         arch = archs[0] if isinstance(archs, list) else archs
+        if not isinstance(arch, str):
+            raise ValueError(f"config.json: 'architectures' must be a list of names, got {cfg.get('architectures')!r}")
         if arch not in SUPPORTED_ARCHITECTURES:
             named = arch or f"model_type {cfg.get('model_type')!r}"
             raise ValueError(f"unsupported architecture {named!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
@@ -94,7 +105,7 @@ class ModelConfig:
         rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
         is_qwen2 = arch == "Qwen2ForCausalLM"
         attention_bias = bool(cfg.get("attention_bias", False))
-        max_position = cfg.get("max_position_embeddings", 4096)
+        max_position = _count(cfg, "max_position_embeddings", 4096)
         window = cfg.get("sliding_window")
         if window and cfg.get("use_sliding_window", True):
             # Sliding-window attention is not implemented: keep every context inside one window,
@@ -111,8 +122,8 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=_count(cfg, "num_key_value_heads", num_heads) if cfg.get("num_key_value_heads") else num_heads,
             head_dim=head_dim,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
+            rms_norm_eps=_positive(cfg, "rms_norm_eps", cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=_positive(cfg, "rope_theta", rope_theta),
             max_position=max_position,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=is_qwen2 or attention_bias,

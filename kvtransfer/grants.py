@@ -227,7 +227,7 @@ class GrantLedger:
                     self.counters["checksum_mismatch"] += 1
                     # Memory, a NIC or the shared segment corrupted data: worth an operator's look.
                     log.warning(
-                        "transfer %s: checksum mismatch in layers %d-%d, tokens %d-%d: the transfer is refused",
+                        "transfer %s: checksum mismatch in layers %d-%d, tokens [%d, %d): the transfer is refused",
                         grant.transfer_key,
                         layer,
                         layer + num_layers - 1,

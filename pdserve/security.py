@@ -25,7 +25,8 @@ from pdserve.config import resolve, setting
 log = logging.getLogger(__name__)
 AUTH_KEY = "authorization"
 SECRET_SETTINGS = ("cluster_token", "api_token")  # never printed
-_TOKEN = re.compile(r"[\x21-\x7e]*")  # what an HTTP/gRPC header value carries as it is
+# What an HTTP/gRPC header value carries as it is: printable ASCII, no space at either end.
+_TOKEN = re.compile(r"([\x21-\x7e]([\x20-\x7e]*[\x21-\x7e])?)?")
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class SecuritySettings:
                 raise ValueError(f"{name}: {path} is not a file")
         for name in SECRET_SETTINGS:  # its value is never repeated in the message
             if getattr(self, name) is not None and not _TOKEN.fullmatch(getattr(self, name)):
-                raise ValueError(f"{name}: must be printable ASCII without spaces or line breaks")
+                raise ValueError(f"{name}: must be printable ASCII, without line breaks or spaces at either end")
 
     @property
     def tls(self) -> bool:

@@ -82,7 +82,7 @@ class StepCost:
                 raise ValueError(f"step cost {f.name}: must be a finite number, got {value!r}")
         if self.base_ms < 0:
             raise ValueError(f"step cost base_ms: must be >= 0, got {self.base_ms}")
-        # Fits may give a term a small negative weight; the smallest steps must still take time.
+        # A term may weigh a little below zero (figures fitted by hand); the smallest steps still take time.
         if self.prefill_alone_ms(1) <= 0 or self.decode_step_ms(1, 1) <= 0:
             raise ValueError("step cost: a one-token prefill and a one-sequence decode step must each take > 0 ms")
 

@@ -183,6 +183,12 @@ class Dispatcher:
                 if n > 1 and prior:  # several choices under way: each continues on its own
                     async with contextlib.aclosing(continue_choices(self, req, priors, ended, deadline)) as rest:
                         async for event in rest:
+                            if watch is not None:
+                                try:
+                                    watch.token(len(event.token_ids), event.finish_reason, event.index)
+                                except Exception:  # noqa: BLE001 - as above
+                                    log.exception("the online planner failed on a request's token")
+                                    watch = None
                             yield replace(event, migrations=moved + event.migrations)
                     return
                 if e.code is grpc.StatusCode.DATA_LOSS:
@@ -336,7 +342,8 @@ def _waiting_on(watch: OpenCall, worker: Worker) -> Iterator[None]:
         yield
     except asyncio.CancelledError:
         stopped = watch.abandoned_by
-        if stopped is None or asyncio.current_task().cancelling():  # a real cancellation (client, deadline)
+        cancelling = getattr(asyncio.current_task(), "cancelling", None)  # Python 3.11+
+        if stopped is None or (cancelling is not None and cancelling()):  # a real cancellation (client, deadline)
             raise
         raise DispatchError(
             grpc.StatusCode.UNAVAILABLE,

@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API of the router: /v1/completions, /v1/chat/completions,
-/v1/models and /health, served by uvicorn in the router's own event loop.
+/v1/models, /health (liveness) and /ready (readiness), served by uvicorn in the router's own event loop.
 
 Every request is parsed into the router's ``CompletionRequest`` and checked by
 ``Completions.validate`` (off the event loop), as gRPC requests are, so both front ends
@@ -290,7 +290,7 @@ def create_app(
     api_token: str | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app. ``extra_routes``: Starlette routes to add (e.g. a
-    ``Mount("/metrics", prometheus_client.make_asgi_app())``). ``api_token``: the bearer token
+    ``pdserve.metrics.scrape_route(registry)``). ``api_token``: the bearer token
     every /v1 call must carry."""
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
     api = _OpenAI(completions, model_name)
@@ -327,7 +327,11 @@ def create_app(
         return APIError(500, "internal server error").response()
 
     @app.get("/health")
-    async def health() -> Response:  # readiness: 503 while a pool it needs has no healthy worker
+    async def health() -> Response:  # liveness: the router answers
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> Response:  # readiness: 503 while a pool it needs has no healthy worker
         unready = completions.dispatcher.registry.unready_reason()
         return JSONResponse(
             {"status": "unavailable", "reason": unready} if unready else {"status": "ok"}, 503 if unready else 200

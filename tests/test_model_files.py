@@ -41,6 +41,10 @@ def copy_of(model_dir: Path, to: Path, **config_changes) -> Path:
         ({"num_attention_heads": "9"}, "'num_attention_heads' must be a positive integer, got '9'"),
         ({"num_hidden_layers": 0}, "'num_hidden_layers' must be a positive integer, got 0"),
         ({"architectures": None, "model_type": "gpt2"}, "unsupported architecture \"model_type 'gpt2'\""),
+        ({"architectures": [["x"]]}, "'architectures' must be a list of names"),
+        ({"rms_norm_eps": "1e-5"}, "'rms_norm_eps' must be a positive number, got '1e-5'"),
+        ({"rope_theta": "ten thousand"}, "'rope_theta' must be a positive number"),
+        ({"max_position_embeddings": "8192"}, "'max_position_embeddings' must be a positive integer"),
     ],
 )
 def test_a_config_with_a_missing_or_mistyped_field_names_it(model_dir, tmp_path, changes, message):
@@ -97,3 +101,15 @@ def test_the_cli_reports_a_cut_weights_file_in_one_line(model_dir, tmp_path):
     assert out.returncode == 2, out.stderr
     assert "Traceback" not in out.stderr
     assert f"{weights}: not a readable safetensors file" in out.stderr
+
+
+def test_a_gguf_type_pdserve_cannot_read_is_named_as_such_not_as_corrupt(monkeypatch):
+    import gguf.quants
+
+    def cannot(data, kind):
+        raise NotImplementedError(kind)
+
+    monkeypatch.setattr(gguf.quants, "dequantize", cannot)
+    with pytest.raises(ValueError, match=r"tensor \S+ is stored as \w+, which pdserve cannot read") as err:
+        read_gguf(DEFAULT_MODEL.locate())
+    assert "truncated" not in str(err.value)

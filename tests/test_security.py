@@ -250,15 +250,15 @@ def test_up_refuses_a_certificate_without_a_ca(certs):
         Cluster(EngineConfig(), WorkerSettings(), RouterSettings(), ClusterSettings(), security)
 
 
-@pytest.mark.parametrize("token", ["tok\n", "tok en", "toké", "\x00"])
+@pytest.mark.parametrize("token", ["tok\n", " token", "toké", "\x00"])
 def test_tokens_that_cannot_travel_in_a_header_are_refused_without_repeating_them(token):
     from pdserve.security import SecuritySettings
 
     for name in ("cluster_token", "api_token"):
         with pytest.raises(ValueError) as err:
             SecuritySettings(**{name: token})
-        assert str(err.value) == f"{name}: must be printable ASCII without spaces or line breaks"
-    assert SecuritySettings(cluster_token="A-b_c.9~!", api_token="").cluster_secret == b"A-b_c.9~!"
+        assert str(err.value) == f"{name}: must be printable ASCII, without line breaks or spaces at either end"
+    assert SecuritySettings(cluster_token="A-b_c.9~!", api_token="my token").cluster_secret == b"A-b_c.9~!"
 
 
 def test_a_worker_open_to_other_hosts_without_a_cluster_token_says_so(caplog):

@@ -51,7 +51,7 @@ async def test_no_reachable_worker_is_unavailable_not_a_hang():
         "router", "--port", "0", "--http-port", "0", "--decode-workers", dead, "--prefill-workers", dead
     )
     try:
-        # Alive (the server), not ready (the Router service, /health): a readiness probe takes it out.
+        # Alive (the server, /health), not ready (the Router service, /ready): a readiness probe takes it out.
         async with grpc.aio.insecure_channel(info["grpc"]) as channel:
             check = health_pb2_grpc.HealthStub(channel).Check
             alive = await check(health_pb2.HealthCheckRequest(service=""), timeout=10)
@@ -59,8 +59,9 @@ async def test_no_reachable_worker_is_unavailable_not_a_hang():
         assert alive.status == health_pb2.HealthCheckResponse.SERVING
         assert ready.status == health_pb2.HealthCheckResponse.NOT_SERVING
         async with httpx.AsyncClient(base_url=f"http://{info['http']}") as http:
-            health = await http.get("/health")
-        assert health.status_code == 503 and health.json()["reason"] == "no healthy decode worker"
+            alive_http, ready_http = await http.get("/health"), await http.get("/ready")
+        assert alive_http.status_code == 200
+        assert ready_http.status_code == 503 and ready_http.json()["reason"] == "no healthy decode worker"
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await generate(info["grpc"], build_request("hello", max_tokens=4), timeout=120)
         # A hang would end in DEADLINE_EXCEEDED; the router gives up on its own (worker_wait_s).

@@ -155,12 +155,7 @@ class Dispatcher:
                     async for event in events:
                         prior += event.token_ids
                         priors.setdefault(event.index, []).extend(event.token_ids)
-                        if watch is not None:
-                            try:
-                                watch.token(len(event.token_ids), event.finish_reason, event.index)
-                            except Exception:  # noqa: BLE001 - the planner only advises: it never fails a request
-                                log.exception("the online planner failed on a request's token; it stops watching it")
-                                watch = None
+                        watch = _tell_planner(watch, event)
                         yield replace(event, migrations=moved) if moved else event
                         if event.finish_reason:
                             ended.add(event.index)
@@ -183,12 +178,7 @@ class Dispatcher:
                 if n > 1 and prior:  # several choices under way: each continues on its own
                     async with contextlib.aclosing(continue_choices(self, req, priors, ended, deadline)) as rest:
                         async for event in rest:
-                            if watch is not None:
-                                try:
-                                    watch.token(len(event.token_ids), event.finish_reason, event.index)
-                                except Exception:  # noqa: BLE001 - as above
-                                    log.exception("the online planner failed on a request's token")
-                                    watch = None
+                            watch = _tell_planner(watch, event)
                             yield replace(event, migrations=moved + event.migrations)
                     return
                 if e.code is grpc.StatusCode.DATA_LOSS:
@@ -267,13 +257,12 @@ class Dispatcher:
         call = decode.decode_stub.Decode(
             _decode_request(attempt, prefill_locally=True), timeout=_left(deadline), metadata=self.registry.metadata
         )
-        watch = OpenCall()
-        watch.rpcs.append(call)
+        open_call = OpenCall(call)
         decode.inflight += 1
         try:
-            with _waiting_on(watch, decode):
+            with _waiting_on(open_call, decode):
                 while (event := await call.read()) is not grpc.aio.EOF:
-                    watch.heard()
+                    open_call.heard()
                     yield TokenEvent.from_batch(event.tokens)
         except grpc.aio.AioRpcError as e:
             raise _worker_error(decode, e) from None
@@ -287,27 +276,26 @@ class Dispatcher:
         call = decode.decode_stub.Decode(
             _decode_request(attempt, prefill_locally=False), timeout=_left(deadline), metadata=self.registry.metadata
         )
-        watch = OpenCall()
-        watch.rpcs.append(call)
+        open_call = OpenCall(call)
         decode.inflight += 1
         # Counted on the prefill worker from the moment it is picked (no await since), so a
         # burst of requests sees each other's work.
         work = prefill.begin_prefill(attempt.blocks)
         try:
-            with _waiting_on(watch, decode):
+            with _waiting_on(open_call, decode):
                 try:
-                    with _waiting_on(watch, prefill):
+                    with _waiting_on(open_call, prefill):
                         target = await _reservation(call, decode)
                         prefilled = prefill.prefill_stub.Prefill(
                             _prefill_request(attempt, target), timeout=_left(deadline), metadata=self.registry.metadata
                         )
-                        watch.rpcs.append(prefilled)
+                        open_call.add(prefilled)
                         response = await prefilled
                 except grpc.aio.AioRpcError as e:
                     raise _worker_error(prefill, e) from None
                 finally:
                     prefill.end_prefill(work)
-                watch.heard()
+                open_call.heard()
                 choices = response.choices or [
                     pb.FirstToken(token_id=response.first_token_id, finish_reason=response.finish_reason)
                 ]
@@ -324,7 +312,7 @@ class Dispatcher:
                     return
                 try:
                     while (event := await call.read()) is not grpc.aio.EOF:
-                        watch.heard()
+                        open_call.heard()
                         yield TokenEvent.from_batch(event.tokens)
                 except grpc.aio.AioRpcError as e:
                     raise _worker_error(decode, e) from None
@@ -333,15 +321,28 @@ class Dispatcher:
             decode.inflight -= 1
 
 
+def _tell_planner(watch, event: TokenEvent):
+    """Reports ``event`` to the online planner's watch; a planner that fails stops watching the
+    request (returns None) and never fails it: it only advises."""
+    if watch is None:
+        return None
+    try:
+        watch.token(len(event.token_ids), event.finish_reason, event.index)
+        return watch
+    except Exception:  # noqa: BLE001
+        log.exception("the online planner failed on a request's token; it stops watching it")
+        return None
+
+
 @contextlib.contextmanager
-def _waiting_on(watch: OpenCall, worker: Worker) -> Iterator[None]:
-    """Registers ``watch`` with ``worker`` while the attempt waits on it; the health monitor
+def _waiting_on(open_call: OpenCall, worker: Worker) -> Iterator[None]:
+    """Registers ``open_call`` with ``worker`` while the attempt waits on it; the health monitor
     cancels it there if the worker stops answering, and the attempt then fails over (UNAVAILABLE)."""
-    worker.open_calls.add(watch)
+    worker.open_calls.add(open_call)
     try:
         yield
     except asyncio.CancelledError:
-        stopped = watch.abandoned_by
+        stopped = open_call.abandoned_by
         cancelling = getattr(asyncio.current_task(), "cancelling", None)  # Python 3.11+
         if stopped is None or (cancelling is not None and cancelling()):  # a real cancellation (client, deadline)
             raise
@@ -351,7 +352,7 @@ def _waiting_on(watch: OpenCall, worker: Worker) -> Iterator[None]:
             stopped,
         ) from None
     finally:
-        worker.open_calls.discard(watch)
+        worker.open_calls.discard(open_call)
 
 
 async def _reservation(call, decode: Worker) -> pb.KvTarget:

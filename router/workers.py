@@ -133,10 +133,13 @@ class OpenCall:
 
     __slots__ = ("rpcs", "heard_at", "abandoned_by")
 
-    def __init__(self) -> None:
-        self.rpcs: list = []  # grpc.aio calls: anything with cancel()
+    def __init__(self, *rpcs) -> None:
+        self.rpcs = list(rpcs)  # grpc.aio calls: anything with cancel()
         self.heard_at = time.monotonic()
         self.abandoned_by: Worker | None = None  # the worker that stopped answering, once cancelled for it
+
+    def add(self, rpc) -> None:
+        self.rpcs.append(rpc)
 
     def heard(self) -> None:
         self.heard_at = time.monotonic()

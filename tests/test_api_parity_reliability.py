@@ -45,7 +45,8 @@ async def stream_killing_the_decode_worker(stack: Stack, request: pb.GenerateReq
             messages.append(m)
             if victim is None and sum(len(x.token_ids) for x in messages) >= after_tokens:
                 stats = await cluster_stats(stack.address)
-                busy = next(w.address for w in stats.workers if w.role == "decode" and w.running)
+                busy = next((w.address for w in stats.workers if w.role == "decode" and w.running), None)
+                assert busy is not None, "the request ended before its decode worker could be killed"
                 victim = next(p["pid"] for p in stack.processes if p.get("grpc") == busy)
                 os.kill(victim, signal.SIGKILL)
     assert victim is not None
@@ -99,7 +100,7 @@ async def test_a_constraint_survives_a_decode_worker_kill_mid_stream(hf_referenc
 
         choices = pb.GenerateRequest(
             prompt="Once upon a time",
-            sampling=pb.SamplingParams(max_tokens=24, temperature=1.0, seed=11, n=3, ignore_eos=True),
+            sampling=pb.SamplingParams(max_tokens=64, temperature=1.0, seed=11, n=3, ignore_eos=True),
         )
         async with grpc.aio.insecure_channel(stack.address) as channel:
             want = by_choice([m async for m in pdserve_pb2_grpc.RouterStub(channel).Generate(choices, timeout=300)])

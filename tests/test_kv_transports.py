@@ -696,7 +696,7 @@ def test_a_hung_decode_worker_holds_up_no_other_and_is_reported_unreachable(monk
         stuck[1].start()  # waits for the first attempt, and shares its failure: no second 2 s wait
         started = time.monotonic()
         kv_sender.connection(decode.address)
-        assert time.monotonic() - started < 1.0
+        assert time.monotonic() - started < 1.9  # not held up by the hung address's 2 s
         for thread in stuck:
             thread.join(10)
         assert time.monotonic() - started < 3.5

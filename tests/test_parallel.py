@@ -202,7 +202,7 @@ def test_a_rank_that_dies_while_serving_is_reported_at_once():
     supervisor.command = [
         sys.executable,
         "-c",
-        "import os, sys, time; time.sleep(0.3 if os.environ['RANK'] == '2' else 30); sys.exit(3)",
+        "import os, sys, time; time.sleep(2 if os.environ['RANK'] == '2' else 30); sys.exit(3)",
     ]
     supervisor.start()
     supervisor.serving = True

@@ -51,13 +51,19 @@ async def test_no_reachable_worker_is_unavailable_not_a_hang():
         "router", "--port", "0", "--http-port", "0", "--decode-workers", dead, "--prefill-workers", dead
     )
     try:
-        # Alive (the server, /health), not ready (the Router service, /ready): a readiness probe takes it out.
+        # Alive (the server, /health), not ready (the Router service, /ready) once its health checks
+        # have failed (twice): a readiness probe takes it out.
+        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
         async with grpc.aio.insecure_channel(info["grpc"]) as channel:
             check = health_pb2_grpc.HealthStub(channel).Check
+            deadline = time.monotonic() + 20
+            while (
+                await check(health_pb2.HealthCheckRequest(service="pdserve.v1.Router"), timeout=10)
+            ).status != not_serving:
+                assert time.monotonic() < deadline, "the router never reported itself not ready"
+                await asyncio.sleep(0.1)
             alive = await check(health_pb2.HealthCheckRequest(service=""), timeout=10)
-            ready = await check(health_pb2.HealthCheckRequest(service="pdserve.v1.Router"), timeout=10)
         assert alive.status == health_pb2.HealthCheckResponse.SERVING
-        assert ready.status == health_pb2.HealthCheckResponse.NOT_SERVING
         async with httpx.AsyncClient(base_url=f"http://{info['http']}") as http:
             alive_http, ready_http = await http.get("/health"), await http.get("/ready")
         assert alive_http.status_code == 200

@@ -35,7 +35,6 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.speculative import SpecStats
 from pdserve.engine.speculative import draft as draft_module
 from pdserve.engine.speculative.draft import DraftProposer
-from pdserve.process import free_port
 from pdserve.v1 import pdserve_pb2_grpc
 
 pytestmark = pytest.mark.e2e  # loads the default model
@@ -315,7 +314,6 @@ def test_a_draft_model_that_cannot_propose_is_refused(model_dir, tmp_path):
 
 @pytest.fixture(scope="module")
 def ngram_stack():
-    http_port = free_port()
     s = Stack.up(
         "--prefill",
         "1",
@@ -325,18 +323,18 @@ def ngram_stack():
         "ngram",
         "--metrics",
         "--http-port",
-        str(http_port),
+        "0",
         "--dtype",
         "float32",
         "--kv-cache-memory",
         "128MiB",
     )
-    yield s, http_port
+    yield s, next(p["http"] for p in s.processes if p["role"] == "router")
     s.down()
 
 
 async def test_a_1p1d_stack_speculating_in_its_decode_pool(ngram_stack, prompt_ids, hf_reference):
-    stack, http_port = ngram_stack
+    stack, http = ngram_stack
     metrics = {p["role"]: p["metrics"] for p in stack.processes}
     ids = prompt_ids[-1]
     reference = hf_reference.greedy(ids, MAX_NEW)
@@ -359,9 +357,7 @@ async def test_a_1p1d_stack_speculating_in_its_decode_pool(ngram_stack, prompt_i
 
     # The OpenAI API gives the same text.
     body = json.dumps({"prompt": ids, "max_tokens": MAX_NEW, "temperature": 0}).encode()
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{http_port}/v1/completions", body, {"Content-Type": "application/json"}
-    )
+    request = urllib.request.Request(f"http://{http}/v1/completions", body, {"Content-Type": "application/json"})
     answer = await asyncio.to_thread(lambda: json.loads(urllib.request.urlopen(request, timeout=120).read()))
     assert answer["choices"][0]["text"] == text
 

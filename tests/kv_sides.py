@@ -4,6 +4,7 @@ with small caches: what the kvtransfer tests drive."""
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -179,3 +180,11 @@ def assert_same_tokens(src_layers, src_blocks, dst_layers, dst_blocks, n: int, s
         k1, v1 = gather_kv(src, torch.tensor(src_blocks), n)
         k2, v2 = gather_kv(dst, torch.tensor(dst_blocks), n)
         assert torch.equal(k1[start:], k2[start:]) and torch.equal(v1[start:], v2[start:])
+
+
+def wait_until(condition, timeout: float = 10.0) -> bool:
+    """Polls ``condition`` until it holds or ``timeout`` passes; returns whether it held."""
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()

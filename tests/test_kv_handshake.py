@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from kv_sides import Decode, Prefill, peer
+from kv_sides import Decode, Prefill, peer, wait_until
 from safetensors.torch import save_file
 
 from pdserve.kvtransfer import registry
@@ -172,12 +172,6 @@ def test_peers_that_never_finish_their_handshake_are_dropped_and_cannot_stop_the
 
     monkeypatch.setattr(receiver_module, "HANDSHAKE_TIMEOUT_S", 1.5)
 
-    def until(condition, timeout_s: float = 10.0) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while not condition() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        return condition()
-
     monkeypatch.setattr(receiver_module, "MAX_HANDSHAKING", 3)
     decode = Decode("tcp", secret=SECRET)
     hello = FrameHeader(FrameKind.HELLO, payload_len=1000).pack()
@@ -199,7 +193,7 @@ def test_peers_that_never_finish_their_handshake_are_dropped_and_cannot_stop_the
         # Three in their handshake: a fourth is dropped at once (not at the deadline), the listener goes on.
         monkeypatch.setattr(receiver_module, "HANDSHAKE_TIMEOUT_S", 30.0)  # the three stay in their handshake
         waiting = [socket.create_connection(("127.0.0.1", decode.receiver.port)) for _ in range(3)]
-        assert until(lambda: len(decode.receiver._handshaking) == 3)
+        assert wait_until(lambda: len(decode.receiver._handshaking) == 3)
         refused_before = decode.ledger.counters["handshakes_refused"]
         extra = socket.create_connection(("127.0.0.1", decode.receiver.port))
         extra.settimeout(5)
@@ -209,7 +203,7 @@ def test_peers_that_never_finish_their_handshake_are_dropped_and_cannot_stop_the
         for sock in waiting:
             sock.close()
         extra.close()
-        assert until(lambda: not decode.receiver._handshaking)
+        assert wait_until(lambda: not decode.receiver._handshaking)
         # No thread for a connection: that one is dropped, the next is served.
         real_thread = threading.Thread
         failures = iter([RuntimeError("can't start new thread")])

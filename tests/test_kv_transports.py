@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from kv_sides import LAYERS, TOKEN_BYTES, UCX_SKIP_REASON, Decode, Prefill, assert_same_tokens, peer
+from kv_sides import LAYERS, TOKEN_BYTES, UCX_SKIP_REASON, Decode, Prefill, assert_same_tokens, peer, wait_until
 
 from pdserve.kvtransfer import cuda_ipc_transport, receiver, ucx_transport, ucx_worker
 from pdserve.kvtransfer.protocol import FrameHeader, FrameKind
@@ -347,13 +347,6 @@ def watch_drains(monkeypatch, decode: Decode) -> list[int]:
 
     monkeypatch.setattr(decode.ucx, "recv", recv)
     return pending
-
-
-def wait_until(condition, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return condition()
 
 
 @pytest.mark.skipif(UCX_SKIP_REASON is not None, reason=str(UCX_SKIP_REASON))

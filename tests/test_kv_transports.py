@@ -510,7 +510,9 @@ def test_a_send_stuck_on_a_dropped_connection_holds_up_no_other_connection(ucx_p
     tid = decode.grant([3, 4], 10)
     assert prefill.ship(again, tid, [0], [3, 4], 8, 10).ok and decode.outcome(tid).ok
     again.close()
-    assert ended == []  # still stuck
+    # Still stuck, or, on a slow machine, taken by the old connection's drain before its cancel
+    # completed (into scratch: nothing reaches the cache). Either way the new connection was not held up.
+    assert ended in ([], [None] * len(held))
     # Stopping the decode side receives the stray message (ucxx's destructor would wait for it
     # for ever once its sender stops), so the stuck send ends and both workers can go.
     decode.close()

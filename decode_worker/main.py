@@ -101,7 +101,7 @@ async def serve(engine_config: EngineConfig, settings: WorkerSettings, security:
     service.address = f"{public_host}:{server.port}"
     reaper = asyncio.create_task(_expire_leases(ledger))
     metrics_address = start_worker_metrics(
-        settings.metrics_port, settings.host, public_host, WorkerCollector(role, loop.stats, lambda: ledger.counters)
+        settings.metrics_port, settings.host, public_host, WorkerCollector(role, loop.stats, ledger.counters.snapshot)
     )
     log.info(
         "%s worker serving on %s, KV transfer on %s (transports: %s)",

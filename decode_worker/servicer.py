@@ -137,7 +137,7 @@ class DecodeService(pdserve_pb2_grpc.DecodeWorkerServicer):
             self.role,
             self.address,
             self.ledger.num_active,
-            self.ledger.counters,
+            self.ledger.counters.snapshot(),
             self.engine.config.block_size,
             self.engine.config.max_num_seqs,
         )

@@ -20,13 +20,13 @@ import logging
 import secrets
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 
 from pdserve.engine.kv_connector import Report, TransferOutcome
+from pdserve.event_counts import EventCounts
 from pdserve.kvtransfer.layout import KVCacheView, Slots
 from pdserve.kvtransfer.protocol import AckStatus
 
@@ -93,7 +93,7 @@ class GrantLedger:
         self.quarantine_s = quarantine_s  # > 0 when peers may write into our memory directly
         self.grants: dict[int, Grant] = {}
         self.releasing = 0  # failed grants whose blocks are not safe yet
-        self.counters: Counter[str] = Counter()
+        self.counters = EventCounts()  # bumped on connection threads and the event loop
         self._lock = threading.Lock()  # guards ``grants`` and ``releasing``
 
     # -- the engine side -----------------------------------------------------------------------
@@ -125,7 +125,7 @@ class GrantLedger:
         for grant in due:
             if self.fail(grant, "lease expired before the KV cache arrived"):
                 log.warning("transfer %s: lease expired, freeing %d blocks", grant.transfer_key, len(grant.block_ids))
-                self.counters["lease_expired"] += 1
+                self.counters.add("lease_expired")
                 expired += 1
         return expired
 
@@ -182,7 +182,7 @@ class GrantLedger:
                     grant.deadline = time.monotonic() + grant.lease_s
                     return grant
         log.warning("KV %s unit for transfer %016x refused: %s", what, transfer_id, problem)
-        self.counters["units_refused"] += 1
+        self.counters.add("units_refused")
         return None
 
     def _check_range(self, grant: Grant, layer: int, start: int, end: int, nbytes: int, num_layers: int) -> str | None:
@@ -224,7 +224,7 @@ class GrantLedger:
                 grant.nbytes += (end - start) * self.token_bytes * num_layers
                 if not checksum_ok:
                     grant.corrupted = True
-                    self.counters["checksum_mismatch"] += 1
+                    self.counters.add("checksum_mismatch")
                     # Memory, a NIC or the shared segment corrupted data: worth an operator's look.
                     log.warning(
                         "transfer %s: checksum mismatch in layers %d-%d, tokens [%d, %d): the transfer is refused",
@@ -273,8 +273,8 @@ class GrantLedger:
             return status
         with self._lock:
             self.grants.pop(grant.transfer_id, None)
-        self.counters[f"transfers_{transport}"] += 1
-        self.counters[f"bytes_{transport}"] += grant.nbytes
+        self.counters.add(f"transfers_{transport}")
+        self.counters.add(f"bytes_{transport}", grant.nbytes)
         grant.report(
             TransferOutcome(
                 True,

@@ -78,7 +78,7 @@ class KVReceiver:
                 return
             if len(self._handshaking) >= MAX_HANDSHAKING:
                 log.warning("KV connection from %s dropped: %d others are in their handshake", peer, MAX_HANDSHAKING)
-                self.ledger.counters["handshakes_refused"] += 1
+                self.ledger.counters.add("handshakes_refused")
                 shutdown(conn)
                 continue
             self._handshaking[conn] = time.monotonic() + HANDSHAKE_TIMEOUT_S
@@ -120,10 +120,10 @@ class _Connection:
                 log.info("KV connection from %s closed: %s", self.peer, e)
         except ProtocolError as e:
             log.warning("KV connection from %s dropped: protocol error: %s", self.peer, e)
-            self.ledger.counters["protocol_errors"] += 1
+            self.ledger.counters.add("protocol_errors")
         except Exception as e:  # noqa: BLE001 - whatever a peer sends, only its connection ends
             log.warning("KV connection from %s dropped: %s: %s", self.peer, type(e).__name__, e)
-            self.ledger.counters["protocol_errors"] += 1
+            self.ledger.counters.add("protocol_errors")
         finally:
             if self.receiver is not None:
                 self.receiver.close()
@@ -149,7 +149,7 @@ class _Connection:
             _, self.transport = server_handshake(self.sock, self.server.local, self.server.secret, reply_extra)
         except HandshakeError as e:
             log.warning("KV handshake from %s refused: %s", self.peer, e)
-            self.ledger.counters["handshakes_refused"] += 1
+            self.ledger.counters.add("handshakes_refused")
             reject(self.sock, e)
             return False
         finally:

@@ -67,7 +67,7 @@ async def serve(engine_config: EngineConfig, settings: WorkerSettings, security:
         settings.metrics_port,
         settings.host,
         public_host,
-        WorkerCollector("prefill", loop.stats, lambda: service.counters),
+        WorkerCollector("prefill", loop.stats, service.counters.snapshot),
     )
     log.info("prefill worker serving on %s (KV transports offered: %s)", service.address, ", ".join(transports))
     announce_ready("prefill", grpc=service.address, metrics=metrics_address)

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter
 
 import grpc
 
@@ -20,6 +19,7 @@ from pdserve.engine.engine_loop import EngineError, EngineLoop
 from pdserve.engine.kv_connector import KVSend
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request_output import KVSent, RequestRejected, TransferFailed
+from pdserve.event_counts import EventCounts
 from pdserve.grpc_server import abort_overloaded
 from pdserve.kvtransfer.handshake import HandshakeError
 from pdserve.kvtransfer.sender import KVSender
@@ -47,7 +47,7 @@ class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
         self.engine: LLMEngine = loop.engine
         self.sender = sender
         self.address = address
-        self.counters: Counter[str] = Counter()
+        self.counters = EventCounts()  # read by the metrics scrape's thread
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         token_ids = [int(t) for t in request.token_ids]
@@ -126,7 +126,7 @@ class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
         except RequestRejected:
             await abort_overloaded(context, "prefill could not start within its ttft_budget_ms")
         except TransferFailed as e:
-            self.counters["transfer_checksum_mismatch" if e.corrupted else "transfer_failed"] += 1
+            self.counters.add("transfer_checksum_mismatch" if e.corrupted else "transfer_failed")
             log.warning("request %s: KV transfer failed: %s", request.request_id, e)
             code = grpc.StatusCode.DATA_LOSS if e.corrupted else grpc.StatusCode.UNAVAILABLE
             await context.abort(code, str(e))
@@ -136,7 +136,7 @@ class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
             transfer.close()
         if first is None or not first.new_token_ids:
             await context.abort(grpc.StatusCode.INTERNAL, "prefill ended without a token")
-        self.counters["prompts_prefilled"] += 1
+        self.counters.add("prompts_prefilled")
         response = _first_tokens(first)
         if first.finished:  # the first token already ends the request (every choice of it): no handoff
             response.num_cached_tokens, response.prefill_ms = first.num_cached_tokens, prefill_ms
@@ -144,7 +144,7 @@ class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
         if not isinstance(sent, KVSent):
             await context.abort(grpc.StatusCode.INTERNAL, "prefill ended without the KV acknowledgement")
         transfer_ms = (time.perf_counter() - started) * 1e3 - prefill_ms
-        self.counters[f"transfers_{sent.transport}"] += 1
+        self.counters.add(f"transfers_{sent.transport}")
         metrics.KV_TRANSFER_SECONDS.labels(sent.transport).observe(transfer_ms / 1e3)
         response.MergeFrom(
             pb.PrefillResponse(
@@ -162,7 +162,7 @@ class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
             "prefill",
             self.address,
             0,
-            self.counters,
+            self.counters.snapshot(),
             self.engine.config.block_size,
             self.engine.config.max_num_seqs,
         )

@@ -108,17 +108,26 @@ class EngineLoop:
 
         ``start``'s errors (ValueError for bad input) propagate here, as does an output's
         ``error`` (``RequestRejected``, ``TransferFailed``) and ``EngineError``. If the consumer
-        stops early, the request is aborted; a request that never started is left alone (its id
-        may belong to another request).
+        stops early, the request is aborted, also when its ``start`` is still queued: the abort
+        then follows it on the engine thread, and only if this ``start`` added the request (a
+        failed one may have met another request's id).
         """
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         stream = _Stream()
         self._streams[request_id] = stream
         started = finished = False
+        added = False  # written and read on the engine thread only
         pending = None  # an output taken off the queue while coalescing, not yet handed out
+
+        def add(engine: LLMEngine) -> object:
+            nonlocal added
+            result = start(engine)
+            added = True
+            return result
+
         try:
-            await self.call(start)
+            await self.call(add)
             started = True
             while True:
                 item = pending if pending is not None else await stream.get()
@@ -145,6 +154,9 @@ class EngineLoop:
             self._streams.pop(request_id, None)
             if started and not finished:
                 self.abort(request_id)
+            elif not started:  # cancelled while ``start`` waited its turn, or ``start`` failed
+                self._commands.put((lambda e: added and e.abort(request_id), None))
+                self._wakeup.set()
 
     # -- the engine thread ----------------------------------------------------------------------
     def _run(self) -> None:

@@ -80,6 +80,46 @@ async def test_a_reservation_is_never_merged_with_tokens():
     assert all(out.kv is None for out in outputs[1:])
 
 
+class BlockedStepEngine(ScriptedEngine):
+    """Its first step blocks until ``release`` is set: commands queue up behind it."""
+
+    def __init__(self) -> None:
+        super().__init__(length=3)
+        self.in_step, self.release = threading.Event(), threading.Event()
+        self.stepped: set[str] = set()
+
+    def step(self) -> list[RequestOutput]:
+        self.in_step.set()
+        self.release.wait(10)
+        self.stepped.update(self.requests)
+        return super().step()
+
+
+async def test_a_request_cancelled_while_its_start_is_queued_never_runs():
+    engine = BlockedStepEngine()
+    loop = EngineLoop(engine)
+    loop.start()
+    try:
+        await asyncio.to_thread(engine.in_step.wait, 10)
+
+        async def consume() -> None:
+            async for _ in loop.generate("r", lambda e: e.add("r")):
+                pass
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.05)  # ``generate`` has queued its start behind the blocked step
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        engine.release.set()
+        later = [out async for out in loop.generate("s", lambda e: e.add("s"))]  # queued after r's abort
+        assert later[-1].finished and "s" in engine.stepped
+        assert "r" not in engine.requests and "r" not in engine.stepped  # added, then aborted at once
+    finally:
+        engine.release.set()
+        await loop.stop()
+
+
 class TwoChoiceEngine(ScriptedEngine):
     """n = 2 with logprobs: each step one token per choice; choice 0 ends after 6, choice 1 after ``length``."""
 

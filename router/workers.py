@@ -204,6 +204,7 @@ class WorkerRegistry:
     specs: dict[Role, list[str]] = field(default_factory=dict)
     credentials: grpc.ChannelCredentials | None = None  # TLS to the workers
     metadata: tuple[tuple[str, str], ...] = ()  # the cluster credential, sent with every call
+    retired: list[Worker] = field(default_factory=list)  # gone from DNS: closed once their calls end
 
     @classmethod
     def connect(
@@ -271,7 +272,13 @@ class WorkerRegistry:
             for worker in [w for w in pool if w.address not in wanted]:
                 log.info("%s worker %s is gone from DNS", role.value, worker.address)
                 pool.remove(worker)
+                self.retired.append(worker)
+        # A worker leaving DNS (a pod terminating) may still be finishing calls: its channel
+        # closes once they have ended, so none is cut and none is kept for ever.
+        for worker in [w for w in self.retired if not w.open_calls]:
+            self.retired.remove(worker)
+            await worker.channel.close()
 
     async def close(self) -> None:
-        for worker in self.all():
+        for worker in self.all() + self.retired:
             await worker.channel.close()

@@ -352,3 +352,28 @@ async def test_a_planner_that_fails_never_fails_the_request():
         disp = dispatcher(registry([], [d]))
         disp.observer = BrokenPlanner(watch_fails)
         assert await collect(disp, request(max_tokens=3)) == ([1, 2, 3], "length")
+
+
+async def test_a_worker_gone_from_dns_keeps_its_channel_until_its_calls_end(monkeypatch):
+    registry = WorkerRegistry.connect(prefill=[], decode=["dns:workers.test:50053"])
+    loop = asyncio.get_running_loop()
+    answers = {"workers.test": [(None, None, None, "", ("127.0.0.7", 50053))]}
+
+    async def getaddrinfo(host, port, **kwargs):
+        return answers[host]
+
+    monkeypatch.setattr(loop, "getaddrinfo", getaddrinfo)
+    await registry.resolve()
+    (worker,) = [w for w in registry.decode if w.address == "127.0.0.7:50053"]
+    call = object()
+    worker.open_calls.add(call)  # a stream still running on it
+
+    answers["workers.test"] = []  # the pod is terminating: out of DNS
+    await registry.resolve()
+    assert worker not in registry.decode and registry.retired == [worker]
+    assert worker.channel.get_state() is not grpc.ChannelConnectivity.SHUTDOWN  # not cut
+
+    worker.open_calls.discard(call)
+    await registry.resolve()
+    assert registry.retired == [] and worker.channel.get_state() is grpc.ChannelConnectivity.SHUTDOWN
+    await registry.close()

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 
+from pdserve.addresses import join_host_port
 from pdserve.decode_worker.servicer import DecodeService
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.engine_loop import EngineLoop
@@ -85,7 +86,7 @@ async def serve(engine_config: EngineConfig, settings: WorkerSettings, security:
         secret=security.cluster_secret,
     )
     receiver.start()
-    kv_address = f"{public_host}:{receiver.port}"
+    kv_address = join_host_port(public_host, receiver.port)
 
     service = DecodeService(
         loop, ledger, kv_address, role, address="", max_queued_requests=settings.max_queued_requests
@@ -98,7 +99,7 @@ async def serve(engine_config: EngineConfig, settings: WorkerSettings, security:
         credentials=security.server_credentials(),
         interceptors=[TokenAuth(security.cluster_token, ["pdserve.v1.DecodeWorker"])],
     )
-    service.address = f"{public_host}:{server.port}"
+    service.address = join_host_port(public_host, server.port)
     reaper = asyncio.create_task(_expire_leases(ledger))
     metrics_address = start_worker_metrics(
         settings.metrics_port, settings.host, public_host, WorkerCollector(role, loop.stats, ledger.counters.snapshot)

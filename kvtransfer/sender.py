@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from pdserve.addresses import split_host_port
 from pdserve.engine.kv_connector import Report, TransferOutcome
 from pdserve.kvtransfer import registry
 from pdserve.kvtransfer.faults import FaultPlan
@@ -35,7 +36,7 @@ from pdserve.kvtransfer.protocol import (
     ProtocolError,
 )
 from pdserve.kvtransfer.resharding import ReshardedView
-from pdserve.kvtransfer.sockets import IdleTimeout, configure, recv_header, recv_payload, shutdown, split_address
+from pdserve.kvtransfer.sockets import IdleTimeout, configure, recv_header, recv_payload, shutdown
 from pdserve.kvtransfer.transport_api import IO_TIMEOUT_S, SendContext, Unit
 
 log = logging.getLogger(__name__)
@@ -156,7 +157,7 @@ class KVConnection:
     ) -> None:
         self.address = address
         self.cache = cache
-        host, port = split_address(address)
+        host, port = split_host_port(address)
         self.sock = socket.create_connection((host, port), timeout=connect_timeout)
         try:
             configure(self.sock, HANDSHAKE_TIMEOUT_S)

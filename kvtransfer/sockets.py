@@ -95,13 +95,6 @@ def send_frame(sock: socket.socket, header: FrameHeader, payload: bytes = b"") -
     send_buffers(sock, [header.pack(), payload])
 
 
-def split_address(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"address must be host:port, got {address!r}")
-    return host.strip("[]"), int(port)
-
-
 def shutdown(sock: socket.socket) -> None:
     """Closes a socket so a thread blocked reading it wakes up."""
     try:

@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from pdserve.addresses import join_host_port
 from pdserve.v1 import pdserve_pb2
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ async def start_server(
     reflection.enable_server_reflection(
         (*full_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
-    address = f"{host}:{port}"
+    address = join_host_port(host, port)
     bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"could not bind {address}")

@@ -26,6 +26,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from pdserve.addresses import join_host_port
+
 log = logging.getLogger(__name__)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -206,4 +208,4 @@ def start_worker_metrics(port: int | None, host: str, public_host: str, collecto
     if port is None:
         return None
     WORKER.register(collector)
-    return f"{public_host}:{serve_metrics(host, port, WORKER)}"
+    return join_host_port(public_host, serve_metrics(host, port, WORKER))

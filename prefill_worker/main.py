@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import logging
 
+from pdserve.addresses import join_host_port
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
@@ -62,7 +63,7 @@ async def serve(engine_config: EngineConfig, settings: WorkerSettings, security:
         interceptors=[TokenAuth(security.cluster_token, ["pdserve.v1.PrefillWorker"])],
     )
     public_host = settings.public_host()
-    service.address = f"{public_host}:{server.port}"
+    service.address = join_host_port(public_host, server.port)
     metrics_address = start_worker_metrics(
         settings.metrics_port,
         settings.host,

@@ -8,6 +8,7 @@ import logging
 import re
 
 from pdserve import metrics
+from pdserve.addresses import join_host_port
 from pdserve.engine.model_store import resolve_model
 from pdserve.grpc_server import start_server
 from pdserve.metrics import scrape_route, serve_metrics
@@ -81,7 +82,7 @@ async def serve(settings: RouterSettings, security: SecuritySettings) -> None:
     )
     # Liveness is the server (""); readiness is the Router service, SERVING while it has workers.
     await monitor.report_readiness(lambda ready: server.set_serving(ready, ["pdserve.v1.Router"]))
-    address = f"{settings.host}:{server.port}"
+    address = join_host_port(settings.host, server.port)
     http_server = http_task = http_address = None
     try:  # a failure after the gRPC server started (an HTTP port in use) still stops it
         if settings.http_port is not None:
@@ -92,10 +93,12 @@ async def serve(settings: RouterSettings, security: SecuritySettings) -> None:
                 api_token=security.api_token,
             )
             http_server, http_task = await serve_http(app, settings.host, settings.http_port, security=security)
-            http_address = f"{settings.host}:{http_port(http_server)}"
+            http_address = join_host_port(settings.host, http_port(http_server))
         metrics_address = None
         if settings.metrics_port is not None:
-            metrics_address = f"{settings.host}:{serve_metrics(settings.host, settings.metrics_port, metrics.ROUTER)}"
+            metrics_address = join_host_port(
+                settings.host, serve_metrics(settings.host, settings.metrics_port, metrics.ROUTER)
+            )
         if security.api_token and not security.tls and not is_loopback(settings.host):
             log.warning(
                 "the public API takes a bearer token on %s without TLS: it crosses the network in clear "

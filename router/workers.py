@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pdserve.addresses import join_host_port
 from pdserve.grpc_server import channel_options
 from pdserve.prefix_hash import block_hashes
 from pdserve.v1 import pdserve_pb2 as pb
@@ -221,7 +222,7 @@ class WorkerRegistry:
         )
         for role in Role:
             registry._pool(role).extend(
-                _connect(f"{host}:{port}", role, credentials)
+                _connect(join_host_port(host, port), role, credentials)
                 for kind, host, port in map(parse_spec, registry.specs[role])
                 if kind == "static"
             )
@@ -255,7 +256,7 @@ class WorkerRegistry:
             wanted: set[str] = set()
             for kind, host, port in map(parse_spec, self.specs[role]):
                 if kind == "static":
-                    wanted.add(f"{host}:{port}")
+                    wanted.add(join_host_port(host, port))
                     continue
                 try:
                     infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
@@ -263,7 +264,7 @@ class WorkerRegistry:
                     log.warning("cannot resolve %s workers at %s: %s", role.value, host, e)
                     wanted |= {w.address for w in self._pool(role)}  # keep what we had
                     continue
-                wanted |= {f"{info[4][0]}:{port}" for info in infos}
+                wanted |= {join_host_port(info[4][0], port) for info in infos}
             pool = self._pool(role)
             known = {w.address for w in pool}
             for address in sorted(wanted - known):

@@ -1,0 +1,55 @@
+"""host:port addresses with IPv6 hosts: written with brackets, read back without."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdserve.addresses import join_host_port, split_host_port
+from pdserve.grpc_server import start_server
+from pdserve.router.workers import WorkerRegistry
+
+
+@pytest.mark.parametrize(
+    ("host", "written"),
+    [
+        ("127.0.0.1", "127.0.0.1:7"),
+        ("::1", "[::1]:7"),
+        ("fe80::1%eth0", "[fe80::1%eth0]:7"),
+        ("decode-0", "decode-0:7"),
+    ],
+)
+def test_an_address_is_written_so_it_reads_back(host, written):
+    assert join_host_port(host, 7) == written
+    assert split_host_port(written) == (host, 7)
+
+
+@pytest.mark.parametrize("bad", ["", "7", "host:", "host:port", ":7"])
+def test_a_malformed_address_is_refused(bad):
+    with pytest.raises(ValueError, match="host:port"):
+        split_host_port(bad)
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="this machine has no IPv6 loopback")
+async def test_the_router_reaches_a_worker_on_an_ipv6_address():
+    server = await start_server([], [], "::1", 0)
+    registry = WorkerRegistry.connect(prefill=[], decode=[f"[::1]:{server.port}"])
+    try:
+        (worker,) = registry.decode
+        assert worker.address == f"[::1]:{server.port}"
+        reply = await health_pb2_grpc.HealthStub(worker.channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await registry.close()
+        await server.stop(0)

@@ -20,6 +20,7 @@ ends cancels its drains.
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import secrets
 import threading
@@ -52,7 +53,10 @@ class Sender:
         self.ctx = ctx
         self.peer = bytes.fromhex(ctx.remote_extra["ucx_address"])
         self.tag = int(ctx.remote_extra["ucx_tag"])
-        ctx.ucx.connect(self.peer).result(timeout=IO_TIMEOUT_S)
+        try:
+            ctx.ucx.connect(self.peer).result(timeout=IO_TIMEOUT_S)
+        except concurrent.futures.TimeoutError as e:  # not an OSError before Python 3.11
+            raise TimeoutError(f"UCX endpoint to the decode worker not up within {IO_TIMEOUT_S} s") from e
         self.sequence = 0
         self._in_flight: Counter[int] = Counter()  # transfer id -> sends not completed yet
         self._errors: dict[int, BaseException] = {}  # kept for flush; a transfer given up never flushes

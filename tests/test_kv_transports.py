@@ -708,3 +708,21 @@ def _error_of(call, *args) -> BaseException | None:
     except BaseException as e:  # noqa: BLE001 - returned to the test
         return e
     return None
+
+
+def test_a_ucx_endpoint_that_never_comes_up_fails_as_an_os_error(monkeypatch):
+    """The connection pool and the prefill worker handle OSError (a retryable failure); a
+    concurrent.futures.TimeoutError is not one before Python 3.11."""
+    import concurrent.futures
+    from types import SimpleNamespace
+
+    class NeverUp:
+        def result(self, timeout=None):
+            raise concurrent.futures.TimeoutError()
+
+    monkeypatch.setattr(ucx_transport, "IO_TIMEOUT_S", 0.01)
+    ctx = SimpleNamespace(
+        ucx=SimpleNamespace(connect=lambda peer: NeverUp()), remote_extra={"ucx_address": "00", "ucx_tag": "1"}
+    )
+    with pytest.raises(OSError, match="UCX endpoint"):
+        ucx_transport.Sender(ctx)

@@ -85,7 +85,9 @@ class RouterSettings:
         2, "failures in a row (health probes or requests) that take a worker out of rotation until a probe succeeds"
     )
     http_port: int | None = setting(None, "serve the OpenAI-compatible HTTP API (and /metrics) on this port")
-    metrics_port: int | None = setting(None, "also serve Prometheus /metrics on this port (the HTTP port serves it too)")
+    metrics_port: int | None = setting(
+        None, "also serve Prometheus /metrics on this port (the HTTP port serves it too)"
+    )
     max_inflight_requests: int = setting(1024, "requests in flight beyond which new ones get RESOURCE_EXHAUSTED")
     conditional: bool = setting(
         False,

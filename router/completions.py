@@ -110,7 +110,9 @@ class Completions:
     async def _stream(self, req: ValidatedRequest, timeout_s: float) -> AsyncIterator[Chunk]:
         started = last = time.perf_counter()
         n = req.engine_sampling.n
-        texts = [self.tokenizer.text_stream(req.sampling.stop) for _ in range(n)]  # each choice detokenized on its own
+        texts = [
+            self.tokenizer.text_stream(req.sampling.stop, req.prompt_token_ids) for _ in range(n)
+        ]  # each choice detokenized on its own
         done = [False] * n
         prompt_logprobs = req.sampling.prompt_logprobs is not None  # due with choice 0's first chunk
         completion_tokens, cached, ttft_ms = 0, 0, None

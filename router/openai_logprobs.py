@@ -46,6 +46,10 @@ class TokenTexts:
         self.tokenizer = tokenizer
         self.byte_level = type(tokenizer.decoder).__name__ == "ByteLevel"
         self.special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+        # Decoded after a plain token, as inside a text: SentencePiece decoders drop the space
+        # a sequence starts with (" Paris" alone decodes to "Paris").
+        self._anchor = tokenizer.encode("a", add_special_tokens=False).ids
+        self._anchor_text = tokenizer.decode(self._anchor, skip_special_tokens=False)
         self._cache: dict[int, tuple[str, list[int]]] = {}
 
     def __call__(self, token_id: int) -> tuple[str, list[int]]:
@@ -62,8 +66,14 @@ class TokenTexts:
         if self.byte_level and all(ch in alphabet for ch in piece):
             raw = bytes(alphabet[ch] for ch in piece)
         else:
-            raw = self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
+            raw = self._continuation(token_id).encode()
         return raw.decode("utf-8", errors="replace"), list(raw)
+
+    def _continuation(self, token_id: int) -> str:
+        text = self.tokenizer.decode([*self._anchor, token_id], skip_special_tokens=False)
+        if self._anchor and text.startswith(self._anchor_text):
+            return text[len(self._anchor_text) :]
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 class CompletionLogprobs:

@@ -4,6 +4,10 @@
 (a multi-byte character split across tokens comes out once complete). Stop strings are
 matched on the text; the last ``len(longest stop) - 1`` characters are held back, so a stop
 string that spans two messages never leaks its first half to the client.
+
+The stream starts with the prompt's last tokens as context (their text is not emitted):
+SentencePiece decoders (Llama-2, Mistral) drop the space a sequence starts with, so without
+it " Paris" after "The capital of France is" would come out as "Paris".
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
+
+CONTEXT_TOKENS = 4  # enough for a decoder to see a continuation
 
 
 @dataclass
@@ -23,11 +29,21 @@ class TextStream:
     emitted: int = 0  # characters of ``text`` already handed out
     stopped: bool = False
     consumed: int = 0  # tokens of the last ``push`` that count: up to the one completing a stop string
+    context_ids: tuple[int, ...] = ()  # the prompt's ids: the completion continues their text
     _decoder: DecodeStream = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._decoder = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+        for token_id in self._context(self.context_ids[-CONTEXT_TOKENS:]):
+            self._decoder.step(self.tokenizer, token_id)  # its text is the prompt's, not ours
         self._hold = max((len(s) for s in self.stop), default=1) - 1
+
+    def _context(self, ids: tuple[int, ...]) -> tuple[int, ...]:
+        """The longest tail of ``ids`` that decodes to whole characters: a prompt that ends (or
+        a tail that starts) inside a multi-byte character gives no context rather than a broken one."""
+        while ids and "\ufffd" in self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special_tokens):
+            ids = ids[1:]
+        return ids
 
     def push(self, token_ids: list[int]) -> str:
         """Feeds new tokens; returns the text that is now safe to emit. Sets ``stopped`` on a stop string."""

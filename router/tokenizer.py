@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from pdserve.engine.model_config import ModelConfig
-from pdserve.router.text_stream import TextStream
+from pdserve.router.text_stream import CONTEXT_TOKENS, TextStream
 
 
 def tokenizer_class(model_dir: Path) -> type:
@@ -56,5 +56,5 @@ class RouterTokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def text_stream(self, stop: tuple[str, ...] = ()) -> TextStream:
-        return TextStream(self.backend, stop)
+    def text_stream(self, stop: tuple[str, ...] = (), prompt_ids: list[int] | tuple[int, ...] = ()) -> TextStream:
+        return TextStream(self.backend, stop, context_ids=tuple(prompt_ids[-CONTEXT_TOKENS:]))

@@ -67,3 +67,52 @@ def test_several_tokens_per_message_stop_where_one_at_a_time_would(tokenizer, ba
     assert text == "alpha beta gamma "
     assert tokenizer.decode(kept).startswith("alpha beta gamma delta eps")
     assert not tokenizer.decode(kept[:-1]).startswith("alpha beta gamma delta eps")  # the completing token is the last
+
+
+def _sentencepiece_tokenizer(decoder):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "▁The": 1, "▁capital": 2, "▁of": 3, "▁France": 4, "▁is": 5, "▁Paris": 6, ".": 7}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoder
+    return tok
+
+
+def _sentencepiece_decoders():
+    from tokenizers import decoders
+
+    return {
+        "metaspace": decoders.Metaspace(replacement="▁", prepend_scheme="first"),  # GGUF llama vocabularies
+        "replace+strip": decoders.Sequence(  # Llama-2 and Mistral tokenizer.json files
+            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+        ),
+    }
+
+
+@pytest.mark.parametrize("decoder", ["metaspace", "replace+strip"])
+def test_a_completion_keeps_its_leading_space_with_sentencepiece_decoders(decoder):
+    from pdserve.router.openai_logprobs import TokenTexts
+    from pdserve.router.text_stream import TextStream
+
+    tok = _sentencepiece_tokenizer(_sentencepiece_decoders()[decoder])
+    prompt, completion = [1, 2, 3, 4, 5], [6, 7]  # "The capital of France is" + " Paris."
+    stream = TextStream(tok, context_ids=tuple(prompt))
+    assert stream.push(completion) + stream.flush() == " Paris."
+    assert tok.decode(prompt) + " Paris." == tok.decode(prompt + completion)  # as the whole decodes
+    texts = TokenTexts(tok)  # logprobs' per-token texts add up to the same text
+    assert [texts(t)[0] for t in completion] == [" Paris", "."]
+
+
+def test_a_prompt_ending_inside_a_character_gives_no_context(tokenizer):
+    ids = tokenizer.encode("Hello 你好 world")
+    cut = next(i for i in range(1, len(ids)) if "\ufffd" in tokenizer.decode(ids[:i]))  # mid-character
+    stream = tokenizer.text_stream(prompt_ids=ids[:cut])
+    pieces = [stream.push([t]) for t in ids[cut:]] + [stream.flush()]
+    assert "".join(pieces) == tokenizer.decode(ids[cut:])  # the completion's own text, no prompt repeated
+
+
+def test_a_prompt_as_context_changes_nothing_for_a_byte_level_tokenizer(tokenizer):
+    prompt, completion = tokenizer.encode("The capital of France is"), tokenizer.encode(" Paris. It is")
+    stream = tokenizer.text_stream(prompt_ids=prompt)
+    assert "".join([stream.push([t]) for t in completion] + [stream.flush()]) == " Paris. It is"

@@ -48,9 +48,17 @@ class APIError(Exception):
     """An error answered in OpenAI's JSON shape."""
 
     def __init__(
-        self, status: int, message: str, *, type: str | None = None, param: str | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str | None = None,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_ms: int | None = None,
     ) -> None:
         super().__init__(message)
+        self.retry_after_ms = retry_after_ms  # a 429's hint, sent as headers the OpenAI SDK honours
         self.status = status
         self.message = message
         self.type = type or _HTTP_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
@@ -61,12 +69,15 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        if self.retry_after_ms:
+            seconds = -(-self.retry_after_ms // 1000)  # Retry-After is whole seconds, rounded up
+            headers = {**(headers or {}), "retry-after-ms": str(self.retry_after_ms), "Retry-After": str(seconds)}
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
     @classmethod
     def from_dispatch(cls, error: DispatchError) -> "APIError":
         status, kind = _GRPC_TO_HTTP.get(error.code, (500, "server_error"))
-        return cls(status, error.message, type=kind, code=error.code.name.lower())
+        return cls(status, error.message, type=kind, code=error.code.name.lower(), retry_after_ms=error.retry_after_ms)
 
 
 def invalid(param: str | None, problem: str) -> APIError:
@@ -237,6 +248,9 @@ def chat_messages(p: Params) -> tuple[ChatMessage, ...]:
             raise invalid(f"{where}.role", "is required and must be a string")
         if role == "developer":  # OpenAI's newer name for the system role
             role = "system"
+        for name in ("tool_calls", "function_call"):
+            if message.get(name):  # the template would render the turn without them
+                raise invalid(f"{where}.{name}", "tool calls are not supported")
         out.append(ChatMessage(role, _content(message.get("content"), f"{where}.content")))
     return tuple(out)
 
@@ -295,9 +309,11 @@ _NOT_BUILT_COMPLETIONS = (("add_special_tokens", True),)
 
 def reject_unsupported(p: Params, chat: bool) -> None:
     if chat:
-        for name in ("tools", "functions"):
+        for name in ("tools", "functions", "function_call"):
             if p.raw(name):
                 raise invalid(name, "tool calling is not supported")
+        if p.raw("tool_choice") not in (None, "none", "auto"):  # with no tools, "auto" calls none
+            raise invalid("tool_choice", 'tool calling is not supported (only "none" or "auto")')
     elif p.get_str("suffix"):
         raise invalid("suffix", "suffixes (insertion) are not supported")
     for name in ("presence_penalty", "frequency_penalty"):

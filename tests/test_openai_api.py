@@ -313,6 +313,16 @@ async def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(api):
             400,
             "messages[0].role",
         )
+        for name, value in [
+            ("tool_choice", "required"),
+            ("tool_choice", {"type": "function"}),
+            ("function_call", "auto"),
+        ]:
+            assert_openai_error(await post("/v1/chat/completions", json={**chat, name: value}), 400, name, text="tool")
+        called = [*chat["messages"], {"role": "assistant", "tool_calls": [{"id": "1", "type": "function"}]}]
+        assert_openai_error(
+            await post("/v1/chat/completions", json={**chat, "messages": called}), 400, "messages[1].tool_calls"
+        )
         image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]
         assert_openai_error(
             await post("/v1/chat/completions", json={**chat, "messages": image}), 400, "messages[0].content[0]"

@@ -186,7 +186,8 @@ class FailingDispatcher:
     async def generate(self, req, timeout_s):
         for _ in range(self.tokens_before_failing):
             yield TokenEvent([28])
-        raise DispatchError(self.code, f"injected {self.code.name}")
+        retry = 1500 if self.code is grpc.StatusCode.RESOURCE_EXHAUSTED else None
+        raise DispatchError(self.code, f"injected {self.code.name}", retry_after_ms=retry)
 
 
 async def test_worker_failures_map_to_http_statuses(tokenizer):
@@ -217,6 +218,10 @@ async def test_worker_failures_map_to_http_statuses(tokenizer):
                     response = await http.post("/v1/completions", json={**body, "stream": stream})
                     error = assert_openai_error(response, status, code=code.name.lower(), text=f"injected {code.name}")
                     assert error["type"] != "invalid_request_error"
+                    if status == 429:  # the hint the SDK waits by, in its two spellings
+                        assert (response.headers["retry-after-ms"], response.headers["retry-after"]) == ("1500", "2")
+                    elif status != 429:
+                        assert "retry-after" not in response.headers
 
             # Refused while parsing (before validation): counted like validation's refusals.
             def rejected(reason: str) -> float:

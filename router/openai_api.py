@@ -182,6 +182,9 @@ class _OpenAI:
                 max_param = "max_tokens"
             sampling, names = sampling_fields(p, max_param)
             parity = parity_fields(p, chat, stream)
+            echo_only = parity.echo and sampling.max_tokens == 0  # legacy scoring: the prompt alone
+            if echo_only:
+                sampling = replace(sampling, max_tokens=1)
             completion = CompletionRequest(
                 **inputs,
                 request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
@@ -206,6 +209,7 @@ class _OpenAI:
             parity.echo,
             prompt_text,
             parity.show_prompt_logprobs,
+            echo_only,
         )
         headers = {"X-Request-Id": job.id}
         try:

@@ -5,7 +5,7 @@ echoed prompt when asked."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
 from pdserve.router.completions import Chunk
@@ -43,9 +43,12 @@ class Job:
         echo: bool = False,
         prompt_text: str = "",
         show_prompt_logprobs: bool = False,
+        echo_only: bool = False,
     ) -> None:
         """``show_prompt_logprobs``: the client asked for vLLM's ``prompt_logprobs`` (answered
-        whole only; echo with logprobs asks the engine for them too, for its own block)."""
+        whole only; echo with logprobs asks the engine for them too, for its own block).
+        ``echo_only``: echo with max_tokens 0 (scoring a text): the prompt, and nothing generated;
+        the one token the engine drew to get the prompt's logprobs is not shown."""
         self.model_name = model_name
         self.chat = chat
         self.validated = validated
@@ -59,7 +62,16 @@ class Job:
         self.logprobs = validated.sampling.logprobs is not None
         self.prompt_logprobs: list[pb.TokenLogprob] | None = None  # arrive with choice 0's first chunk
         self.show_prompt_logprobs = show_prompt_logprobs
+        self.echo_only = echo_only and self.echo
         self.choices: dict[int, _Choice] = {}
+
+    def _shown(self, chunk: Chunk) -> Chunk:
+        if not self.echo_only:
+            return chunk
+        usage = chunk.usage and replace(chunk.usage, completion_tokens=0)
+        return replace(
+            chunk, token_ids=[], text="", logprobs=[], finish_reason=chunk.finish_reason and "length", usage=usage
+        )
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {
@@ -101,6 +113,7 @@ class Job:
 
     # -- non-streaming -------------------------------------------------------------------------
     def full(self, chunks: list[Chunk]) -> dict[str, Any]:
+        chunks = [self._shown(chunk) for chunk in chunks]
         for chunk in chunks:
             self._take(chunk)
         usage = usage_body(chunks[-1].usage if chunks else None)
@@ -149,6 +162,7 @@ class Job:
         return sse(payload)
 
     def events(self, chunk: Chunk) -> Iterable[bytes]:
+        chunk = self._shown(chunk)
         finish = openai_finish_reason(chunk.finish_reason)
         tokens_before = len(self.choices[chunk.index].content_logprobs) if chunk.index in self.choices else 0
         choice, first, text, block = self._take(chunk)

@@ -116,6 +116,27 @@ async def test_openai_sdk_echo_and_chat_logprobs_equal_transformers(stack, hf_re
         assert abs(lp.token_logprobs[i] - ref[i - 1, ids[i]].item()) < TOLERANCE
         assert len(lp.top_logprobs[i]) >= 2
 
+    # Scoring a text (echo with max_tokens 0): the prompt and its logprobs, nothing generated.
+    for stream in (False, True):
+        body = {"model": model, "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1, "stream": stream}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+            chunks = [c async for c in await client.completions.create(**body)]
+            scored = "".join(c.choices[0].text for c in chunks if c.choices)
+            scored_logprobs = [
+                x for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs
+            ]
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+            usage = chunks[-1].usage
+        else:
+            scored_out = await client.completions.create(**body)
+            scored, finish, usage = scored_out.choices[0].text, [scored_out.choices[0].finish_reason], scored_out.usage
+            scored_logprobs = scored_out.choices[0].logprobs.token_logprobs
+        assert scored == prompt and finish == ["length"]
+        assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompt_ids), 0)
+        assert len(scored_logprobs) == len(prompt_ids) and scored_logprobs[0] is None
+        assert scored_logprobs[1:] == pytest.approx(lp.token_logprobs[1 : len(prompt_ids)], abs=TOLERANCE)
+
     # vLLM's prompt_logprobs: the prompt token's and the 2 likeliest, by token id.
     body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2}
     shown = (await client.post("/completions", body=body, cast_to=object))["choices"][0]["prompt_logprobs"]

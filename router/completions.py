@@ -136,9 +136,16 @@ class Completions:
                     if not 0 <= i < n or done[i]:  # a choice stopped here by a stop string runs on until all are done
                         continue
                     text = texts[i]
-                    delta = text.push(event.token_ids)
+                    # A stop token ends the choice but not its text (as vLLM; EOS, special, shows nothing).
+                    stop_token = int(
+                        event.finish_reason == "stop"
+                        and bool(event.token_ids)
+                        and event.token_ids[-1] in req.sampling.stop_token_ids
+                    )
+                    delta = text.push(event.token_ids[: len(event.token_ids) - stop_token])
                     # None past the token that completes a stop string.
-                    token_ids, logprobs = event.token_ids[: text.consumed], event.logprobs[: text.consumed]
+                    kept = text.consumed if text.stopped else len(event.token_ids)
+                    token_ids, logprobs = event.token_ids[:kept], event.logprobs[:kept]
                     completion_tokens += len(token_ids)
                     metrics.GENERATION_TOKENS.inc(len(token_ids))
                     finish = "stop" if text.stopped else event.finish_reason

@@ -460,3 +460,30 @@ async def test_a_request_the_client_leaves_is_counted_as_cancelled_and_one_it_re
         assert after == before + 1
     finally:
         completions.close()
+
+
+class StopTokenDispatcher:
+    """Streams ``script`` (lists of ids); the last message finishes with ``stop``, as a worker
+    does when it samples one of the request's stop_token_ids."""
+
+    def __init__(self, script: list[list[int]]) -> None:
+        self.script, self.counters = script, Counter()
+
+    async def generate(self, req, timeout_s):
+        for k, ids in enumerate(self.script):
+            yield TokenEvent(ids, "stop" if k == len(self.script) - 1 else None)
+
+
+async def test_a_stop_token_ends_the_text_without_its_own_text_and_stays_in_the_token_ids(tokenizer):
+    words, period = tokenizer.encode(" with a brown bear"), tokenizer.encode(".")
+    completions = Completions(tokenizer, StopTokenDispatcher([words[:2], [*words[2:], *period]]), 600, MAX_INFLIGHT)
+    try:
+        req = await completions.validate(
+            CompletionRequest(prompt="The fox", sampling=SamplingRequest(max_tokens=16, stop_token_ids=tuple(period)))
+        )
+        chunks = [chunk async for chunk in completions.stream(req, 60)]
+        assert "".join(c.text for c in chunks) == " with a brown bear"  # vLLM drops the stop token's text
+        assert [t for c in chunks for t in c.token_ids] == [*words, *period]  # and keeps its id
+        assert chunks[-1].finish_reason == "stop" and chunks[-1].usage.completion_tokens == len(words) + 1
+    finally:
+        completions.close()

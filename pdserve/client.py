@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Iterator
 
 import grpc
@@ -24,22 +25,40 @@ def build_request(
     **sampling,
 ) -> pb.GenerateRequest:
     """``sampling``: max_tokens, temperature, top_p, top_k, seed, stop (a string or a list),
-    stop_token_ids, ignore_eos (None = default)."""
-    req = pb.GenerateRequest(request_id=request_id, priority=priority)
+    stop_token_ids, ignore_eos, n, best_of... (None = default). A value the message cannot
+    carry (out of its integer's range, text that is not UTF-8) is a ValueError naming the field."""
+    with _naming("request_id"):
+        req = pb.GenerateRequest(request_id=request_id)
+    with _naming("priority"):
+        req.priority = priority
     if prompt is not None:
-        req.prompt = prompt
-    req.prompt_token_ids.extend(prompt_token_ids or [])
-    for m in messages or []:
-        req.messages.add(role=m["role"], content=m["content"])
+        with _naming("prompt"):
+            req.prompt = prompt
+    with _naming("prompt_token_ids"):
+        req.prompt_token_ids.extend(prompt_token_ids or [])
+    for i, m in enumerate(messages or []):
+        with _naming(f"messages[{i}]"):
+            req.messages.add(role=m["role"], content=m["content"])
     for name, value in sampling.items():
         if value is None:
             continue
-        field = getattr(req.sampling, name)
-        if hasattr(field, "extend"):
-            field.extend([value] if isinstance(value, str) else value)  # stop="END" is one stop string
-        else:
-            setattr(req.sampling, name, value)
+        with _naming(f"sampling.{name}"):
+            field = getattr(req.sampling, name)
+            if hasattr(field, "extend"):
+                field.extend([value] if isinstance(value, str) else value)  # stop="END" is one stop string
+            else:
+                setattr(req.sampling, name, value)
     return req
+
+
+@contextlib.contextmanager
+def _naming(field: str) -> Iterator[None]:
+    try:
+        yield
+    except AttributeError:
+        raise ValueError(f"{field}: no such field") from None
+    except (ValueError, TypeError) as e:  # protobuf's own words name neither the field nor the message
+        raise ValueError(f"{field}: {e}") from None
 
 
 class Client:
@@ -61,7 +80,10 @@ class Client:
     def generate(
         self, prompt: str | None = None, timeout: float | None = None, **kwargs
     ) -> tuple[list[int], str, pb.GenerateResponse]:
-        """Runs a request to completion: (token ids, text, last message)."""
+        """Runs a request to completion: (token ids, text, last message). One choice: with
+        n > 1 the messages of several choices interleave; read ``stream`` and group by ``index``."""
+        if (kwargs.get("n") or 1) > 1:
+            raise ValueError("n: generate() returns one choice; use stream() and group messages by their index")
         ids, text, last = [], [], None
         for msg in self.stream(build_request(prompt, **kwargs), timeout=timeout):
             ids += msg.token_ids

@@ -37,6 +37,9 @@ def run_generate(args: argparse.Namespace) -> int:
         except grpc.RpcError as e:
             print(f"pdserve generate: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
+        except KeyboardInterrupt:  # Ctrl-C: closing the channel cancels the request
+            print(file=sys.stderr)
+            return 130
     return 0
 
 

@@ -29,3 +29,29 @@ def test_the_client_takes_one_stop_string_or_a_list():
 
     assert list(build_request("hi", stop="END").sampling.stop) == ["END"]
     assert list(build_request("hi", stop=["a", "bc"], stop_token_ids=[2, 3]).sampling.stop) == ["a", "bc"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        (dict(top_k=10**20), "sampling.top_k"),
+        (dict(max_tokens=2**70), "sampling.max_tokens"),
+        (dict(temperature="hot"), "sampling.temperature"),
+        (dict(bogus=1), "sampling.bogus"),
+        (dict(prompt="\udcff\udcfe"), "prompt"),  # argv bytes that are not UTF-8
+        (dict(priority=2**40), "priority"),
+    ],
+)
+def test_the_client_names_a_field_the_message_cannot_carry(fields, named):
+    from pdserve.client import build_request
+
+    prompt = fields.pop("prompt", "hi")
+    with pytest.raises(ValueError, match=f"^{named.replace('.', '[.]')}: "):
+        build_request(prompt, **fields)
+
+
+def test_generate_returns_one_choice_and_refuses_several():
+    from pdserve.client import Client
+
+    with Client("127.0.0.1:1") as client, pytest.raises(ValueError, match="^n: .*stream"):
+        client.generate("hi", n=2)  # refused before any call

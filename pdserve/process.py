@@ -13,6 +13,8 @@ import sys
 
 READY_PREFIX = "PDSERVE_READY "
 
+log = logging.getLogger(__name__)
+
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -47,13 +49,18 @@ def parse_ready(line: str) -> dict | None:
 
 
 async def wait_for_shutdown_signal() -> str:
-    """Returns the name of the first SIGINT/SIGTERM received."""
+    """Returns the name of the first SIGINT/SIGTERM received. Later ones are logged, not obeyed,
+    for the rest of the event loop's life: Ctrl-C reaches every child of ``pdserve up``, whose
+    SIGTERM follows, and the second signal must not cut the (bounded) drain short."""
     loop = asyncio.get_running_loop()
     received: asyncio.Future = loop.create_future()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if received.done():
+            log.info("%s: already shutting down", sig.name)
+        else:
+            received.set_result(sig.name)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, lambda s=sig: received.done() or received.set_result(s.name))
-    try:
-        return await received
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
+        loop.add_signal_handler(sig, on_signal, sig)
+    return await received

@@ -91,6 +91,9 @@ async def serve(engine_config: EngineConfig, settings: WorkerSettings, security:
     service = DecodeService(
         loop, ledger, kv_address, role, address="", max_queued_requests=settings.max_queued_requests
     )
+    metrics_address = start_worker_metrics(  # first: a taken port fails before the gRPC server runs
+        settings.metrics_port, settings.host, public_host, WorkerCollector(role, loop.stats, ledger.counters.snapshot)
+    )
     server = await start_server(
         [lambda s: pdserve_pb2_grpc.add_DecodeWorkerServicer_to_server(service, s)],
         ["DecodeWorker"],
@@ -101,9 +104,6 @@ async def serve(engine_config: EngineConfig, settings: WorkerSettings, security:
     )
     service.address = join_host_port(public_host, server.port)
     reaper = asyncio.create_task(_expire_leases(ledger))
-    metrics_address = start_worker_metrics(
-        settings.metrics_port, settings.host, public_host, WorkerCollector(role, loop.stats, ledger.counters.snapshot)
-    )
     log.info(
         "%s worker serving on %s, KV transfer on %s (transports: %s)",
         role,

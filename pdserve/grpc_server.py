@@ -63,7 +63,10 @@ async def start_server(
     credentials: grpc.ServerCredentials | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> RunningServer:
-    server = grpc.aio.server(options=channel_options(max_message_bytes), interceptors=list(interceptors))
+    # No SO_REUSEPORT (gRPC's default on Linux): a second server on a taken port must fail to
+    # bind, not quietly share the port and split the clients between two clusters.
+    options = [*channel_options(max_message_bytes), ("grpc.so_reuseport", 0)]
+    server = grpc.aio.server(options=options, interceptors=list(interceptors))
     for add in register:
         add(server)
     health = HealthServicer()
@@ -73,9 +76,13 @@ async def start_server(
         (*full_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
     address = join_host_port(host, port)
-    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    try:
+        bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError:  # grpcio's words for a bind that failed
+        bound = 0
     if bound == 0:
-        raise OSError(f"could not bind {address}")
+        await server.stop(None)
+        raise OSError(f"could not bind {address} (in use, or not an address of this machine)")
     await server.start()
     running = RunningServer(server, bound, health, full_names)
     await running.set_serving(True)

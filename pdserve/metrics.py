@@ -199,7 +199,10 @@ def scrape_route(registry: CollectorRegistry):
 
 def serve_metrics(host: str, port: int, registry: CollectorRegistry) -> int:
     """Starts the /metrics endpoint; returns the bound port (``port`` 0 picks a free one)."""
-    server, _ = start_http_server(port, addr=host, registry=registry)
+    try:
+        server, _ = start_http_server(port, addr=host, registry=registry)
+    except OSError as e:
+        raise OSError(f"--metrics-port: could not bind {join_host_port(host, port)}: {e.strerror or e}") from None
     return server.server_port
 
 

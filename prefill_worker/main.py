@@ -54,6 +54,13 @@ async def serve(engine_config: EngineConfig, settings: WorkerSettings, security:
     service = PrefillService(
         loop, sender, lease_s=settings.kv_lease_s, max_queued_requests=settings.max_queued_requests
     )
+    public_host = settings.public_host()
+    metrics_address = start_worker_metrics(  # first: a taken port fails before the gRPC server runs
+        settings.metrics_port,
+        settings.host,
+        public_host,
+        WorkerCollector("prefill", loop.stats, service.counters.snapshot),
+    )
     server = await start_server(
         [lambda s: pdserve_pb2_grpc.add_PrefillWorkerServicer_to_server(service, s)],
         ["PrefillWorker"],
@@ -62,14 +69,7 @@ async def serve(engine_config: EngineConfig, settings: WorkerSettings, security:
         credentials=security.server_credentials(),
         interceptors=[TokenAuth(security.cluster_token, ["pdserve.v1.PrefillWorker"])],
     )
-    public_host = settings.public_host()
     service.address = join_host_port(public_host, server.port)
-    metrics_address = start_worker_metrics(
-        settings.metrics_port,
-        settings.host,
-        public_host,
-        WorkerCollector("prefill", loop.stats, service.counters.snapshot),
-    )
     log.info("prefill worker serving on %s (KV transports offered: %s)", service.address, ", ".join(transports))
     announce_ready("prefill", grpc=service.address, metrics=metrics_address)
 

@@ -195,6 +195,8 @@ def parse_spec(spec: str) -> tuple[str, str, int]:
     host, _, port = rest.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"worker address must be host:port or dns:name:port, got {spec!r}")
+    if not 1 <= int(port) <= 65535:
+        raise ValueError(f"worker address {spec!r}: port must be in [1, 65535]")
     return kind, host.strip("[]"), int(port)
 
 

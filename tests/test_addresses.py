@@ -53,3 +53,33 @@ async def test_the_router_reaches_a_worker_on_an_ipv6_address():
     finally:
         await registry.close()
         await server.stop(0)
+
+
+async def test_a_second_server_on_a_taken_port_is_refused_not_sharing_it():
+    first = await start_server([], [], "127.0.0.1", 0)
+    try:
+        with pytest.raises(OSError, match=f"could not bind 127.0.0.1:{first.port}"):
+            await start_server([], [], "127.0.0.1", first.port)
+    finally:
+        await first.stop(0)
+
+
+@pytest.mark.parametrize("spec", ["127.0.0.1:99999", "127.0.0.1:0", "dns:decode:70000"])
+def test_a_worker_address_with_a_port_out_of_range_is_refused_at_start(spec):
+    from pdserve.router.workers import parse_spec
+
+    with pytest.raises(ValueError, match=r"port must be in \[1, 65535\]"):
+        parse_spec(spec)
+
+
+def test_a_taken_metrics_port_is_named():
+    from prometheus_client import CollectorRegistry
+
+    from pdserve.metrics import serve_metrics
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"^--metrics-port: could not bind 127.0.0.1:{port}"):
+            serve_metrics("127.0.0.1", port, CollectorRegistry())

@@ -21,6 +21,7 @@ from pdserve.kvtransfer.grants import GrantLedger
 from pdserve.kvtransfer.handshake import local_peer_info
 from pdserve.kvtransfer.layout import KVCacheView
 from pdserve.kvtransfer.receiver import KVReceiver
+from pdserve.kvtransfer.transport_api import PoolUnavailable
 from pdserve.kvtransfer.ucx_worker import UcxWorker
 from pdserve.metrics import WorkerCollector, start_worker_metrics
 from pdserve.planner import chunking
@@ -43,7 +44,13 @@ async def serve(engine_config: EngineConfig, settings: WorkerSettings, security:
     def kv_storage(layout, num_blocks: int):
         if pool_spec is None:
             return None
-        pools.append(pool_spec.load().make_pool(layout, num_blocks, device))
+        try:
+            pools.append(pool_spec.load().make_pool(layout, num_blocks, device))
+        except PoolUnavailable as e:
+            if settings.kv_transport == pool_spec.name:
+                raise ValueError(f"--kv-transport {pool_spec.name}: {e}") from None
+            log.warning("KV transport %s not offered: %s", pool_spec.name, e)
+            return None  # the engine's own memory
         return pools[0]
 
     def build() -> LLMEngine:
@@ -52,6 +59,8 @@ async def serve(engine_config: EngineConfig, settings: WorkerSettings, security:
         return engine
 
     loop = await EngineLoop.build(build)
+    if pool_spec is not None and not pools:
+        transports = tuple(t for t in transports if t != pool_spec.name)
     engine = loop.engine
     role = "colocated" if settings.colocated else "decode"
     public_host = settings.public_host()

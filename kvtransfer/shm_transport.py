@@ -17,6 +17,7 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
+import shutil
 from multiprocessing import shared_memory
 from pathlib import Path
 
@@ -26,7 +27,7 @@ import torch
 from pdserve.kvtransfer.integrity import fold, host_chunk_digests
 from pdserve.kvtransfer.layout import Slots, copy_and_hash, scatter, span_rows
 from pdserve.kvtransfer.protocol import FrameHeader, FrameKind
-from pdserve.kvtransfer.transport_api import ReceiveContext, SendContext, Unit
+from pdserve.kvtransfer.transport_api import PoolUnavailable, ReceiveContext, SendContext, Unit
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "pdserve-kv-"
@@ -42,6 +43,14 @@ def unavailable_reason(device) -> str | None:
 
 def make_pool(layout, num_blocks: int, device) -> "SharedKVPool":
     remove_stale_segments()
+    # tmpfs allocates on first touch: a segment larger than what is free maps fine, and the
+    # worker dies of SIGBUS at the first write past it (a container's /dev/shm is 64 MiB).
+    needed, free = layout.num_layers * num_blocks * layout.block_bytes, shutil.disk_usage(SHM_DIR).free
+    if needed > free:
+        raise PoolUnavailable(
+            f"the KV cache needs {needed / 2**20:.0f} MiB of {SHM_DIR} and {free / 2**20:.0f} MiB are free "
+            "(give the container more, e.g. docker's --shm-size)"
+        )
     return SharedKVPool(layout, num_blocks)
 
 

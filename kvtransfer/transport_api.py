@@ -13,7 +13,9 @@ A transport (one module, listed in ``registry``) provides:
   the peer needs to use it (merged into HELLO_OK); ``close()``; optionally ``check()``, run
   after every frame and whenever the connection is idle: it raises to drop the connection.
 * optionally ``make_pool(layout, num_blocks, device)``: the decode worker's KV cache storage,
-  an object with ``tensor``, ``describe() -> dict`` (for the handshake) and ``close()``;
+  an object with ``tensor``, ``describe() -> dict`` (for the handshake) and ``close()``; it
+  raises ``PoolUnavailable`` (why) when it cannot hold the cache, and the worker then keeps
+  the cache in its own memory and stops offering the transport;
   and ``usable_with(decode_extra, prefill_extra) -> bool`` for a pairing check beyond
   "same host" (CUDA IPC: the decode GPU is visible to the prefill worker).
 """
@@ -32,6 +34,10 @@ from pdserve.kvtransfer.sockets import send_buffers
 
 IO_TIMEOUT_S = 10.0  # once a unit has started, the rest of it must arrive within this
 MAX_DEFERRED_FRAMES = 4
+
+
+class PoolUnavailable(Exception):
+    """A transport's ``make_pool`` cannot hold the KV cache here (the message says why)."""
 
 
 @dataclass(frozen=True, slots=True)

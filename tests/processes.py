@@ -50,6 +50,7 @@ class Proc:
 
     args: list[str]
     env: dict[str, str] = field(default_factory=dict)
+    prefix: list[str] = field(default_factory=list)  # a command that runs it (unshare ...)
     process: subprocess.Popen = field(init=False)
     lines: queue.Queue = field(default_factory=queue.Queue, init=False)
     output: list[str] = field(default_factory=list, init=False)
@@ -64,7 +65,7 @@ class Proc:
             **self.env,
         }
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.cli", *self.args],
+            [*self.prefix, sys.executable, "-m", "pdserve.cli", *self.args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -129,10 +130,10 @@ class Stack:
     processes: list[dict]  # each process's name, pid and addresses
 
     @classmethod
-    def up(cls, *extra: str, env: dict[str, str] | None = None) -> "Stack":
+    def up(cls, *extra: str, env: dict[str, str] | None = None, prefix: list[str] | None = None) -> "Stack":
         # Port 0: the router binds a port of its own choosing (a port picked here and passed on
         # could be taken by another process meanwhile), and the cluster line says which.
-        proc = Proc(["up", "--port", "0", *extra], env=env or {})
+        proc = Proc(["up", "--port", "0", *extra], env=env or {}, prefix=prefix or [])
         proc.wait_for(lambda line: "pdserve ready" in line)
         described = next(line for line in proc.output if line.startswith("pdserve cluster: "))
         processes = json.loads(described[len("pdserve cluster: ") :])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 
 import pytest
 from conftest import PROMPTS
@@ -46,12 +47,16 @@ async def test_each_transport_gives_hf_greedy_output(transport, hf_reference):
         stack.down()
 
 
-async def test_without_ucxx_auto_falls_back_and_says_so(tmp_path, hf_reference):
+def without_ucxx(tmp_path) -> dict[str, str]:
+    """An environment in which ``import ucxx`` fails, as where it is not installed."""
     fake = tmp_path / "ucxx"
     fake.mkdir()
     (fake / "__init__.py").write_text("raise ImportError('simulated: ucxx is not installed')\n")
-    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    stack = Stack.up(*ARGS, env=env)
+    return {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+async def test_without_ucxx_auto_falls_back_and_says_so(tmp_path, hf_reference):
+    stack = Stack.up(*ARGS, env=without_ucxx(tmp_path))
     try:
         assert stack.proc.saw(lambda line: "UCX unavailable" in line and "pip install 'pdserve[ucx]'" in line), (
             stack.proc.log_tail()
@@ -61,6 +66,32 @@ async def test_without_ucxx_auto_falls_back_and_says_so(tmp_path, hf_reference):
         assert counters.get("kv_transfers_shm", 0) >= 1, counters
     finally:
         stack.down()
+
+
+SMALL_SHM = [  # a private /dev/shm of 8 MiB, as a container's (64 MiB by default) is small
+    *("unshare", "-m", "--propagation", "private", "sh", "-c"),
+    'mount -t tmpfs -o size=8m tmpfs /dev/shm && exec "$@"',
+    "sh",
+]
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("unshare"), reason="a private /dev/shm needs root and unshare"
+)
+async def test_a_dev_shm_too_small_for_the_cache_drops_shm_instead_of_crashing(tmp_path, hf_reference):
+    stack = Stack.up(*ARGS, env=without_ucxx(tmp_path), prefix=SMALL_SHM)  # 128 MiB of KV cache
+    try:
+        assert stack.proc.saw(lambda line: "KV transport shm not offered" in line and "--shm-size" in line)
+        await check_greedy(stack.address, hf_reference)
+        counters = worker_counters(await cluster_stats(stack.address), "decode")
+        assert counters.get("kv_transfers_tcp", 0) >= 2 and not counters.get("kv_transfers_shm"), counters
+        assert not stack.proc.saw(lambda line: "exited with code" in line, timeout=0)
+    finally:
+        stack.down()
+
+    proc = Proc(["up", "--port", "0", "--kv-transport", "shm", *ARGS], prefix=SMALL_SHM)  # forced: refused by name
+    assert await asyncio.to_thread(proc.process.wait, 120) != 0
+    assert "--kv-transport shm" in proc.log_tail() and "MiB are free" in proc.log_tail()
 
 
 async def test_forcing_an_unavailable_transport_fails_at_start():

@@ -361,6 +361,9 @@ class KVConnection:
         for transfer in pending.values():
             transfer.resolve(TransferOutcome(False, f"KV connection to {self.address} lost: {error}"))
         shutdown(self.sock)
+        # The send thread ends and closes its transport half now, not at a next send that may never
+        # come: a shm sender maps the whole of the dead peer's KV cache until then.
+        self._queue.put(None)
 
 
 def _outcome(status: AckStatus, transport: str, nbytes: int) -> TransferOutcome:

@@ -726,3 +726,22 @@ def test_a_ucx_endpoint_that_never_comes_up_fails_as_an_os_error(monkeypatch):
     )
     with pytest.raises(OSError, match="UCX endpoint"):
         ucx_transport.Sender(ctx)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_connection_whose_peer_dies_lets_its_transport_go_at_once(transport, monkeypatch):
+    """The send thread ends and closes its half (a shm sender unmaps the peer's cache) when the
+    connection breaks, not at a next send that may never come."""
+    decode = Decode(transport)
+    prefill = Prefill(transport)
+    try:
+        conn = prefill.connect(decode.address)
+        closed = threading.Event()
+        real_close = conn.sender.close
+        monkeypatch.setattr(conn.sender, "close", lambda: (closed.set(), real_close()))
+        decode.receiver.stop()  # the decode worker is gone
+        assert wait_until(lambda: conn.broken is not None)
+        assert closed.wait(10)
+    finally:
+        prefill.close()
+        decode.close()

@@ -31,6 +31,14 @@ class Role(str, enum.Enum):
 
 
 @dataclass(eq=False)
+class PrefillWork:
+    """A prompt sent to a prefill worker, from ``begin_prefill`` until ``end_prefill``."""
+
+    tokens: int  # what it computes there: its tokens past the worker's cached prefix
+    started: float  # when it was sent (its blocks are expected there from then on)
+
+
+@dataclass(eq=False)
 class Worker:
     address: str
     role: Role
@@ -45,13 +53,14 @@ class Worker:
     cached_hashes: set[int] = field(default_factory=set)  # its prefix-cache digest (KV-aware routing)
     # Blocks of prompts this router sent here, by when: expected in its cache before a digest says so.
     _expected: dict[int, float] = field(default_factory=dict, init=False, repr=False)
-    _prefilling: int = field(default=0, init=False, repr=False)
-    _settled_at: float = field(default=0.0, init=False, repr=False)  # all sent before it had finished prefill
+    _prefilling: set[PrefillWork] = field(default_factory=set, init=False, repr=False)
     open_calls: set["OpenCall"] = field(default_factory=set, init=False, repr=False)  # this router's, on it now
 
     def digest_mark(self) -> float:
-        """Take it when asking for stats: what was sent here before it is in the answer's digest."""
-        return time.monotonic() if self._prefilling == 0 else self._settled_at
+        """Take it when asking for stats: every prompt sent here before it has finished its
+        prefill, so the answer's digest is the truth about its blocks (the oldest prompt still
+        in prefill bounds it; a busy worker's mark still moves on as prompts finish)."""
+        return min((work.started for work in self._prefilling), default=time.monotonic())
 
     def update_stats(self, stats: pb.WorkerStats, mark: float | None = None) -> None:
         """``mark``: ``digest_mark()`` taken when these stats were asked for. Blocks sent since
@@ -59,7 +68,7 @@ class Worker:
         make the router forget where it just sent that prompt."""
         self.last_stats = stats
         if mark is not None:
-            self._expected = {h: t for h, t in self._expected.items() if t > mark}
+            self._expected = {h: t for h, t in self._expected.items() if t >= mark}
         self.cached_hashes = set(stats.cached_block_hashes) | self._expected.keys()
 
     @property
@@ -74,25 +83,23 @@ class Worker:
         cached = prefix_overlap(prompt.hashes(self.block_size), self.cached_hashes) * self.block_size
         return len(prompt.token_ids) - cached
 
-    def begin_prefill(self, prompt: "PromptBlocks") -> int:
+    def begin_prefill(self, prompt: "PromptBlocks") -> PrefillWork:
         """Counts a prompt sent here to prefill and expects its blocks cached here from now on
-        (the next digest confirms it); returns the tokens to hand back to ``end_prefill``."""
-        work = self.uncached_tokens(prompt)
+        (the next digest confirms it); returns what to hand back to ``end_prefill``."""
+        work = PrefillWork(self.uncached_tokens(prompt), time.monotonic())
         if self.block_size is not None:
             hashes = prompt.hashes(self.block_size)
             self.cached_hashes.update(hashes)
-            self._expected.update(dict.fromkeys(hashes, time.monotonic()))
-        self._prefilling += 1
+            self._expected.update(dict.fromkeys(hashes, work.started))
+        self._prefilling.add(work)
         self.inflight += 1
-        self.inflight_tokens += work
+        self.inflight_tokens += work.tokens
         return work
 
-    def end_prefill(self, work: int) -> None:
-        self._prefilling -= 1
-        if self._prefilling == 0:
-            self._settled_at = time.monotonic()
+    def end_prefill(self, work: PrefillWork) -> None:
+        self._prefilling.discard(work)
         self.inflight -= 1
-        self.inflight_tokens -= work
+        self.inflight_tokens -= work.tokens
 
     @property
     def load(self) -> float:

@@ -48,7 +48,7 @@ def test_kv_aware_keeps_a_burst_together_before_digests_arrive():
         picked.append(chosen)
         work.append(chosen.begin_prefill(PromptBlocks(request([i]).prompt_token_ids)))
     assert all(w is picked[0] for w in picked)
-    assert work == [len(SYSTEM) + 1] + [1] * 6  # the prefix is computed once
+    assert [w.tokens for w in work] == [len(SYSTEM) + 1] + [1] * 6  # the prefix is computed once
     for chosen, done in zip(picked, work):
         chosen.end_prefill(done)
     assert all(w.inflight == 0 and w.inflight_tokens == 0 for w in workers)
@@ -132,11 +132,28 @@ def test_a_stale_digest_does_not_forget_a_prompt_sent_meanwhile():
     assert KvAware().pick_prefill(request([2]), [b, a]) is b  # a tie again: the first listed
 
 
+def test_a_worker_never_idle_forgets_what_its_digests_have_answered_for():
+    """Under constant load some prompt is always in prefill: the blocks of prompts that finished
+    before a digest was asked for are the digest's to report, and the router lets them go."""
+    a = worker("a")
+    a.update_stats(pb.WorkerStats(address="a", block_size=16))
+    running = [a.begin_prefill(PromptBlocks(list(range(1000 * i, 1000 * i + 64)))) for i in range(2)]
+    for i in range(2, 300):  # a new prompt starts as the oldest ends: never idle
+        a.end_prefill(running.pop(0))
+        running.append(a.begin_prefill(PromptBlocks(list(range(1000 * i, 1000 * i + 64)))))
+        if i % 10 == 0:
+            a.update_stats(pb.WorkerStats(address="a", block_size=16), a.digest_mark())
+    assert len(a._expected) <= 4 * 12  # the prompts in flight and those since the last digest (4 blocks each)
+    a.update_stats(pb.WorkerStats(address="a", block_size=16), a.digest_mark())  # an empty digest
+    in_flight = PromptBlocks(list(range(1000 * 299, 1000 * 299 + 64))).hashes(16)  # the last one sent
+    assert set(in_flight) <= a.cached_hashes  # what is still being prefilled stays expected
+
+
 def test_before_its_first_stats_a_worker_caches_nothing_and_has_no_decode_figures():
     fresh = Worker("fresh", Role.PREFILL, channel=None)
     prompt = PromptBlocks(request([1]).prompt_token_ids)
     assert fresh.block_size is None and fresh.uncached_tokens(prompt) == len(prompt.token_ids)
-    assert fresh.begin_prefill(prompt) == len(prompt.token_ids) and not fresh.cached_hashes
+    assert fresh.begin_prefill(prompt).tokens == len(prompt.token_ids) and not fresh.cached_hashes
     busy = worker("busy", Role.DECODE, running=8, blocks_free=5)
     unknown = Worker("unknown", Role.DECODE, channel=None)
     assert KvAware().pick_decode(request([]), [busy, unknown]) is unknown  # no figures: judged by in-flight count (0)

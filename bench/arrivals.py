@@ -42,6 +42,8 @@ def parse_rates(text: str) -> list[float]:
         except ValueError:
             raise ValueError(f"request rate {part!r} is not a number (use e.g. 1,2,4 or inf)") from None
         validate(rate, 1.0)
+        if rate in rates:  # its results would overwrite the first run's file
+            raise ValueError(f"request rate {part!r} is given twice")
         rates.append(rate)
     if not rates:
         raise ValueError("give at least one request rate")

@@ -152,7 +152,9 @@ async def run_load(specs: list[RequestSpec], cfg: LoadConfig) -> LoadResult:
                     return
             try:
                 timeout = min(cfg.request_timeout_s, deadline - time.perf_counter())
-                results[i] = await _send(stub, spec, f"bench-{tag}-{i}", timeout, cfg.temperature, cfg.top_p)
+                results[i] = timeline = await _send(stub, spec, f"bench-{tag}-{i}", timeout, cfg.temperature, cfg.top_p)
+                if timeout < cfg.request_timeout_s and timeline.error.startswith("DEADLINE_EXCEEDED"):
+                    timeline.error = f"cut at the run's time limit (--time-limit-s {cfg.time_limit_s:g})"
             finally:
                 if slots is not None:
                     slots.release()

@@ -228,6 +228,11 @@ def main(argv: list[str] | None = None) -> int:
         "--compile", action="store_true", help="roofline: also batch-1 decode with torch.compile (inductor)"
     )
     args = parser.parse_args(argv)
+    for name, low in (("threads", 1), ("num_requests", 1), ("repeats", 1), ("text_tokens", 2), ("seed", 0)):
+        if getattr(args, name) < low:
+            parser.error(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
+    if not args.batch_sizes or min(args.batch_sizes) < 1:
+        parser.error(f"--batch-sizes must be integers >= 1, got {args.batch_sizes}")
     benches = {
         "throughput": throughput,
         "overhead": overhead,

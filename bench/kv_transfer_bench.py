@@ -50,6 +50,7 @@ if __name__ == "__main__":  # as a script only: imported (the profiler, tests), 
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import platform  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -328,11 +329,15 @@ def main(argv: list[str] | None = None) -> int:
         or args.ttft_repeats < 1
         or args.prefill_threads < 1
         or args.prompt_tokens < 1
-        or any(s <= 0 for s in args.sizes_mib)
+        or not all(s > 0 and math.isfinite(s) for s in args.sizes_mib)
+        or not (args.sizes_mib and args.parts and args.transports)
     ):
         parser.error(
-            f"bad arguments {bad or ''}: transports are {','.join(ALL_TRANSPORTS)}; parts micro,real,ttft; counts and sizes > 0"
+            f"bad arguments {bad or ''}: transports are {','.join(ALL_TRANSPORTS)}; parts micro,real,ttft; "
+            "counts and sizes finite and > 0; lists not empty"
         )
+    if args.json and not args.json.parent.is_dir():
+        parser.error(f"--json: {args.json.parent} is not a folder")
 
     result = run(args)
     print(render(result))

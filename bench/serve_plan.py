@@ -244,6 +244,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def workload_config(args: argparse.Namespace) -> workloads.WorkloadConfig:
+    if args.dataset_path is not None and args.workload != "jsonl":
+        raise ValueError(
+            f"--dataset-path is read by the jsonl workload only; {args.workload!r} is generated here "
+            "(for a dataset file, write one JSON object per line with 'prompt' and 'output_len' and "
+            "give --workload jsonl)"
+        )
     return workloads.WorkloadConfig(
         name=args.workload,
         num_prompts=args.num_prompts,
@@ -273,6 +279,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         ("--warmup", args.warmup, 0),
         ("--hf-batch-size", args.hf_batch_size, 1),
         ("--short-threshold", args.short_threshold, 1),
+        ("--seed", args.seed, 0),
     )
     for name, value, low in counts:
         if value < low:

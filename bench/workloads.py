@@ -48,6 +48,7 @@ Workloads
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
@@ -84,6 +85,8 @@ MIXED_LONG_FRACTION = 0.2
 MIXED_LONG_INPUT = (1024, 2048)
 MIXED_LONG_OUTPUT = (128, 256)
 MAX_MODEL_LEN = 8192  # context of the default model (SmolLM2-135M); long mixed prompts are clipped to fit
+
+log = logging.getLogger(__name__)
 
 # Word list for readable shared-prefix text (any text works for caching; words keep it realistic).
 _WORDS = (
@@ -353,7 +356,8 @@ def _extractive(cfg: WorkloadConfig, rng: np.random.Generator, tok: Tokenizer) -
 def load_jsonl(
     path: Path, cfg: WorkloadConfig, rng: np.random.Generator, tokenizer: Callable[[], Tokenizer]
 ) -> list[RequestSpec]:
-    """The first ``num_prompts`` requests of a JSONL file; errors name the line number."""
+    """The first ``num_prompts`` requests of a JSONL file, the file over again if it is shorter
+    (as vLLM's benchmark oversamples); errors name the line number."""
     if not path.is_file():
         raise WorkloadError(f"{path}: no such file")
     olo, ohi = cfg.output_range()
@@ -388,4 +392,7 @@ def load_jsonl(
             specs.append(RequestSpec(tuple(ids), out))
     if not specs:
         raise WorkloadError(f"{path}: no prompts in the file")
+    if len(specs) < cfg.num_prompts:
+        log.warning("%s holds %d prompts; sending them over again to make %d", path, len(specs), cfg.num_prompts)
+        specs = [specs[i % len(specs)] for i in range(cfg.num_prompts)]
     return specs

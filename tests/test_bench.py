@@ -196,9 +196,13 @@ def test_jsonl_workload(tmp_path):
         '{"prompt": "one two three", "output_len": 5}\n\n{"prompt_token_ids": [7, 8], "max_tokens": 2}\n{"prompt": "x"}\n'
     )
     specs = workloads.build(
-        workloads.WorkloadConfig("jsonl", num_prompts=10, path=str(path), output_len=(9, 9)), WordTokenizer
+        workloads.WorkloadConfig("jsonl", num_prompts=3, path=str(path), output_len=(9, 9)), WordTokenizer
     )
     assert [(s.prompt_len, s.max_tokens) for s in specs] == [(4, 5), (2, 2), (2, 9)]
+    specs = workloads.build(  # a file shorter than --num-prompts is sent over again, as vLLM oversamples
+        workloads.WorkloadConfig("jsonl", num_prompts=7, path=str(path), output_len=(9, 9)), WordTokenizer
+    )
+    assert [s.prompt_len for s in specs] == [4, 2, 2, 4, 2, 2, 4]
     for line, error in [
         ("{bad", "not valid JSON"),
         ('{"text": "a"}', "needs a non-empty"),
@@ -510,6 +514,12 @@ def test_speculative_mode_suffixes_turn_it_on_per_stack():
         (["--modes", "live-nochunk"], "live takes no suffix"),
         (["--modes", "0p1d"], "need 1 to 16 prefill and decode workers"),
         (["--modes", "1p1d,1p1d"], "mode 1p1d given twice"),
+        (["--request-rates", "5,5.0"], "request rate '5.0' is given twice"),
+        (["--seed", "-1"], "--seed must be >= 0"),
+        (
+            ["--dataset-name", "sharegpt", "--dataset-path", "x.json"],
+            "--dataset-path is read by the jsonl workload only",
+        ),
         (["--modes", ","], "no mode given"),
         (["--workload", "mixed", "--long-fraction", "2"], "--long-fraction must be in [0, 1]"),
         (["--short-threshold", "0"], "--short-threshold must be >= 1"),
@@ -524,6 +534,40 @@ def test_bad_input_gives_a_message_and_exit_2(argv, message, capsys, tmp_path):
     assert main([*argv, "--result-dir", str(tmp_path), "--num-prompts", "2"]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--sizes-mib", "nan"], "finite and > 0"),
+        (["--sizes-mib", "inf"], "finite and > 0"),
+        (["--parts", ""], "lists not empty"),
+        (["--json", "/nonexistent-folder/k.json"], "is not a folder"),
+    ],
+)
+def test_kv_transfer_bench_refuses_bad_arguments_before_running(argv, message, capsys):
+    from pdserve.bench import kv_transfer_bench
+
+    with pytest.raises(SystemExit) as exit_:
+        kv_transfer_bench.main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["overhead", "--repeats", "0"], "--repeats must be >= 1"),
+        (["quality", "--text-tokens", "1"], "--text-tokens must be >= 2"),
+        (["throughput", "--num-requests", "0"], "--num-requests must be >= 1"),
+        (["overhead", "--batch-sizes", "0,8"], "--batch-sizes must be integers >= 1"),
+    ],
+)
+def test_engine_bench_refuses_bad_arguments_before_running(argv, message, capsys):
+    from pdserve.bench import engine_bench
+
+    with pytest.raises(SystemExit) as exit_:
+        engine_bench.main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_malformed_jsonl_line_is_named(capsys, tmp_path):

@@ -118,10 +118,12 @@ async def serve(settings: RouterSettings, security: SecuritySettings) -> None:
         signal_name = await wait_for_shutdown_signal()
         log.info("%s: shutting down", signal_name)
     finally:
+        # Not ready at once (a balancer stops sending), then both front ends drain together:
+        # gRPC took new streams while HTTP drained first.
+        await server.set_serving(False)
         if http_server is not None:
             http_server.should_exit = True
-            await http_task
-        await server.stop(SHUTDOWN_GRACE_S)
+        await asyncio.gather(server.stop(SHUTDOWN_GRACE_S), *([http_task] if http_task is not None else []))
         if planner is not None:
             await planner.stop()
         await monitor.stop()

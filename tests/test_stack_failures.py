@@ -4,6 +4,8 @@ give clear errors, never hangs."""
 from __future__ import annotations
 
 import asyncio
+import json
+import signal
 import time
 
 import grpc
@@ -114,3 +116,31 @@ async def test_handshake_mismatch_is_refused_cleanly(prefill_flags, decode_flags
     finally:
         for proc in (router, prefill, decode):
             assert proc.stop() == 0
+
+
+async def test_a_router_told_to_stop_refuses_new_streams_and_finishes_the_running_ones():
+    """SIGTERM: not ready at once, no new stream on either front end, and the streams already
+    running (HTTP and gRPC alike) drain to their end within the grace period."""
+    ((worker, winfo),) = start_together(
+        ("decode", "--colocated", "--port", "0", "--dtype", "float32", "--kv-cache-memory", "64MiB")
+    )
+    router, info = start("router", "--port", "0", "--http-port", "0", "--decode-workers", winfo["grpc"])
+    try:
+        body = {"prompt": "Count to a hundred:", "max_tokens": 48, "ignore_eos": True, "stream": True}
+        async with httpx.AsyncClient(base_url=f"http://{info['http']}", timeout=60) as http:
+            async with http.stream("POST", "/v1/completions", json=body) as response:
+                lines = response.aiter_lines()
+                assert (await anext(lines)).startswith("data: ")  # streaming
+                router.process.send_signal(signal.SIGTERM)
+                assert router.saw(lambda line: "SIGTERM: shutting down" in line)
+                with pytest.raises(grpc.aio.AioRpcError) as refused:  # a new stream is not started
+                    await generate(info["grpc"], build_request("hello", max_tokens=2), timeout=10)
+                assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+                rest = [line async for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and not any('"error"' in line for line in rest)  # drained to its end
+        events = [json.loads(line.removeprefix("data: ")) for line in rest[:-1]]
+        assert events[-1]["choices"][0]["finish_reason"] == "length"  # all 48 tokens came
+        assert await asyncio.to_thread(router.process.wait, 30) == 0
+    finally:
+        router.stop()
+        worker.stop()

@@ -100,6 +100,7 @@ class OnlinePlanner:
         self.arrivals: deque[tuple[float, int, int]] = deque()  # (time, prompt tokens, max tokens)
         self.outputs: deque[tuple[float, int]] = deque()  # (time, tokens a finished request generated)
         self.ratios: deque[tuple[float, float, float | None]] = deque()  # (time, TTFT measured/predicted, TPOT ...)
+        self._unmet: tuple[str, ...] = ()  # the SLOs no instance met at the last decision (warned once)
         self._task: asyncio.Task | None = None
 
     # -- what the dispatcher reports ------------------------------------------------------------
@@ -152,10 +153,26 @@ class OnlinePlanner:
         prefill, decode = capacity.replicas_needed(
             self.profile, w, rate, ttft, tpot, self.prefill_degree, self.decode_degree, self.max_num_seqs
         )
+        # An SLO no instance meets (as measured now): more replicas past the lowest latency a pool
+        # can reach do not help, so ask for that (one prompt, one sequence at a time), not for the most.
+        unmet = tuple(name for name, needed in (("ttft", prefill), ("tpot", decode)) if math.isinf(needed))
+        if "ttft" in unmet:
+            prefill = rate / capacity.prefill_rate(self.profile, self.prefill_degree, w, None)
+        if "tpot" in unmet:
+            decode = rate / capacity.decode_rate(self.profile, self.decode_degree, w, None, max_num_seqs=1)
+        if unmet and unmet != self._unmet:
+            log.warning(
+                "online planner: no instance meets the %s SLO (corrections: ttft %.2f, tpot %.2f); "
+                "asking for the replicas of the lowest latency instead",
+                " and ".join(unmet),
+                ttft_c,
+                tpot_c,
+            )
+        self._unmet = unmet
         return Decision(rate, prefill, decode, ttft_c, tpot_c)
 
     def export(self, d: Decision) -> None:
-        # An SLO no instance meets: ask for the most a pool can have rather than for infinity.
+        # Past the cap is not a number an autoscaler can act on.
         metrics.PLANNER_DESIRED_REPLICAS.labels("prefill").set(_finite(d.prefill))
         metrics.PLANNER_DESIRED_REPLICAS.labels("decode").set(_finite(d.decode))
         metrics.PLANNER_REQUEST_RATE.set(d.rate)

@@ -91,14 +91,22 @@ def test_gauges_are_exported():
     assert value("pdserve_planner_latency_correction", metric="ttft") == 1.0
 
 
-def test_an_slo_no_instance_meets_asks_for_the_most_not_infinity():
+def test_an_slo_no_instance_meets_asks_for_the_lowest_latency_not_the_most(caplog):
+    """More replicas than serve one prompt and one sequence at a time lower no latency: an
+    unreachable SLO (a noisy correction can make one) must not scale a pool to its maximum."""
     clock = Clock()
     planner = OnlinePlanner(PROFILE, ttft_ms=50, tpot_ms=5, window_s=60, clock=clock)  # below one prefill, one step
     feed(planner, clock, rate=1.0, seconds=10)
-    d = planner.decide()
-    assert d.prefill == float("inf") and d.decode == float("inf")
+    with caplog.at_level("WARNING", logger="pdserve.planner.online"):
+        d = planner.decide()
+        planner.decide()
+    assert caplog.text.count("no instance meets the ttft and tpot SLO") == 1  # once, not at every decision
+    w = capacity.WorkloadStats(200, 50, 200)  # what feed() sends
+    assert d.prefill == pytest.approx(d.rate / capacity.prefill_rate(PROFILE, 1, w, None))
+    assert d.decode == pytest.approx(d.rate / capacity.decode_rate(PROFILE, 1, w, None, max_num_seqs=1))
+    assert 0 < d.decode < 1024 and d.decode > d.rate / capacity.decode_rate(PROFILE, 1, w, None)  # batch 1
     planner.export(d)
-    assert REGISTRY.get_sample_value("pdserve_planner_desired_replicas", {"role": "decode"}) == 1024.0
+    assert REGISTRY.get_sample_value("pdserve_planner_desired_replicas", {"role": "decode"}) == pytest.approx(d.decode)
 
 
 def test_the_planner_needs_an_slo():

@@ -141,19 +141,36 @@ class ModelConfig:
         folder = Path(folder)
         cfg = _read_json(folder / "config.json")
         gen_path = folder / "generation_config.json"
-        if gen_path.exists():
-            # generate() stops at the generation config's EOS ids; so do we.
-            gen_eos = _read_json(gen_path).get("eos_token_id")
-            if gen_eos is not None:
-                merged = (
-                    [cfg.get("eos_token_id")] if not isinstance(cfg.get("eos_token_id"), list) else cfg["eos_token_id"]
-                )
-                extra = gen_eos if isinstance(gen_eos, list) else [gen_eos]
-                cfg = {**cfg, "eos_token_id": [e for e in dict.fromkeys([*merged, *extra]) if e is not None]}
+        # generate() stops at the generation config's EOS ids, and vLLM at the tokenizer's EOS
+        # too (a fine-tune may set <|im_end|> there alone); so do we.
+        extra = [_read_json(gen_path).get("eos_token_id") if gen_path.exists() else None, _tokenizer_eos(folder)]
+        extra = [e for value in extra for e in (value if isinstance(value, list) else [value]) if e is not None]
+        if extra:
+            merged = [cfg.get("eos_token_id")] if not isinstance(cfg.get("eos_token_id"), list) else cfg["eos_token_id"]
+            cfg = {**cfg, "eos_token_id": [e for e in dict.fromkeys([*merged, *extra]) if e is not None]}
         try:
             return cls.from_dict(cfg, name=folder.name)
         except ValueError as e:
             raise ValueError(f"{folder}/{e}" if str(e).startswith("config.json") else f"{folder}: {e}") from None
+
+
+def _tokenizer_eos(folder: Path) -> int | None:
+    """The id of tokenizer_config.json's ``eos_token``, looked up in tokenizer.json (None if either is missing)."""
+    config, vocabulary = folder / "tokenizer_config.json", folder / "tokenizer.json"
+    if not (config.exists() and vocabulary.exists()):
+        return None
+    eos = _read_json(config).get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    if not isinstance(eos, str):
+        return None
+    tokenizer = _read_json(vocabulary)
+    for added in tokenizer.get("added_tokens") or ():
+        if isinstance(added, dict) and added.get("content") == eos and isinstance(added.get("id"), int):
+            return added["id"]
+    model = tokenizer.get("model")
+    vocab = model.get("vocab") if isinstance(model, dict) else None
+    found = vocab.get(eos) if isinstance(vocab, dict) else None  # a Unigram vocabulary is a list: added tokens only
+    return found if isinstance(found, int) else None
 
 
 def _read_json(path: Path) -> dict[str, Any]:

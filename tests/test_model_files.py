@@ -113,3 +113,19 @@ def test_a_gguf_type_pdserve_cannot_read_is_named_as_such_not_as_corrupt(monkeyp
     with pytest.raises(ValueError, match=r"tensor \S+ is stored as \w+, which pdserve cannot read") as err:
         read_gguf(DEFAULT_MODEL.locate())
     assert "truncated" not in str(err.value)
+
+
+@pytest.mark.parametrize("eos", ["<|endoftext|>", {"content": "<|endoftext|>", "special": True}])
+def test_the_tokenizers_eos_ends_generation_too(model_dir, tmp_path, eos):
+    """As vLLM: a fine-tune that sets its turn end as the tokenizer's EOS alone still stops there."""
+    folder = copy_of(model_dir, tmp_path / "model")
+    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").unlink()
+    (folder / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "eos_token": eos}))
+    endoftext = next(
+        t["id"]
+        for t in json.loads((folder / "tokenizer.json").read_text())["added_tokens"]
+        if t["content"] == "<|endoftext|>"
+    )
+    assert ModelConfig.from_folder(folder).eos_token_ids == (2, endoftext)  # the config's, then the tokenizer's
+    assert ModelConfig.from_folder(model_dir).eos_token_ids == (2,)  # the same token: once

@@ -20,12 +20,16 @@ and the most likely alternatives.
 from __future__ import annotations
 
 import codecs
+import re
 from functools import lru_cache
 from typing import Any
 
 from tokenizers import Tokenizer
 
+from pdserve.router.text_stream import continuation_anchor
 from pdserve.v1 import pdserve_pb2 as pb
+
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 @lru_cache(maxsize=1)
@@ -48,7 +52,7 @@ class TokenTexts:
         self.special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
         # Decoded after a plain token, as inside a text: SentencePiece decoders drop the space
         # a sequence starts with (" Paris" alone decodes to "Paris").
-        self._anchor = tokenizer.encode("a", add_special_tokens=False).ids
+        self._anchor = continuation_anchor(tokenizer)
         self._anchor_text = tokenizer.decode(self._anchor, skip_special_tokens=False)
         self._cache: dict[int, tuple[str, list[int]]] = {}
 
@@ -65,6 +69,8 @@ class TokenTexts:
         alphabet = _byte_level_alphabet()
         if self.byte_level and all(ch in alphabet for ch in piece):
             raw = bytes(alphabet[ch] for ch in piece)
+        elif _BYTE_PIECE.fullmatch(piece):  # SentencePiece's byte fallback spells a byte <0xE9>
+            raw = bytes([int(piece[3:5], 16)])
         else:
             raw = self._continuation(token_id).encode()
         return raw.decode("utf-8", errors="replace"), list(raw)
@@ -97,6 +103,8 @@ class CompletionLogprobs:
         tokens, token_logprobs, tops, offsets = [], [], [], []
         for token_id, lp in zip(token_ids, logprobs):
             text, raw = self.texts(token_id)
+            if echoed is not None and _starts_the_text(echoed, self.offset, text):
+                text, raw = text[1:], raw[1:]  # SentencePiece writes no space before a text's first word
             tokens.append(text)
             offsets.append(self.offset)
             if token_id not in self.texts.special or (echoed is not None and echoed.startswith(text, self.offset)):
@@ -108,6 +116,10 @@ class CompletionLogprobs:
                 else {self.texts(t)[0]: v for t, v in zip(lp.top_token_ids, lp.top_logprobs)} | {text: lp.logprob}
             )
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _starts_the_text(echoed: str, offset: int, text: str) -> bool:
+    return text.startswith(" ") and not echoed.startswith(text, offset) and echoed.startswith(text[1:], offset)
 
 
 def prompt_logprobs(

@@ -18,6 +18,12 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 CONTEXT_TOKENS = 4  # enough for a decoder to see a continuation
+INVALID_PREFIX = "Invalid prefix encountered"  # DecodeStream's words when a decoder rewrote its past
+
+
+def continuation_anchor(tokenizer: Tokenizer) -> list[int]:
+    """Ids of a plain word: decoded after it, a token reads as inside a text, not at its start."""
+    return tokenizer.encode("a", add_special_tokens=False).ids
 
 
 @dataclass
@@ -33,10 +39,26 @@ class TextStream:
     _decoder: DecodeStream = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self._decoder = DecodeStream(skip_special_tokens=self.skip_special_tokens)
-        for token_id in self._context(self.context_ids[-CONTEXT_TOKENS:]):
-            self._decoder.step(self.tokenizer, token_id)  # its text is the prompt's, not ours
+        self._decoder = self._decoder_after(self._context(self.context_ids[-CONTEXT_TOKENS:]))
         self._hold = max((len(s) for s in self.stop), default=1) - 1
+
+    def _decoder_after(self, ids) -> DecodeStream:
+        decoder = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+        for token_id in ids:
+            decoder.step(self.tokenizer, token_id)  # their text is not ours
+        return decoder
+
+    def _step(self, token_id: int) -> str | None:
+        try:
+            return self._decoder.step(self.tokenizer, token_id)
+        except Exception as e:
+            if INVALID_PREFIX not in str(e):
+                raise
+        # A byte-fallback decoder (Llama-2, Mistral) turned bytes it had already shown into
+        # U+FFFD once they proved no valid UTF-8; the stream cannot go on from there. Start
+        # afresh after a plain word (as vLLM restarts it): that text stays as it was sent.
+        self._decoder = self._decoder_after(continuation_anchor(self.tokenizer))
+        return self._decoder.step(self.tokenizer, token_id)
 
     def _context(self, ids: tuple[int, ...]) -> tuple[int, ...]:
         """The longest tail of ``ids`` that decodes to whole characters: a prompt that ends (or
@@ -53,7 +75,7 @@ class TextStream:
         search_from = max(0, len(self.text) - self._hold)
         self.consumed = len(token_ids)
         for n, token_id in enumerate(token_ids, 1):
-            piece = self._decoder.step(self.tokenizer, token_id)
+            piece = self._step(token_id)
             if not piece:
                 continue
             self.text += piece

@@ -116,3 +116,39 @@ def test_a_prompt_as_context_changes_nothing_for_a_byte_level_tokenizer(tokenize
     prompt, completion = tokenizer.encode("The capital of France is"), tokenizer.encode(" Paris. It is")
     stream = tokenizer.text_stream(prompt_ids=prompt)
     assert "".join([stream.push([t]) for t in completion] + [stream.flush()]) == " Paris. It is"
+
+
+def _byte_fallback_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "▁The": 1, "▁model": 2, "<0x6E>": 3, "<0x8E>": 4, "<0xE9>": 5, "<0xBE>": 6, "<0x8D>": 7}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = _sentencepiece_decoders()["replace+strip"]
+    return tok
+
+
+def test_a_byte_fallback_decoder_that_rewrites_its_past_does_not_fail_the_stream():
+    """'n' (a byte) shows at once; the stray byte after it turns both into U+FFFD in a whole
+    decode, which DecodeStream refuses as an invalid prefix. The stream goes on."""
+    from pdserve.router.text_stream import TextStream
+
+    tok = _byte_fallback_tokenizer()
+    stream = TextStream(tok, context_ids=(1,))
+    text = "".join(stream.push([t]) for t in (3, 4, 2)) + stream.flush()
+    assert text == "n model"  # what was sent stays sent; the word after it keeps its space
+
+
+def test_logprobs_give_a_byte_fallback_token_its_byte_and_an_echo_its_first_word():
+    from pdserve.router.openai_logprobs import CompletionLogprobs, TokenTexts
+
+    texts = TokenTexts(_byte_fallback_tokenizer())
+    pieces = [texts(t) for t in (5, 6, 7)]  # 龍, one byte each
+    assert b"".join(bytes(raw) for _, raw in pieces).decode() == "龍"
+
+    tok = _sentencepiece_tokenizer(_sentencepiece_decoders()["metaspace"])
+    prompt = [1, 2, 3, 4, 5]
+    echoed = tok.decode(prompt)  # "The capital of France is": no space before its first word
+    block = CompletionLogprobs(TokenTexts(tok)).block(prompt, [None] * len(prompt), echoed=echoed)
+    assert "".join(block["tokens"]) == echoed
+    assert block["text_offset"] == [0, 3, 11, 14, 21]  # each token where its text starts in the echo

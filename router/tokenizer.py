@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
+from typing import Any
 
 from pdserve.engine.model_config import ModelConfig
 from pdserve.router.text_stream import CONTEXT_TOKENS, TextStream
+
+log = logging.getLogger(__name__)
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k")  # what a model's generation_config.json may set
 
 
 def tokenizer_class(model_dir: Path) -> type:
@@ -34,6 +39,7 @@ class RouterTokenizer:
         self.max_model_len = config.max_position
         self.model_name = config.name
         self.has_chat_template = bool(getattr(self.hf, "chat_template", None))
+        self.sampling_defaults = generation_defaults(Path(model_dir))
 
     def encode(self, prompt: str) -> list[int]:
         return self.hf(prompt, add_special_tokens=True)["input_ids"]
@@ -58,3 +64,28 @@ class RouterTokenizer:
 
     def text_stream(self, stop: tuple[str, ...] = (), prompt_ids: list[int] | tuple[int, ...] = ()) -> TextStream:
         return TextStream(self.backend, stop, context_ids=tuple(prompt_ids[-CONTEXT_TOKENS:]))
+
+
+def generation_defaults(model_dir: Path) -> dict[str, Any]:
+    """The sampling defaults the model ships in generation_config.json (vLLM applies them to
+    requests that leave those fields unset); what pdserve cannot apply is named in the log."""
+    path = model_dir / "generation_config.json"
+    try:
+        config = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a readable JSON file ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    defaults = {name: config[name] for name in SAMPLING_DEFAULTS if config.get(name) is not None}
+    from pdserve.engine.sampling_params import SamplingParams
+
+    try:
+        SamplingParams(**defaults)  # checked once here, not refused in every request
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: {e}") from None
+    ignored = {k: v for k in ("repetition_penalty", "min_p") if (v := config.get(k)) not in (None, 1.0, 0.0)}
+    if defaults or ignored:
+        log.info("sampling defaults from %s: %s", path.name, defaults or "none")
+    if ignored:
+        log.warning("%s also sets %s, which pdserve does not apply", path.name, ignored)
+    return defaults

@@ -159,12 +159,16 @@ def _messages(messages: tuple[ChatMessage, ...]) -> list[dict[str, str]]:
 
 
 def _sampling(s: SamplingRequest, prompt_len: int, tokenizer: RouterTokenizer) -> SamplingParams:
-    """Unset fields take ``SamplingParams``' defaults (``max_tokens``: also bounded by the room
-    left in the context); ``SamplingParams`` checks each value, then the model-bound rules."""
+    """Unset fields take the model's generation_config.json defaults, else ``SamplingParams``'
+    (``max_tokens``: also bounded by the room left in the context); ``SamplingParams`` checks
+    each value, then the model-bound rules."""
     given = {
-        name: getattr(s, name)
-        for name in ("temperature", "top_p", "top_k", "seed", "n")
-        if getattr(s, name) is not None
+        **tokenizer.sampling_defaults,
+        **{
+            name: getattr(s, name)
+            for name in ("temperature", "top_p", "top_k", "seed", "n")
+            if getattr(s, name) is not None
+        },
     }
     max_tokens = s.max_tokens if s.max_tokens is not None else default_max_tokens(prompt_len, tokenizer.max_model_len)
     sampling = SamplingParams(

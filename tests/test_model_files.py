@@ -129,3 +129,32 @@ def test_the_tokenizers_eos_ends_generation_too(model_dir, tmp_path, eos):
     )
     assert ModelConfig.from_folder(folder).eos_token_ids == (2, endoftext)  # the config's, then the tokenizer's
     assert ModelConfig.from_folder(model_dir).eos_token_ids == (2,)  # the same token: once
+
+
+def test_a_models_generation_config_sets_the_sampling_defaults(model_dir, tmp_path, caplog):
+    """As vLLM: temperature, top_p and top_k a request leaves unset come from the model's
+    generation_config.json; what pdserve cannot apply is named in the log."""
+    from pdserve.router.request import CompletionRequest, SamplingRequest
+    from pdserve.router.tokenizer import RouterTokenizer
+    from pdserve.router.validation import validate
+
+    folder = copy_of(model_dir, tmp_path / "model")
+    (folder / "generation_config.json").unlink()
+    shipped = {"eos_token_id": 2, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
+    (folder / "generation_config.json").write_text(json.dumps(shipped))
+    with caplog.at_level("INFO", logger="pdserve.router.tokenizer"):
+        tokenizer = RouterTokenizer(folder)
+    assert "repetition_penalty" in caplog.text and "does not apply" in caplog.text
+    unset = validate(CompletionRequest(prompt="Hi", sampling=SamplingRequest(max_tokens=2)), tokenizer)
+    assert (unset.engine_sampling.temperature, unset.engine_sampling.top_p, unset.engine_sampling.top_k) == (
+        0.7,
+        0.8,
+        20,
+    )
+    given = validate(CompletionRequest(prompt="Hi", sampling=SamplingRequest(max_tokens=2, temperature=0)), tokenizer)
+    assert given.engine_sampling.temperature == 0  # the request's own value wins
+
+    (folder / "generation_config.json").unlink()
+    (folder / "generation_config.json").write_text(json.dumps({"top_p": 7}))
+    with pytest.raises(ValueError, match=r"generation_config\.json: .*top_p"):
+        RouterTokenizer(folder)

@@ -78,11 +78,11 @@ class DecodeService(pdserve_pb2_grpc.DecodeWorkerServicer):
             await abort_overloaded(context, f"{self.role} worker queue is full ({self.max_queued_requests} waiting)")
         budget_s = request.ttft_budget_ms / 1e3 if request.ttft_budget_ms > 0 else None
         kv = None
-        if not request.prefill_locally:  # wait for free blocks at most a lease (or the budget, or the deadline)
+        by_deadline = False  # the wait for a reservation ends at the call's deadline, not the budget
+        if not request.prefill_locally:  # wait for a batch slot and free blocks as a colocated request does
             remaining = context.time_remaining()
-            budget_s = max(
-                0.001, min(budget_s or self.ledger.lease_s, remaining if remaining is not None else self.ledger.lease_s)
-            )
+            if remaining is not None and (budget_s is None or remaining < budget_s):
+                budget_s, by_deadline = max(0.001, remaining), True  # rejected in time for a clear answer
             kv = KVReceive(self.ledger)
         start = lambda e: e.add_request(  # noqa: E731
             rid,
@@ -118,9 +118,11 @@ class DecodeService(pdserve_pb2_grpc.DecodeWorkerServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RequestRejected:
-            if kv is not None:
+            if by_deadline:
                 await abort_overloaded(
-                    context, f"decode worker has no room for {len(token_ids)} tokens of KV cache; retry later"
+                    context,
+                    f"{self.role} worker could not start the request before its deadline (a batch slot and KV "
+                    f"blocks for {len(token_ids)} tokens); retry later",
                 )
             await abort_overloaded(context, "request could not start within its ttft_budget_ms")
         except TransferFailed as e:

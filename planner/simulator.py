@@ -53,7 +53,6 @@ from pdserve.router.policy import make_policy
 from pdserve.router.validation import ValidatedRequest
 from pdserve.router.workers import PromptBlocks
 
-RESERVE_WAIT_S = 30.0  # the decode worker's lease: how long a reservation may wait for blocks (decode_worker.servicer)
 STRAGGLER_GRACE_S = 5.0  # as the load generator: a run's stragglers are cancelled this long after its limit
 DEFAULT_KV_TOKENS = 64 * 2048  # KV capacity of a worker when neither the profile nor the config bounds it
 
@@ -246,7 +245,8 @@ class Simulation:
         decode.engine.add_request(
             req.rid, tokens, req.spec.max_tokens, self.now, kv_receive=KVReceive(decode.engine.receiver)
         )
-        self.after(max(0.001, min(RESERVE_WAIT_S, req.deadline - self.now)), self._reservation_overdue, req, prefill)
+        # As a decode worker: a reservation waits for a batch slot and blocks until the deadline.
+        self.after(max(0.001, req.deadline - self.now), self._reservation_overdue, req, prefill)
         self._wake(decode)
 
     def _reservation_overdue(self, req: _Request, prefill: SimWorker) -> None:
@@ -255,7 +255,7 @@ class Simulation:
         prefill.record.end_prefill(req.work)
         req.decode.handlers.pop(req.rid, None)
         req.decode.record.inflight -= 1
-        self._fail(req, "RESOURCE_EXHAUSTED: decode worker has no room for the KV cache")
+        self._fail(req, "RESOURCE_EXHAUSTED: decode worker could not start the request before its deadline")
 
     def _decode_output(self, req: _Request, prefill: SimWorker, out: RequestOutput) -> None:
         if isinstance(out.kv, KVReservation):  # the router sends the prompt to the prefill worker

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
 import secrets
 import socket
 from dataclasses import asdict, dataclass, field, replace
@@ -131,12 +132,19 @@ def local_peer_info(
 
 
 def host_id() -> str:
-    """A per-machine identity (boot id + hostname) for deciding whether shared memory can work."""
+    """An identity of the memory this process can share (boot id, hostname and which /dev/shm):
+    equal for two workers exactly when same-host transports can work between them. Containers
+    on the host's network share the first two, not a private /dev/shm."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
         boot = ""
-    return f"{socket.gethostname()}:{boot}"
+    try:
+        shm = os.stat("/dev/shm")
+        shm_id = f"{shm.st_dev}:{shm.st_ino}"
+    except OSError:
+        shm_id = ""
+    return f"{socket.gethostname()}:{boot}:{shm_id}"
 
 
 def choose(local: PeerInfo, remote: PeerInfo) -> str:

@@ -46,7 +46,8 @@ class KVReceiver:
         self.local = local
         self.secret = secret
         self.ucx = ucx
-        self._listener = socket.create_server((host, port), backlog=64)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host, port), family=family, backlog=64)
         self.port = self._listener.getsockname()[1]
         self._stopped = threading.Event()
         self._conns: set[socket.socket] = set()

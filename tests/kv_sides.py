@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from pdserve.addresses import join_host_port
 from pdserve.engine.kv_cache import KVLayout
 from pdserve.engine.kv_connector import TransferOutcome
 from pdserve.kernels.reference import gather_kv
@@ -76,6 +77,7 @@ class Decode:
         secret: bytes | None = None,
         force_staging: bool = False,
         quarantine_s: float = 0.0,
+        host: str = "127.0.0.1",
         **info,
     ) -> None:
         lay = layout(block_size)
@@ -89,9 +91,9 @@ class Decode:
         self.ucx = UcxWorker() if transport == "ucx" else None
         extra = self.pool.describe() if self.pool else {}
         local = peer([transport], block_size, extra=extra, **info)
-        self.receiver = KVReceiver(self.ledger, self.cache, local, "127.0.0.1", 0, secret=secret, ucx=self.ucx)
+        self.receiver = KVReceiver(self.ledger, self.cache, local, host, 0, secret=secret, ucx=self.ucx)
         self.receiver.start()
-        self.address = f"127.0.0.1:{self.receiver.port}"
+        self.address = join_host_port(host, self.receiver.port)
 
     def grant(self, block_ids: list[int], num_tokens: int, skip_tokens: int = 0, lease_s: float | None = None) -> int:
         key = object()

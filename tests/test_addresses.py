@@ -83,3 +83,19 @@ def test_a_taken_metrics_port_is_named():
         port = taken.getsockname()[1]
         with pytest.raises(OSError, match=f"^--metrics-port: could not bind 127.0.0.1:{port}"):
             serve_metrics("127.0.0.1", port, CollectorRegistry())
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="this machine has no IPv6 loopback")
+def test_kv_transfers_reach_a_decode_worker_on_an_ipv6_address():
+    from kv_sides import Decode, Prefill, assert_same_tokens
+
+    decode, prefill = Decode("tcp", host="::1"), Prefill("tcp")
+    try:
+        assert decode.address.startswith("[::1]:")
+        conn = prefill.connect(decode.address)
+        tid = decode.grant([0, 1], 16)
+        assert prefill.ship(conn, tid, [0], [0, 1], 8, 16).ok and decode.outcome(tid).ok
+        assert_same_tokens(prefill.layers, [0], decode.layers, [0, 1], 16)
+    finally:
+        prefill.close()
+        decode.close()

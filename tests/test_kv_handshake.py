@@ -4,7 +4,11 @@ on the wire, both sides proven), negotiation, transport availability, the model 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import socket
+import subprocess
+import sys
 import threading
 from dataclasses import replace
 
@@ -228,3 +232,29 @@ def test_peers_that_never_finish_their_handshake_are_dropped_and_cannot_stop_the
         for sock in slow:
             sock.close()
         decode.close()
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("unshare"), reason="a private /dev/shm needs root and unshare"
+)
+def test_a_process_with_its_own_dev_shm_is_another_host_for_shared_memory():
+    """Containers on the host's network share its hostname and boot id, not a private /dev/shm:
+    shm between them must not be chosen (its segments are not there)."""
+    from pdserve.kvtransfer.handshake import host_id
+
+    script = "from pdserve.kvtransfer.handshake import host_id; print(host_id())"
+    private = subprocess.run(
+        [
+            *("unshare", "-m", "--propagation", "private", "sh", "-c"),
+            'mount -t tmpfs tmpfs /dev/shm && exec "$@"',
+            *("sh", sys.executable, "-c", script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.strip()
+    shared = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    assert shared.stdout.strip() == host_id()  # the same memory: the same identity
+    assert private and private != host_id()
+    assert choose(peer(["shm", "tcp"], 16), replace(peer(["shm", "tcp"], 16), host_id=private)) == "tcp"

@@ -20,7 +20,7 @@ from pdserve.engine.kv_connector import KVSend
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request_output import KVSent, RequestRejected, TransferFailed
 from pdserve.event_counts import EventCounts
-from pdserve.grpc_server import abort_overloaded
+from pdserve.grpc_server import PEER_FAULT_KEY, abort_overloaded
 from pdserve.kvtransfer.handshake import HandshakeError
 from pdserve.kvtransfer.sender import KVSender
 from pdserve.v1 import pdserve_pb2 as pb
@@ -85,14 +85,18 @@ class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
 
     async def _serve(self, request, context, token_ids, sampling, transfer_id) -> pb.PrefillResponse:
         rid, target = request.request_id, request.target
+        # These are the decode worker's faults, not ours: the router tries another decode worker.
+        blame = ((PEER_FAULT_KEY, "decode"),)
         try:
             conn = await asyncio.to_thread(self.sender.connection, target.kv_address)
         except HandshakeError as e:
             log.warning("request %s (client id %r): %s", rid, request.client_request_id, e)
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e), trailing_metadata=blame)
         except (OSError, ValueError) as e:
             await context.abort(
-                grpc.StatusCode.UNAVAILABLE, f"cannot reach decode worker KV endpoint {target.kv_address}: {e}"
+                grpc.StatusCode.UNAVAILABLE,
+                f"cannot reach decode worker KV endpoint {target.kv_address}: {e}",
+                trailing_metadata=blame,
             )
 
         transfer = conn.open(

@@ -27,12 +27,12 @@ from typing import AsyncIterator, Iterator
 import grpc
 
 from pdserve import metrics
-from pdserve.grpc_server import RETRY_AFTER_KEY
+from pdserve.grpc_server import PEER_FAULT_KEY, RETRY_AFTER_KEY
 from pdserve.router.choice_migration import continue_choices
 from pdserve.router.conditional import ConditionalRouter
 from pdserve.router.policy import NoWorkerAvailable, RoutingPolicy
 from pdserve.router.validation import ValidatedRequest
-from pdserve.router.workers import OpenCall, PromptBlocks, Worker, WorkerRegistry
+from pdserve.router.workers import OpenCall, PromptBlocks, Role, Worker, WorkerRegistry
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.wire import sampling_to_proto
 
@@ -71,9 +71,11 @@ class DispatchError(Exception):
         worker: Worker | None = None,
         retry_after_ms: int | None = None,
         final: bool = False,
+        elsewhere: bool = False,
     ) -> None:
         super().__init__(message)
         self.final = final  # retrying cannot help (e.g. we already waited for a worker to come back)
+        self.elsewhere = elsewhere  # this worker's fault whatever the code: another of its role may do
         self.code = code
         self.message = message
         self.worker = worker
@@ -81,7 +83,7 @@ class DispatchError(Exception):
 
     @property
     def retryable(self) -> bool:
-        return not self.final and self.code in RETRYABLE
+        return not self.final and (self.code in RETRYABLE or self.elsewhere)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +103,16 @@ class Attempt:
     @property
     def token_ids(self) -> list[int]:
         return self.blocks.token_ids
+
+
+def _prefill_error(prefill: Worker, decode: Worker, error: grpc.aio.AioRpcError) -> DispatchError:
+    """A failed Prefill call: the prefill worker's fault, or the decode worker's when the
+    prefill worker says its KV endpoint could not be reached or refused the handshake."""
+    if dict(error.trailing_metadata() or ()).get(PEER_FAULT_KEY) == "decode":
+        blamed = _worker_error(decode, error)
+        blamed.elsewhere = True
+        return blamed
+    return _worker_error(prefill, error)
 
 
 def _worker_error(worker: Worker, error: grpc.aio.AioRpcError) -> DispatchError:
@@ -169,6 +181,9 @@ class Dispatcher:
                     raise
                 if e.worker is not None:
                     failed.add(e.worker.address)
+                if e.elsewhere and not self._another(e.worker, failed):
+                    raise  # its words say more than "no worker left" would
+
                 kind = "migrations" if prior else "retries"
                 moved += kind == "migrations"
                 self.counters[kind] += 1
@@ -185,6 +200,10 @@ class Dispatcher:
                     self.counters["reprefills_after_corruption"] += 1
                 # Back off a little: a worker that just died takes its peers' health checks a moment to notice.
                 await asyncio.sleep(min(0.2 * 2 ** (attempt - 1), 2.0, max(0.0, deadline - time.monotonic())))
+
+    def _another(self, worker: Worker, failed: set[str]) -> bool:
+        pool = self.registry.decode if worker.role is Role.DECODE else self.registry.prefill
+        return any(w.healthy and w.address not in failed for w in pool)
 
     def _watch(self, req: ValidatedRequest):
         """The online planner's watch on a request, or None if the planner fails (it only advises)."""
@@ -292,7 +311,7 @@ class Dispatcher:
                         open_call.add(prefilled)
                         response = await prefilled
                 except grpc.aio.AioRpcError as e:
-                    raise _worker_error(prefill, e) from None
+                    raise _prefill_error(prefill, decode, e) from None
                 finally:
                     prefill.end_prefill(work)
                 open_call.heard()

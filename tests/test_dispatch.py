@@ -23,9 +23,12 @@ PROMPT = list(range(100, 140))
 
 
 def rpc_error(
-    code: grpc.StatusCode, details: str = "injected", retry_after_ms: int | None = None
+    code: grpc.StatusCode, details: str = "injected", retry_after_ms: int | None = None, decode_fault: bool = False
 ) -> grpc.aio.AioRpcError:
-    trailing = grpc.aio.Metadata(("retry-after-ms", str(retry_after_ms))) if retry_after_ms else grpc.aio.Metadata()
+    trailing = grpc.aio.Metadata(
+        *((("retry-after-ms", str(retry_after_ms)),) if retry_after_ms else ()),
+        *((("pdserve-peer-fault", "decode"),) if decode_fault else ()),
+    )
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details)
 
 
@@ -377,3 +380,25 @@ async def test_a_worker_gone_from_dns_keeps_its_channel_until_its_calls_end(monk
     await registry.resolve()
     assert registry.retired == [] and worker.channel.get_state() is grpc.ChannelConnectivity.SHUTDOWN
     await registry.close()
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION])
+async def test_a_decode_worker_whose_kv_endpoint_fails_is_the_one_avoided(code):
+    """The prefill worker could not reach (or handshake with) the decode worker's KV endpoint:
+    the decode worker is blamed and skipped, the prefill worker is not."""
+    bad, good = FakeDecode([([], None)]), FakeDecode([([[7, 8]], None)])
+    p = FakePrefill([rpc_error(code, "cannot reach decode worker KV endpoint", decode_fault=True), 5])
+    d1, d2, p1 = decode_worker("d1", bad), decode_worker("d2", good), prefill_worker("p1", p)
+    disp = dispatcher(registry([p1], [d1, d2]))
+    ids, finish = await collect(disp, request())
+    assert (ids, finish) == ([5, 7, 8], "length")
+    assert [len(stub.requests) for stub in (bad, good)] == [1, 1] and len(p.requests) == 2  # the same prefill worker
+    assert p1.consecutive_failures == 0 and p1.healthy
+    assert d1.consecutive_failures == (1 if code is grpc.StatusCode.UNAVAILABLE else 0)
+
+    # With no other decode worker, the refusal itself reaches the client (not "no worker left").
+    alone = dispatcher(registry([p1], [decode_worker("d3", FakeDecode([([], None)]))]))
+    p.answers.append(rpc_error(code, "refused the KV handshake", decode_fault=True))
+    with pytest.raises(DispatchError) as err:
+        await collect(alone, request())
+    assert err.value.code is code and "refused the KV handshake" in err.value.message

@@ -7,9 +7,9 @@ an argument instead of keeping a default of their own.
 from __future__ import annotations
 
 import math
-import socket
 from dataclasses import dataclass
 
+from pdserve.addresses import own_address
 from pdserve.config import setting
 from pdserve.kvtransfer.registry import TRANSPORT_CHOICES
 from pdserve.placement import parse_devices
@@ -55,7 +55,7 @@ class WorkerSettings:
         if self.advertise_host:
             return self.advertise_host
         if self.host in ("0.0.0.0", "::", ""):
-            return socket.gethostbyname(socket.gethostname())
+            return own_address(ipv6=self.host == "::")
         return self.host
 
     def cpu_set(self) -> set[int]:

@@ -99,3 +99,21 @@ def test_kv_transfers_reach_a_decode_worker_on_an_ipv6_address():
     finally:
         prefill.close()
         decode.close()
+
+
+def test_a_worker_bound_to_every_interface_advertises_its_route_out_not_loopback(monkeypatch, caplog):
+    from pdserve import addresses
+    from pdserve.settings import WorkerSettings
+
+    assert WorkerSettings(host="0.0.0.0").public_host() == addresses.own_address()
+    assert WorkerSettings(host="0.0.0.0", advertise_host="decode-0.pods").public_host() == "decode-0.pods"
+
+    class NoRoute(socket.socket):
+        def connect(self, address):
+            raise OSError("network unreachable")
+
+    monkeypatch.setattr(addresses.socket, "socket", NoRoute)
+    monkeypatch.setattr(addresses.socket, "gethostbyname", lambda name: "127.0.1.1")  # Debian's /etc/hosts
+    with caplog.at_level("WARNING", logger="pdserve.addresses"):
+        assert addresses.own_address() == "127.0.1.1"
+    assert "loopback" in caplog.text and "--advertise-host" in caplog.text

@@ -176,7 +176,7 @@ class Dispatcher:
                 raise DispatchError(grpc.StatusCode.UNAVAILABLE, "the worker stream ended without a finish reason")
             except DispatchError as e:
                 if e.worker is not None and e.code is grpc.StatusCode.UNAVAILABLE:
-                    e.worker.record_failure(self.failure_threshold)
+                    e.worker.record_failure(self.failure_threshold, e.message)
                 if not e.retryable or attempt == self.max_attempts or time.monotonic() >= deadline:
                     raise
                 if e.worker is not None:

@@ -80,14 +80,11 @@ class HealthMonitor:
             stats = await stub.GetStats(pb.StatsRequest(), timeout=PROBE_TIMEOUT_S, metadata=self.registry.metadata)
             worker.update_stats(stats, mark)
         except (grpc.aio.AioRpcError, ConnectionError) as e:
+            # The details say why (a wrong cluster token, a TLS mismatch), not only the code.
+            reason = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else str(e)
             if worker.healthy:
-                log.info(
-                    "probe of %s worker %s failed: %s",
-                    worker.role.value,
-                    worker.address,
-                    e.code().name if isinstance(e, grpc.aio.AioRpcError) else e,
-                )
-            worker.record_failure(self.failure_threshold)
+                log.info("probe of %s worker %s failed: %s", worker.role.value, worker.address, reason)
+            worker.record_failure(self.failure_threshold, reason)
             if not worker.healthy and (moved := worker.abandon_quiet_calls(QUIET_S)):
                 log.warning(
                     "%s worker %s does not answer: %d of its requests move to other workers",

@@ -41,7 +41,7 @@ def _healthy(workers: list[Worker], exclude: set[str] | None = None) -> list[Wor
     if not healthy:
         if not workers:
             raise NoWorkerAvailable("no worker registered")
-        down = ", ".join(w.address for w in workers)
+        down = ", ".join(f"{w.address}{f' ({w.last_error})' if w.last_error else ''}" for w in workers)
         raise NoWorkerAvailable(f"no healthy {workers[0].role.value} worker available (failing health checks: {down})")
     return [w for w in healthy if w.address not in (exclude or ())] or healthy
 

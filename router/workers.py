@@ -47,6 +47,7 @@ class Worker:
     decode_stub: pdserve_pb2_grpc.DecodeWorkerStub | None = None
     healthy: bool = True
     consecutive_failures: int = 0
+    last_error: str = ""  # why its last health check or call failed (for logs and "no healthy worker")
     inflight: int = 0  # requests this router has on the worker right now
     inflight_tokens: int = 0  # prompt tokens (past its cached prefix) this router sent it to prefill, not yet done
     last_stats: pb.WorkerStats | None = None
@@ -106,15 +107,17 @@ class Worker:
         queued = self.last_stats.waiting if self.last_stats else 0
         return self.inflight + queued
 
-    def record_failure(self, threshold: int) -> None:
+    def record_failure(self, threshold: int, reason: str = "") -> None:
         """Opens the circuit after ``threshold`` failures in a row; the health monitor closes it."""
         self.consecutive_failures += 1
+        self.last_error = reason or self.last_error
         if self.healthy and self.consecutive_failures >= threshold:
             log.warning(
-                "%s worker %s taken out of rotation after %d failures",
+                "%s worker %s taken out of rotation after %d failures%s",
                 self.role.value,
                 self.address,
                 self.consecutive_failures,
+                f" (last: {self.last_error})" if self.last_error else "",
             )
             self.healthy = False
 
@@ -133,6 +136,7 @@ class Worker:
             log.info("%s worker %s is healthy again; back in rotation", self.role.value, self.address)
         self.consecutive_failures = 0
         self.healthy = True
+        self.last_error = ""
 
 
 class OpenCall:

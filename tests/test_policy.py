@@ -94,11 +94,11 @@ def test_exclusion_and_health():
     assert RoundRobin().pick_prefill(request([]), [a], exclude={"a"}) is a  # nothing else: try it again
     a.record_failure(threshold=2)
     assert a.healthy
-    a.record_failure(threshold=2)
+    a.record_failure(threshold=2, reason="UNAUTHENTICATED: the cluster credential does not match")
     assert not a.healthy and KvAware().pick_prefill(request([]), [a, b]) is b
     b.healthy = False
-    with pytest.raises(NoWorkerAvailable, match="failing health checks"):
-        KvAware().pick_prefill(request([]), [a, b])
+    with pytest.raises(NoWorkerAvailable, match=r"failing health checks: a \(UNAUTHENTICATED: the cluster"):
+        KvAware().pick_prefill(request([]), [a, b])  # why, not only where
     a.record_success()
     assert a.healthy
 

@@ -127,6 +127,7 @@ def _worker_error(worker: Worker, error: grpc.aio.AioRpcError) -> DispatchError:
         f"{worker.role.value} worker {worker.address}: {error.details()}",
         worker,
         retry_after_ms=int(retry) if retry and str(retry).isdigit() else None,
+        elsewhere=code is grpc.StatusCode.RESOURCE_EXHAUSTED,  # its queue is full: a sibling's may not be
     )
 
 
@@ -198,8 +199,9 @@ class Dispatcher:
                     return
                 if e.code is grpc.StatusCode.DATA_LOSS:
                     self.counters["reprefills_after_corruption"] += 1
-                # Back off a little: a worker that just died takes its peers' health checks a moment to notice.
-                await asyncio.sleep(min(0.2 * 2 ** (attempt - 1), 2.0, max(0.0, deadline - time.monotonic())))
+                if e.code is not grpc.StatusCode.RESOURCE_EXHAUSTED:  # a full worker answered: no one died
+                    # Back off a little: a worker that just died takes its peers' health checks a moment to notice.
+                    await asyncio.sleep(min(0.2 * 2 ** (attempt - 1), 2.0, max(0.0, deadline - time.monotonic())))
 
     def _another(self, worker: Worker, failed: set[str]) -> bool:
         pool = self.registry.decode if worker.role is Role.DECODE else self.registry.prefill

@@ -402,3 +402,18 @@ async def test_a_decode_worker_whose_kv_endpoint_fails_is_the_one_avoided(code):
     with pytest.raises(DispatchError) as err:
         await collect(alone, request())
     assert err.value.code is code and "refused the KV handshake" in err.value.message
+
+
+async def test_a_full_worker_sends_the_request_to_a_sibling_and_alone_it_answers_with_its_hint():
+    full = rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "decode worker queue is full (2 waiting)", retry_after_ms=1000)
+    busy, idle_stub = FakeDecode([([], full)]), FakeDecode([([[1, 2]], None)])
+    d1, d2 = decode_worker("d1", busy), decode_worker("d2", idle_stub)
+    disp = dispatcher(registry([], [d1, d2]))
+    assert await collect(disp, request(max_tokens=2)) == ([1, 2], "length")
+    assert d1.healthy and d1.consecutive_failures == 0  # full is not broken
+    assert idle(d1, d2)
+
+    alone = dispatcher(registry([], [decode_worker("d3", FakeDecode([([], full)]))]))
+    with pytest.raises(DispatchError) as err:
+        await collect(alone, request())
+    assert err.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED and err.value.retry_after_ms == 1000

@@ -46,6 +46,8 @@ def build_request(
             field = getattr(req.sampling, name)
             if hasattr(field, "extend"):
                 field.extend([value] if isinstance(value, str) else value)  # stop="END" is one stop string
+            elif hasattr(field, "CopyFrom"):  # a message (structured_output): copied in, not assigned
+                field.CopyFrom(value)
             else:
                 setattr(req.sampling, name, value)
     return req

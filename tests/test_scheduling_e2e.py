@@ -80,9 +80,9 @@ async def test_a_disaggregated_request_waits_for_a_decode_slot_as_long_as_its_de
     stack = Stack.up("--max-num-seqs", "1", "--kv-lease-s", "1", *ARGS)
     try:
         long = asyncio.create_task(
-            collect(stack.address, build_request("Count:", max_tokens=160, temperature=0, ignore_eos=True))
+            collect(stack.address, build_request("Count:", max_tokens=400, temperature=0, ignore_eos=True))
         )
-        await asyncio.sleep(0.5)  # it holds the decode worker's only batch slot
+        await asyncio.sleep(0.3)  # it holds the decode worker's only batch slot
         prompt = "The capital of France is"  # waits behind it past the 1 s lease, and is served
         ids, _, _ = await collect(stack.address, build_request(prompt, max_tokens=8, temperature=0))
         assert ids == hf_reference.greedy(hf_reference.tokenizer(prompt).input_ids, 8)

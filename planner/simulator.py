@@ -260,6 +260,7 @@ class Simulation:
     def _decode_output(self, req: _Request, prefill: SimWorker, out: RequestOutput) -> None:
         if isinstance(out.kv, KVReservation):  # the router sends the prompt to the prefill worker
             req.reservation = out.kv
+            prefill.record.prefill_sent(req.work)
             prefill.handlers[req.rid] = lambda o: self._prefill_output(req, prefill, o)
             # The simulated transfer always completes, so the connector's wall-clock deadline for the ack never matters.
             send = KVSend(SimTransfer(lambda transfer, token: self._ship(req, transfer, token)), ack_timeout_s=math.inf)

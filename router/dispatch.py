@@ -307,6 +307,7 @@ class Dispatcher:
                 try:
                     with _waiting_on(open_call, prefill):
                         target = await _reservation(call, decode)
+                        prefill.prefill_sent(work)
                         prefilled = prefill.prefill_stub.Prefill(
                             _prefill_request(attempt, target), timeout=_left(deadline), metadata=self.registry.metadata
                         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import math
 import socket
 import time
 from dataclasses import dataclass, field
@@ -32,10 +33,11 @@ class Role(str, enum.Enum):
 
 @dataclass(eq=False)
 class PrefillWork:
-    """A prompt sent to a prefill worker, from ``begin_prefill`` until ``end_prefill``."""
+    """A prompt bound for a prefill worker, from ``begin_prefill`` until ``end_prefill``."""
 
     tokens: int  # what it computes there: its tokens past the worker's cached prefix
-    started: float  # when it was sent (its blocks are expected there from then on)
+    hashes: list[int]  # its blocks, expected in that worker's cache
+    sent_at: float | None = None  # when its Prefill call went out (it may first wait for a reservation)
 
 
 @dataclass(eq=False)
@@ -60,8 +62,10 @@ class Worker:
     def digest_mark(self) -> float:
         """Take it when asking for stats: every prompt sent here before it has finished its
         prefill, so the answer's digest is the truth about its blocks (the oldest prompt still
-        in prefill bounds it; a busy worker's mark still moves on as prompts finish)."""
-        return min((work.started for work in self._prefilling), default=time.monotonic())
+        in prefill bounds it; a busy worker's mark still moves on as prompts finish, and a
+        prompt still waiting for its decode reservation holds nothing up)."""
+        sent = (work.sent_at for work in self._prefilling if work.sent_at is not None)
+        return min(sent, default=time.monotonic())
 
     def update_stats(self, stats: pb.WorkerStats, mark: float | None = None) -> None:
         """``mark``: ``digest_mark()`` taken when these stats were asked for. Blocks sent since
@@ -87,17 +91,23 @@ class Worker:
     def begin_prefill(self, prompt: "PromptBlocks") -> PrefillWork:
         """Counts a prompt sent here to prefill and expects its blocks cached here from now on
         (the next digest confirms it); returns what to hand back to ``end_prefill``."""
-        work = PrefillWork(self.uncached_tokens(prompt), time.monotonic())
-        if self.block_size is not None:
-            hashes = prompt.hashes(self.block_size)
-            self.cached_hashes.update(hashes)
-            self._expected.update(dict.fromkeys(hashes, work.started))
+        hashes = prompt.hashes(self.block_size) if self.block_size is not None else []
+        work = PrefillWork(self.uncached_tokens(prompt), hashes)
+        self.cached_hashes.update(hashes)
+        self._expected.update(dict.fromkeys(hashes, math.inf))  # no digest can have them before it is sent
         self._prefilling.add(work)
         self.inflight += 1
         self.inflight_tokens += work.tokens
         return work
 
+    def prefill_sent(self, work: PrefillWork) -> None:
+        """Its Prefill call goes out now: digests asked for from now on may hold its blocks."""
+        work.sent_at = time.monotonic()
+        self._expected.update(dict.fromkeys(work.hashes, work.sent_at))
+
     def end_prefill(self, work: PrefillWork) -> None:
+        if work.sent_at is None:  # never sent (no reservation): the next digest decides about its blocks
+            self._expected.update(dict.fromkeys(work.hashes, time.monotonic()))
         self._prefilling.discard(work)
         self.inflight -= 1
         self.inflight_tokens -= work.tokens

@@ -8,7 +8,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.prefix_hash import block_hashes
 from pdserve.router.policy import KvAware, LeastLoaded, NoWorkerAvailable, RoundRobin, make_policy
 from pdserve.router.validation import ValidatedRequest
-from pdserve.router.workers import PromptBlocks, Role, Worker, prefix_overlap
+from pdserve.router.workers import PrefillWork, PromptBlocks, Role, Worker, prefix_overlap
 from pdserve.v1 import pdserve_pb2 as pb
 
 SYSTEM = list(range(1000, 1000 + 160))  # a 10-block shared system prompt
@@ -137,13 +137,21 @@ def test_a_worker_never_idle_forgets_what_its_digests_have_answered_for():
     before a digest was asked for are the digest's to report, and the router lets them go."""
     a = worker("a")
     a.update_stats(pb.WorkerStats(address="a", block_size=16))
-    running = [a.begin_prefill(PromptBlocks(list(range(1000 * i, 1000 * i + 64)))) for i in range(2)]
+    waiting = a.begin_prefill(PromptBlocks(list(range(-64, 0))))  # waits all along for its decode reservation
+
+    def send(i: int) -> PrefillWork:
+        work = a.begin_prefill(PromptBlocks(list(range(1000 * i, 1000 * i + 64))))
+        a.prefill_sent(work)
+        return work
+
+    running = [send(i) for i in range(2)]
     for i in range(2, 300):  # a new prompt starts as the oldest ends: never idle
         a.end_prefill(running.pop(0))
-        running.append(a.begin_prefill(PromptBlocks(list(range(1000 * i, 1000 * i + 64)))))
+        running.append(send(i))
         if i % 10 == 0:
             a.update_stats(pb.WorkerStats(address="a", block_size=16), a.digest_mark())
-    assert len(a._expected) <= 4 * 12  # the prompts in flight and those since the last digest (4 blocks each)
+    assert len(a._expected) <= 4 * 13  # those in flight, the waiting one, those since the last digest (4 blocks each)
+    assert set(waiting.hashes) <= a.cached_hashes  # not sent yet: no digest can hold it, still expected
     a.update_stats(pb.WorkerStats(address="a", block_size=16), a.digest_mark())  # an empty digest
     in_flight = PromptBlocks(list(range(1000 * 299, 1000 * 299 + 64))).hashes(16)  # the last one sent
     assert set(in_flight) <= a.cached_hashes  # what is still being prefilled stays expected

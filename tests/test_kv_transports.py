@@ -745,3 +745,26 @@ def test_a_connection_whose_peer_dies_lets_its_transport_go_at_once(transport, m
     finally:
         prefill.close()
         decode.close()
+
+
+def test_a_shm_cache_counts_the_room_other_workers_caches_will_take(monkeypatch):
+    """tmpfs takes a segment's room only as it is written: a second worker checking free space
+    alone would fit where the first worker's cache will grow, and someone dies of SIGBUS."""
+    import collections
+
+    from kv_sides import layout
+
+    from pdserve.kvtransfer import shm_transport
+
+    lay = layout(8)
+    size = lay.num_layers * 32 * lay.block_bytes
+    others = shm_transport._promised()  # other processes' caches on this machine, if any
+    room = collections.namedtuple("Usage", "total used free")(0, 0, others + 1.5 * size)
+    monkeypatch.setattr(shm_transport.shutil, "disk_usage", lambda path: room)  # room for one cache more
+    first = shm_transport.make_pool(lay, 32, torch.device("cpu"))  # nothing written yet: it takes no room now
+    try:
+        with pytest.raises(shm_transport.PoolUnavailable, match="beside other workers' caches"):
+            shm_transport.make_pool(lay, 32, torch.device("cpu"))
+    finally:
+        first.close()
+    shm_transport.make_pool(lay, 32, torch.device("cpu")).close()  # its room is back

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 CORRECTION_RANGE = (0.25, 4.0)
 MIN_SAMPLES = 3  # finished requests before measured latency corrects the profile
+FLOOR_MARGIN = 1.1  # an unmet TTFT SLO: sized for this much above the lowest TTFT one instance reaches
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +102,7 @@ class OnlinePlanner:
         self.outputs: deque[tuple[float, int]] = deque()  # (time, tokens a finished request generated)
         self.ratios: deque[tuple[float, float, float | None]] = deque()  # (time, TTFT measured/predicted, TPOT ...)
         self._unmet: tuple[str, ...] = ()  # the SLOs no instance met at the last decision (warned once)
+        self._met_prefill = 0.0  # prefill replicas asked for while the TTFT SLO was last met
         self._task: asyncio.Task | None = None
 
     # -- what the dispatcher reports ------------------------------------------------------------
@@ -153,12 +155,17 @@ class OnlinePlanner:
         prefill, decode = capacity.replicas_needed(
             self.profile, w, rate, ttft, tpot, self.prefill_degree, self.decode_degree, self.max_num_seqs
         )
-        # An SLO no instance meets (as measured now): more replicas past the lowest latency a pool
-        # can reach do not help, so ask for that (one prompt, one sequence at a time), not for the most.
+        # An SLO no instance meets (as measured now): ask for the replicas of about the lowest
+        # latency a pool reaches, not for the most (more do not help), and never fewer than
+        # while the SLO was met (an SLO missed through queueing must not scale the pool down).
         unmet = tuple(name for name, needed in (("ttft", prefill), ("tpot", decode)) if math.isinf(needed))
         if "ttft" in unmet:
-            prefill = rate / capacity.prefill_rate(self.profile, self.prefill_degree, w, None)
-        if "tpot" in unmet:
+            rate_at = lambda ms: capacity.prefill_rate(self.profile, self.prefill_degree, w, ms)  # noqa: E731
+            reachable = _tightest_met(rate_at, ttft) * FLOOR_MARGIN
+            prefill = max(rate / rate_at(reachable), self._met_prefill) if math.isfinite(reachable) else math.inf
+        else:
+            self._met_prefill = prefill
+        if "tpot" in unmet:  # one sequence at a time: the lowest TPOT there is
             decode = rate / capacity.decode_rate(self.profile, self.decode_degree, w, None, max_num_seqs=1)
         if unmet and unmet != self._unmet:
             log.warning(
@@ -206,6 +213,22 @@ class OnlinePlanner:
                 d.ttft_correction,
                 d.tpot_correction,
             )
+
+
+def _tightest_met(rate_at: Callable[[float], float], missed_ms: float) -> float:
+    """About the tightest latency SLO (ms) one instance meets at any rate (``rate_at(ms) > 0``),
+    searched up from one it misses; inf if none is found."""
+    low, high = missed_ms, max(missed_ms, 1.0) * 2
+    for _ in range(64):
+        if rate_at(high) > 0:
+            break
+        low, high = high, high * 2
+    else:
+        return math.inf
+    for _ in range(32):
+        middle = (low + high) / 2
+        low, high = (low, middle) if rate_at(middle) > 0 else (middle, high)
+    return high
 
 
 def _correction(ratios: list[float]) -> float:

@@ -3,6 +3,8 @@ model it asks, and the Prometheus gauges it exports (fake clock, no servers)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from pdserve.engine.sampling_params import SamplingParams
@@ -102,11 +104,27 @@ def test_an_slo_no_instance_meets_asks_for_the_lowest_latency_not_the_most(caplo
         planner.decide()
     assert caplog.text.count("no instance meets the ttft and tpot SLO") == 1  # once, not at every decision
     w = capacity.WorkloadStats(200, 50, 200)  # what feed() sends
-    assert d.prefill == pytest.approx(d.rate / capacity.prefill_rate(PROFILE, 1, w, None))
+    saturated = d.rate / capacity.prefill_rate(PROFILE, 1, w, None)  # every replica busy all the time
+    assert saturated * 1.5 < d.prefill < 1024  # sized for about the lowest TTFT, not for saturation
     assert d.decode == pytest.approx(d.rate / capacity.decode_rate(PROFILE, 1, w, None, max_num_seqs=1))
     assert 0 < d.decode < 1024 and d.decode > d.rate / capacity.decode_rate(PROFILE, 1, w, None)  # batch 1
     planner.export(d)
     assert REGISTRY.get_sample_value("pdserve_planner_desired_replicas", {"role": "decode"}) == pytest.approx(d.decode)
+
+
+def test_a_ttft_slo_missed_through_queueing_never_asks_for_fewer_prefill_replicas():
+    """Queueing raises measured TTFT over the profile's; once that makes the SLO unreachable, the
+    planner must not answer with fewer replicas than it asked for while it was met."""
+    clock = Clock()
+    planner = OnlinePlanner(PROFILE, ttft_ms=400, tpot_ms=None, window_s=60, clock=clock)
+    feed(planner, clock, rate=20.0, seconds=30)
+    asked = [planner.decide().prefill]
+    for measured_s in (0.3, 0.4, 0.6, 1.0, 2.0):  # the fleet queues more and more
+        for _ in range(10):
+            planner.on_finish(200, measured_s, None, 50)
+        asked.append(planner.decide().prefill)
+    assert all(math.isfinite(a) and a < 1024 for a in asked)
+    assert asked == sorted(asked), asked  # worse latency never asks for fewer
 
 
 def test_the_planner_needs_an_slo():

@@ -55,8 +55,10 @@ DEFAULT_MODEL = WheelModel(
 
 
 def cache_dir(override: str | Path | None = None) -> Path:
-    root = override or os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "pdserve"
-    return Path(root).expanduser()
+    try:
+        return Path(override or os.environ.get(CACHE_ENV) or "~/.cache/pdserve").expanduser()
+    except RuntimeError:  # a uid with no home folder (an arbitrary runAsUser)
+        raise ValueError(f"no home folder to keep the model cache in: set {CACHE_ENV} to a writable folder") from None
 
 
 def sha256_of(path: Path) -> str:
@@ -88,7 +90,10 @@ def _converted(gguf: Path, sha: str, cache: str | Path | None, expected_sha: str
     target = cache_dir(cache) / "models" / f"{gguf.stem}-{sha[:12]}"
     if _version(target) >= CONVERSION_VERSION:
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OSError(f"cannot create the model cache {target.parent}: {e.strerror or e}; {_WHERE}") from None
     # Several worker processes may start at once: one converts, the others wait and reuse.
     with open(target.parent / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -109,12 +114,33 @@ def _converted(gguf: Path, sha: str, cache: str | Path | None, expected_sha: str
             _write_atomically(target / MARKER, marker)
             return target
         log.info("converting %s into %s (once)", gguf, target)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            convert_gguf(gguf, Path(tmp) / "model")
-            (Path(tmp) / "model" / MARKER).write_text(marker)
+        prefix = f".convert-{target.name}-"
+        for left in target.parent.glob(f"{prefix}*"):  # a conversion killed half-way (we hold its lock)
+            shutil.rmtree(left, ignore_errors=True)
+        with tempfile.TemporaryDirectory(prefix=prefix, dir=target.parent) as tmp:
+            try:
+                convert_gguf(gguf, Path(tmp) / "model")
+                (Path(tmp) / "model" / MARKER).write_text(marker)
+            except Exception as e:
+                if isinstance(e, OSError) or type(e).__name__ == "SafetensorError":  # a full disk, mostly
+                    raise OSError(f"cannot convert the model into {target.parent}: {e}; {_WHERE}") from None
+                raise
+            _readable_as_umask_allows(Path(tmp) / "model")
             shutil.rmtree(target, ignore_errors=True)
             os.replace(Path(tmp) / "model", target)
     return target
+
+
+_WHERE = f"free some space there, or set {CACHE_ENV} to another folder (the default model takes about 700 MB)"
+
+
+def _readable_as_umask_allows(folder: Path) -> None:
+    """safetensors writes its files owner-only: give them the mode the umask gives any other
+    file, so a cache shared by a group is readable by all of it."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in folder.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def _version(target: Path) -> int:

@@ -19,6 +19,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import stat
 import sys
 import tempfile
@@ -59,14 +60,15 @@ def module_name() -> str:
 def cache_root() -> Path:
     """The first writable of $PDSERVE_KERNEL_CACHE, ~/.cache/pdserve/kernels and a temp folder
     (this user's own, 0700: a folder another user made there could swap the library we load)."""
-    for candidate in (os.environ.get(CACHE_ENV), Path.home() / ".cache" / "pdserve" / "kernels"):
+    for candidate in (os.environ.get(CACHE_ENV), "~/.cache/pdserve/kernels"):
         if not candidate:
             continue
         try:
-            Path(candidate).mkdir(parents=True, exist_ok=True)
+            candidate = Path(candidate).expanduser()
+            candidate.mkdir(parents=True, exist_ok=True)
             if os.access(candidate, os.W_OK):
                 return Path(candidate)
-        except OSError:
+        except (OSError, RuntimeError):  # RuntimeError: no home folder to expand "~" to
             continue
     shared = Path(tempfile.gettempdir()) / f"pdserve-kernels-{os.getuid()}"
     try:
@@ -89,6 +91,8 @@ def _build(name: str, build_dir: Path):
     with os.fdopen(flock, "w") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)  # released by the kernel if this process dies
         (build_dir / "lock").unlink(missing_ok=True)  # only a dead build can have left it
+        if not (build_dir / f"{name}.so").exists():
+            log.info("building the C++ CPU kernels in %s (once per machine and torch; takes minutes)", build_dir)
         return cpp_extension.load(
             name=name,
             sources=[str(p) for p in _sources()],
@@ -106,11 +110,15 @@ def load():
         name = module_name()
         return _build(name, cache_root() / name)
     except Exception as e:  # noqa: BLE001 - any build problem means: use the torch fallbacks
-        log.warning(
-            "C++ CPU kernels unavailable (%s); using torch fallbacks",
-            str(e).splitlines()[0] if str(e) else type(e).__name__,
-        )
+        log.warning("C++ CPU kernels unavailable (%s); using torch fallbacks", _why(e))
         return None
+
+
+def _why(error: Exception) -> str:
+    """A failed build's cause: its error lines (the first line of a ninja failure is a command)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    causes = [line for line in lines if re.search(r"\berror:|^FAILED:|No space left", line, re.IGNORECASE)]
+    return " | ".join(causes[:4]) or (lines[0] if lines else type(error).__name__)
 
 
 def main() -> int:

@@ -256,3 +256,17 @@ def test_the_shared_temp_folder_for_the_build_must_be_this_users_own(tmp_path, m
     made.chmod(0o777)  # as if another user had made it first, open to all
     with pytest.raises(OSError, match="not this user's own private folder"):
         cpu_extension.cache_root()
+
+
+def test_a_failed_kernel_build_is_reported_by_its_cause_not_its_first_command():
+    from pdserve.kernels.cpu_extension import _why
+
+    ninja = RuntimeError(
+        "Error building extension 'k': [1/3] c++ -MMD -MF a.o.d -O3 -c a.cpp -o a.o\n"
+        "FAILED: b.o\nc++ -MMD -c b.cpp -o b.o\nb.cpp:3:1: error: expected ';' before '}' token\n"
+        "ninja: build stopped: subcommand failed."
+    )
+    assert _why(ninja) == "FAILED: b.o | b.cpp:3:1: error: expected ';' before '}' token"
+    assert "No space left" in _why(
+        RuntimeError("Error building extension 'k'\nFatal error: a.o: No space left on device")
+    )

@@ -286,7 +286,9 @@ class Cluster:
                     ) from None
                 if time.monotonic() > deadline:
                     raise TimeoutError(
-                        f"{child.name} was not ready within {self.cluster.startup_timeout_s:.0f} s"
+                        f"{child.name} was not ready within {self.cluster.startup_timeout_s:.0f} s (a first "
+                        "start converts the model and builds the C++ kernels, see its log above; raise "
+                        "--startup-timeout-s)"
                     ) from None
 
 

@@ -180,3 +180,19 @@ def test_choices_of_one_request_are_one_measurement_at_their_own_pace():
         assert len(planner.ratios) == 3  # one per request, not per choice
         corrections.append(planner.decide().tpot_correction)
     assert corrections[0] == pytest.approx(corrections[1]) and corrections[0] > 1.5
+
+
+def test_after_an_unmet_ttft_slo_the_prefill_pool_still_follows_the_rate_down():
+    clock = Clock()
+    planner = OnlinePlanner(PROFILE, ttft_ms=400, tpot_ms=None, window_s=60, clock=clock)
+    feed(planner, clock, rate=20.0, seconds=30)
+    planner.decide()  # met at 20 req/s
+    for _ in range(10):
+        planner.on_finish(200, 2.0, None, 50)  # then queueing makes it unreachable
+    busy = planner.decide().prefill
+    clock.now += 120  # the window forgets the busy minute
+    feed(planner, clock, rate=2.0, seconds=30)
+    for _ in range(10):
+        planner.on_finish(200, 2.0, None, 50)  # still unreachable
+    quiet = planner.decide().prefill
+    assert quiet == pytest.approx(busy / 10, rel=0.05)  # a tenth of the traffic, a tenth of the replicas

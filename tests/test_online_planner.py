@@ -189,10 +189,11 @@ def test_after_an_unmet_ttft_slo_the_prefill_pool_still_follows_the_rate_down():
     planner.decide()  # met at 20 req/s
     for _ in range(10):
         planner.on_finish(200, 2.0, None, 50)  # then queueing makes it unreachable
-    busy = planner.decide().prefill
+    busy = planner.decide()
     clock.now += 120  # the window forgets the busy minute
     feed(planner, clock, rate=2.0, seconds=30)
     for _ in range(10):
         planner.on_finish(200, 2.0, None, 50)  # still unreachable
-    quiet = planner.decide().prefill
-    assert quiet == pytest.approx(busy / 10, rel=0.05)  # a tenth of the traffic, a tenth of the replicas
+    quiet = planner.decide()
+    assert quiet.rate < busy.rate / 10  # far less traffic...
+    assert quiet.prefill == pytest.approx(busy.prefill * quiet.rate / busy.rate, rel=0.05)  # ...as fewer replicas

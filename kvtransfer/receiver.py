@@ -47,7 +47,8 @@ class KVReceiver:
         self.secret = secret
         self.ucx = ucx
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.create_server((host, port), family=family, backlog=64)
+        every = host == "::" and socket.has_dualstack_ipv6()  # IPv4 peers too, as the gRPC server on [::]
+        self._listener = socket.create_server((host, port), family=family, backlog=64, dualstack_ipv6=every)
         self.port = self._listener.getsockname()[1]
         self._stopped = threading.Event()
         self._conns: set[socket.socket] = set()

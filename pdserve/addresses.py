@@ -31,11 +31,18 @@ def own_address(ipv6: bool = False) -> str:
         with socket.socket(family, socket.SOCK_DGRAM) as s:
             s.connect((probe, 9))
             address = s.getsockname()[0]
-    except OSError:  # no route out
-        address = socket.gethostbyname(socket.gethostname())
+    except OSError:  # no route out: what the hostname resolves to (IPv4 if it has no IPv6)
+        address = _resolved(socket.gethostname(), socket.AF_INET6 if ipv6 else socket.AF_INET)
     if ipaddress.ip_address(address.split("%")[0]).is_loopback:
         log.warning(
             "this host's own address is %s (loopback): workers on other hosts cannot reach it; set --advertise-host",
             address,
         )
     return address
+
+
+def _resolved(name: str, family: int) -> str:
+    try:
+        return socket.getaddrinfo(name, None, family)[0][4][0]
+    except (OSError, IndexError):
+        return socket.gethostbyname(name)

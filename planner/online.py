@@ -102,7 +102,7 @@ class OnlinePlanner:
         self.outputs: deque[tuple[float, int]] = deque()  # (time, tokens a finished request generated)
         self.ratios: deque[tuple[float, float, float | None]] = deque()  # (time, TTFT measured/predicted, TPOT ...)
         self._unmet: tuple[str, ...] = ()  # the SLOs no instance met at the last decision (warned once)
-        self._met_rate = math.inf  # req/s one prefill replica took when the TTFT SLO was last met
+        self._met_ttft = math.inf  # the (corrected) TTFT target last met: an unmet one needs at least its replicas
         self._task: asyncio.Task | None = None
 
     # -- what the dispatcher reports ------------------------------------------------------------
@@ -156,16 +156,18 @@ class OnlinePlanner:
             self.profile, w, rate, ttft, tpot, self.prefill_degree, self.decode_degree, self.max_num_seqs
         )
         # An SLO no instance meets (as measured now): ask for the replicas of about the lowest
-        # latency a pool reaches, not for the most (more do not help), and never for fewer per
-        # request/s than while the SLO was met (an SLO missed through queueing must not scale
-        # the pool down).
+        # latency a pool reaches, not for the most (more do not help), and never for fewer than
+        # the target last met needs for today's load (an SLO missed through queueing must not
+        # scale the pool down).
         unmet = tuple(name for name, needed in (("ttft", prefill), ("tpot", decode)) if math.isinf(needed))
         if "ttft" in unmet:
             rate_at = lambda ms: capacity.prefill_rate(self.profile, self.prefill_degree, w, ms)  # noqa: E731
             reachable = _tightest_met(rate_at, ttft) * FLOOR_MARGIN
-            prefill = max(rate / rate_at(reachable), rate / self._met_rate) if math.isfinite(reachable) else math.inf
-        elif prefill > 0:
-            self._met_rate = rate / prefill
+            met_rate = rate_at(self._met_ttft) if math.isfinite(self._met_ttft) else 0.0  # today's prompts
+            floor = rate / met_rate if met_rate > 0 else 0.0
+            prefill = max(rate / rate_at(reachable), floor) if math.isfinite(reachable) else math.inf
+        elif ttft is not None:
+            self._met_ttft = ttft
         if "tpot" in unmet:  # one sequence at a time: the lowest TPOT there is
             decode = rate / capacity.decode_rate(self.profile, self.decode_degree, w, None, max_num_seqs=1)
         if unmet and unmet != self._unmet:

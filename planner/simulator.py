@@ -17,7 +17,7 @@ does, beside its own in-flight counts, which are always current.
 A request's path, as in ``router.dispatch``: arrival; the first-token overhead; the policy
 picks a decode worker and (disaggregated) a prefill worker, or conditional routing keeps the
 prompt on the decode worker. Disaggregated: the decode worker's scheduler reserves blocks at
-the start of a step (the request waits in its queue while none are free, at most a lease),
+the start of a step (the request waits in its queue while none are free, up to its deadline),
 the reservation goes to the prefill worker, which prefills the prompt and keeps its blocks
 while the KV transfer and the extra hop pass; then the prefill worker answers the router with
 the first token at once, which reaches the client, and both engines apply the outcome at their
@@ -238,8 +238,8 @@ class Simulation:
             decode.engine.add_request(req.rid, tokens, req.spec.max_tokens, self.now)
             self._wake(decode)
             return
-        # The decode worker reserves blocks in its step loop, waiting at most its lease (or what
-        # is left of the request's time); the reservation is its stream's first message.
+        # The decode worker reserves blocks in its step loop, waiting up to the request's
+        # deadline; the reservation is its stream's first message.
         req.work = prefill.record.begin_prefill(PromptBlocks(tokens))
         decode.handlers[req.rid] = lambda out: self._decode_output(req, prefill, out)
         decode.engine.add_request(

@@ -31,6 +31,13 @@ log = logging.getLogger(__name__)
 ACK_GRACE_S = 2.0  # past the decode side's lease, so its verdict (and its lease expiry) comes first
 
 
+def decode_side(error: Exception) -> bool:
+    """Whether a failure to open a KV connection is the decode worker's: a refused handshake, a
+    refused or broken connection, no answer in time. Ours (out of file descriptors, no route
+    out) stay ours."""
+    return isinstance(error, (HandshakeError, ConnectionError, TimeoutError))
+
+
 class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
     def __init__(
         self,
@@ -85,8 +92,7 @@ class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
 
     async def _serve(self, request, context, token_ids, sampling, transfer_id) -> pb.PrefillResponse:
         rid, target = request.request_id, request.target
-        # These are the decode worker's faults, not ours: the router tries another decode worker.
-        blame = ((PEER_FAULT_KEY, "decode"),)
+        blame = ((PEER_FAULT_KEY, "decode"),)  # the router then tries another decode worker
         try:
             conn = await asyncio.to_thread(self.sender.connection, target.kv_address)
         except HandshakeError as e:
@@ -96,7 +102,7 @@ class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,
                 f"cannot reach decode worker KV endpoint {target.kv_address}: {e}",
-                trailing_metadata=blame,
+                trailing_metadata=blame if decode_side(e) else (),
             )
 
         transfer = conn.open(

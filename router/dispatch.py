@@ -127,7 +127,9 @@ def _worker_error(worker: Worker, error: grpc.aio.AioRpcError) -> DispatchError:
         f"{worker.role.value} worker {worker.address}: {error.details()}",
         worker,
         retry_after_ms=int(retry) if retry and str(retry).isdigit() else None,
-        elsewhere=code is grpc.StatusCode.RESOURCE_EXHAUSTED,  # its queue is full: a sibling's may not be
+        # Its own overload answer (it says when to come back): a sibling may have room. Not
+        # gRPC's message-size refusal, which every worker would repeat.
+        elsewhere=code is grpc.StatusCode.RESOURCE_EXHAUSTED and retry is not None,
     )
 
 
@@ -176,8 +178,8 @@ class Dispatcher:
                                 return
                 raise DispatchError(grpc.StatusCode.UNAVAILABLE, "the worker stream ended without a finish reason")
             except DispatchError as e:
-                if e.worker is not None and e.code is grpc.StatusCode.UNAVAILABLE:
-                    e.worker.record_failure(self.failure_threshold, e.message)
+                if e.worker is not None and e.code is grpc.StatusCode.UNAVAILABLE and not e.elsewhere:
+                    e.worker.record_failure(self.failure_threshold, e.message)  # a peer's word is no proof
                 if not e.retryable or attempt == self.max_attempts or time.monotonic() >= deadline:
                     raise
                 if e.worker is not None:

@@ -113,7 +113,24 @@ def test_a_worker_bound_to_every_interface_advertises_its_route_out_not_loopback
             raise OSError("network unreachable")
 
     monkeypatch.setattr(addresses.socket, "socket", NoRoute)
-    monkeypatch.setattr(addresses.socket, "gethostbyname", lambda name: "127.0.1.1")  # Debian's /etc/hosts
+    monkeypatch.setattr(  # Debian's /etc/hosts
+        addresses.socket, "getaddrinfo", lambda name, port, family: [(family, 1, 6, "", ("127.0.1.1", 0))]
+    )
     with caplog.at_level("WARNING", logger="pdserve.addresses"):
         assert addresses.own_address() == "127.0.1.1"
     assert "loopback" in caplog.text and "--advertise-host" in caplog.text
+
+
+@pytest.mark.skipif(not (_has_ipv6_loopback() and socket.has_dualstack_ipv6()), reason="no dual-stack IPv6 here")
+def test_a_decode_worker_on_every_ipv6_interface_takes_ipv4_peers_too():
+    """As its gRPC server on [::] does: --host :: with an IPv4 --advertise-host must work."""
+    from kv_sides import Decode, Prefill
+
+    decode, prefill = Decode("tcp", host="::"), Prefill("tcp")
+    try:
+        conn = prefill.connect(f"127.0.0.1:{decode.receiver.port}")
+        tid = decode.grant([0, 1], 16)
+        assert prefill.ship(conn, tid, [0], [0, 1], 8, 16).ok and decode.outcome(tid).ok
+    finally:
+        prefill.close()
+        decode.close()

@@ -394,7 +394,7 @@ async def test_a_decode_worker_whose_kv_endpoint_fails_is_the_one_avoided(code):
     assert (ids, finish) == ([5, 7, 8], "length")
     assert [len(stub.requests) for stub in (bad, good)] == [1, 1] and len(p.requests) == 2  # the same prefill worker
     assert p1.consecutive_failures == 0 and p1.healthy
-    assert d1.consecutive_failures == (1 if code is grpc.StatusCode.UNAVAILABLE else 0)
+    assert d1.consecutive_failures == 0  # skipped for this request; its own health checks judge it
 
     # With no other decode worker, the refusal itself reaches the client (not "no worker left").
     alone = dispatcher(registry([p1], [decode_worker("d3", FakeDecode([([], None)]))]))
@@ -417,3 +417,38 @@ async def test_a_full_worker_sends_the_request_to_a_sibling_and_alone_it_answers
     with pytest.raises(DispatchError) as err:
         await collect(alone, request())
     assert err.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED and err.value.retry_after_ms == 1000
+
+
+async def test_a_prefill_workers_own_trouble_reaching_a_decode_worker_is_its_own():
+    """Out of file descriptors, no route out: not the decode worker's fault (no peer-fault
+    trailer), so the request moves to another prefill worker, and the decode worker is kept."""
+    own = rpc_error(
+        grpc.StatusCode.UNAVAILABLE, "cannot reach decode worker KV endpoint kv:1: [Errno 24] Too many open files"
+    )
+    p1, p2 = prefill_worker("p1", FakePrefill([own])), prefill_worker("p2", FakePrefill([5]))
+    d1 = decode_worker("d1", FakeDecode([([], None), ([[7]], None)]))
+    assert await collect(dispatcher(registry([p1, p2], [d1])), request(max_tokens=2)) == ([5, 7], "length")
+    assert p1.consecutive_failures == 1 and d1.consecutive_failures == 0
+
+
+async def test_a_message_too_large_for_grpc_is_not_sent_to_every_sibling():
+    too_big = rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "Received message larger than max")  # no retry hint
+    first, second = FakeDecode([([], too_big)]), FakeDecode([([[1]], None)])
+    disp = dispatcher(registry([], [decode_worker("d1", first), decode_worker("d2", second)]))
+    with pytest.raises(DispatchError) as err:
+        await collect(disp, request())
+    assert err.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED and not second.requests
+
+
+def test_the_prefill_worker_blames_the_decode_worker_only_for_what_is_on_its_side():
+    import errno
+
+    from pdserve.kvtransfer.handshake import HandshakeError
+    from pdserve.prefill_worker.servicer import decode_side
+
+    assert decode_side(HandshakeError("decode worker refused the KV handshake: dtype"))
+    assert decode_side(ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused"))
+    assert decode_side(ConnectionError("KV handshake with kv:1 broke off: no answer in time"))
+    assert decode_side(TimeoutError("timed out"))
+    assert not decode_side(OSError(errno.EMFILE, "Too many open files"))
+    assert not decode_side(OSError(errno.ENETUNREACH, "Network is unreachable"))

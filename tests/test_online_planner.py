@@ -197,3 +197,21 @@ def test_after_an_unmet_ttft_slo_the_prefill_pool_still_follows_the_rate_down():
     quiet = planner.decide()
     assert quiet.rate < busy.rate / 10  # far less traffic...
     assert quiet.prefill == pytest.approx(busy.prefill * quiet.rate / busy.rate, rel=0.05)  # ...as fewer replicas
+
+
+def test_the_floor_from_a_met_ttft_target_is_sized_for_todays_prompts():
+    """Met with long prompts, then unmet with short ones: the floor is what the last met target
+    needs for the short prompts, not the long prompts' replica count."""
+    clock = Clock()
+    planner = OnlinePlanner(PROFILE, ttft_ms=1000, tpot_ms=None, window_s=60, clock=clock)
+    feed(planner, clock, rate=20.0, seconds=30, prompt_len=900)
+    long = planner.decide()  # met
+    clock.now += 120
+    feed(planner, clock, rate=20.0, seconds=30, prompt_len=300)
+    for _ in range(10):
+        planner.on_finish(300, 5.0, None, 50)  # queueing: the SLO is out of reach
+    short = planner.decide()
+    w = capacity.WorkloadStats(300, 50, 300)
+    at_met_target = short.rate / capacity.prefill_rate(PROFILE, 1, w, 1000)
+    assert short.prefill >= at_met_target * 0.99  # never below what the met target needs now
+    assert short.prefill < long.prefill * short.rate / long.rate / 1.5  # not the long prompts' count

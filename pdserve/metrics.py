@@ -76,7 +76,10 @@ PROMPT_TOKENS = Counter(
 GENERATION_TOKENS = Counter("pdserve_generation_tokens", "Tokens streamed to clients", registry=ROUTER)
 INFLIGHT = Gauge("pdserve_router_inflight_requests", "Requests the router is serving", registry=ROUTER)
 MIGRATIONS = Counter(
-    "pdserve_migrations", "Requests moved to another worker after a failure", ["kind"], registry=ROUTER
+    "pdserve_migrations",
+    "Requests that ran on in another worker after a failure (retries: before their first token)",
+    ["kind"],
+    registry=ROUTER,
 )
 # The online planner (planner.online): what this router's share of the load needs. Sum over routers.
 PLANNER_DESIRED_REPLICAS = Gauge(
@@ -176,14 +179,17 @@ def _kv_families(role: str, counters: Mapping[str, float]) -> Iterable:
     transfers = CounterMetricFamily("pdserve_kv_transfers", "KV transfers completed", labels=["role", "transport"])
     nbytes = CounterMetricFamily("pdserve_kv_transfer_bytes", "KV bytes received", labels=["role", "transport"])
     events = CounterMetricFamily("pdserve_kv_transfer_events", "KV transfer problems", labels=["role", "event"])
+    prefilled = CounterMetricFamily("pdserve_prompts_prefilled", "Prompts a prefill worker prefilled", labels=["role"])
     for key, value in counters.items():
-        if key.startswith("transfers_"):
+        if key == "prompts_prefilled":  # the prefill worker's traffic, not a problem
+            prefilled.add_metric([role], float(value))
+        elif key.startswith("transfers_"):
             transfers.add_metric([role, key.removeprefix("transfers_")], float(value))
         elif key.startswith("bytes_"):
             nbytes.add_metric([role, key.removeprefix("bytes_")], float(value))
         else:
             events.add_metric([role, key], float(value))
-    return transfers, nbytes, events
+    return transfers, nbytes, events, prefilled
 
 
 def scrape_route(registry: CollectorRegistry):

@@ -108,8 +108,9 @@ class Completions:
                 yield chunk
 
     async def _stream(self, req: ValidatedRequest, timeout_s: float) -> AsyncIterator[Chunk]:
-        started = last = time.perf_counter()
+        started = time.perf_counter()
         n = req.engine_sampling.n
+        last: list[float | None] = [None] * n  # each choice's latest message: its own inter-token gaps
         texts = [
             self.tokenizer.text_stream(req.sampling.stop, req.prompt_token_ids) for _ in range(n)
         ]  # each choice detokenized on its own
@@ -129,12 +130,12 @@ class Completions:
                         cached = event.cached_tokens
                         metrics.TTFT.observe(now - started)
                         metrics.PROMPT_TOKENS.inc(len(req.prompt_token_ids))
-                    else:
-                        metrics.ITL.observe(now - last)
-                    last = now
                     i = event.index
                     if not 0 <= i < n or done[i]:  # a choice stopped here by a stop string runs on until all are done
                         continue
+                    if last[i] is not None:  # n > 1: choices' messages interleave; each is timed on its own
+                        metrics.ITL.observe(now - last[i])
+                    last[i] = now
                     text = texts[i]
                     # A stop token ends the choice but not its text (as vLLM; EOS, special, shows nothing).
                     stop_token = int(

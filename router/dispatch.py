@@ -162,12 +162,14 @@ class Dispatcher:
         priors: dict[int, list[int]] = {}  # n > 1: each choice's tokens so far
         watch = self._watch(req) if self.observer is not None and not prior else None
         moved = 0
+        resuming: str | None = None  # "retries"/"migrations": counted once the request runs again
         for attempt in range(1, self.max_attempts + 1):
             try:
                 # Closed as soon as the request ends, not whenever the generator is collected:
                 # that cancels the worker call and releases its in-flight count at once.
                 async with contextlib.aclosing(self._attempt(Attempt(req, list(prior)), deadline, failed)) as events:
                     async for event in events:
+                        resuming = self._count_resumed(resuming)
                         prior += event.token_ids
                         priors.setdefault(event.index, []).extend(event.token_ids)
                         watch = _tell_planner(watch, event)
@@ -187,15 +189,14 @@ class Dispatcher:
                 if e.elsewhere and not self._another(e.worker, failed):
                     raise  # its words say more than "no worker left" would
 
-                kind = "migrations" if prior else "retries"
+                kind = resuming = "migrations" if prior else "retries"
                 moved += kind == "migrations"
-                self.counters[kind] += 1
-                metrics.MIGRATIONS.labels(kind).inc()
                 how = "continues" if kind == "migrations" else "is retried"
                 log.info("request %s: %s; it %s elsewhere (attempt %d)", req.request_id, e.message, how, attempt + 1)
                 if n > 1 and prior:  # several choices under way: each continues on its own
                     async with contextlib.aclosing(continue_choices(self, req, priors, ended, deadline)) as rest:
                         async for event in rest:
+                            resuming = self._count_resumed(resuming)
                             watch = _tell_planner(watch, event)
                             yield replace(event, migrations=moved + event.migrations)
                     return
@@ -204,6 +205,12 @@ class Dispatcher:
                 if e.code is not grpc.StatusCode.RESOURCE_EXHAUSTED:  # a full worker answered: no one died
                     # Back off a little: a worker that just died takes its peers' health checks a moment to notice.
                     await asyncio.sleep(min(0.2 * 2 ** (attempt - 1), 2.0, max(0.0, deadline - time.monotonic())))
+
+    def _count_resumed(self, kind: str | None) -> None:
+        """A retry or migration counts once the request runs again elsewhere, not when tried."""
+        if kind is not None:
+            self.counters[kind] += 1
+            metrics.MIGRATIONS.labels(kind).inc()
 
     def _another(self, worker: Worker, failed: set[str]) -> bool:
         pool = self.registry.decode if worker.role is Role.DECODE else self.registry.prefill

@@ -229,6 +229,7 @@ async def test_attempts_are_bounded_and_failures_open_the_circuit():
         await collect(disp, request())
     assert err.value.code is grpc.StatusCode.UNAVAILABLE and len(stub.requests) == 2
     assert not d.healthy and d.consecutive_failures == 2  # two in a row: out of rotation
+    assert not disp.counters  # it was tried again, but never ran on: no retry counted
     with pytest.raises(DispatchError) as err:  # nothing healthy left: give up after worker_wait_s
         await collect(disp, request())
     assert err.value.code is grpc.StatusCode.UNAVAILABLE and "no healthy decode worker" in err.value.message

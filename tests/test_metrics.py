@@ -90,3 +90,16 @@ async def test_metrics_move_with_traffic(stack):
     assert prefill["pdserve_kv_transfer_duration_seconds_count{transport=tcp}"] == 2
     assert prefill["pdserve_prefix_cache_queries_total{role=prefill}"] >= 1
     assert "pdserve_prefix_cache_hit_ratio{role=prefill}" in prefill
+
+
+def test_prompts_prefilled_is_traffic_not_a_kv_transfer_problem():
+    from pdserve.metrics import _kv_families
+
+    families = {
+        f.name: f for f in _kv_families("prefill", {"prompts_prefilled": 3, "transfers_tcp": 2, "transfer_failed": 1})
+    }
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
+    assert samples[("pdserve_prompts_prefilled_total", (("role", "prefill"),))] == 3
+    assert samples[("pdserve_kv_transfers_total", (("role", "prefill"), ("transport", "tcp")))] == 2
+    events = [labels for name, labels in samples if name == "pdserve_kv_transfer_events_total"]
+    assert events == [(("event", "transfer_failed"), ("role", "prefill"))]  # only problems

@@ -487,3 +487,41 @@ async def test_a_stop_token_ends_the_text_without_its_own_text_and_stays_in_the_
         assert chunks[-1].finish_reason == "stop" and chunks[-1].usage.completion_tokens == len(words) + 1
     finally:
         completions.close()
+
+
+class TwoChoicesDispatcher:
+    """Two choices whose messages arrive together each step, 50 ms apart: as n = 2 streams."""
+
+    def __init__(self) -> None:
+        self.counters = Counter()
+
+    async def generate(self, req, timeout_s):
+        for step in range(3):
+            if step:
+                await asyncio.sleep(0.05)
+            for index in (0, 1):
+                yield TokenEvent([28], "length" if step == 2 else None, index=index)
+
+
+async def test_inter_token_latency_times_each_choice_against_itself(tokenizer):
+    from pdserve import metrics as pdserve_metrics
+
+    def itl() -> tuple[float, float]:
+        get = pdserve_metrics.ROUTER.get_sample_value
+        return get("pdserve_inter_token_latency_seconds_count") or 0, get(
+            "pdserve_inter_token_latency_seconds_sum"
+        ) or 0
+
+    completions = Completions(tokenizer, TwoChoicesDispatcher(), 600, MAX_INFLIGHT)
+    try:
+        req = await completions.validate(
+            CompletionRequest(prompt="Hi", sampling=SamplingRequest(max_tokens=3, n=2, ignore_eos=True))
+        )
+        (count, total) = itl()
+        chunks = [chunk async for chunk in completions.stream(req, 60)]
+        assert sum(len(c.token_ids) for c in chunks) == 6
+        (count2, total2) = itl()
+        assert count2 - count == 4  # two gaps per choice, none between the choices of one step
+        assert (total2 - total) / 4 >= 0.045  # each about the 50 ms between steps
+    finally:
+        completions.close()

@@ -169,7 +169,8 @@ class Dispatcher:
                 # that cancels the worker call and releases its in-flight count at once.
                 async with contextlib.aclosing(self._attempt(Attempt(req, list(prior)), deadline, failed)) as events:
                     async for event in events:
-                        resuming = self._count_resumed(resuming)
+                        if resuming:
+                            resuming = self._count_resumed(resuming)
                         prior += event.token_ids
                         priors.setdefault(event.index, []).extend(event.token_ids)
                         watch = _tell_planner(watch, event)
@@ -196,7 +197,8 @@ class Dispatcher:
                 if n > 1 and prior:  # several choices under way: each continues on its own
                     async with contextlib.aclosing(continue_choices(self, req, priors, ended, deadline)) as rest:
                         async for event in rest:
-                            resuming = self._count_resumed(resuming)
+                            if resuming:
+                                resuming = self._count_resumed(resuming)
                             watch = _tell_planner(watch, event)
                             yield replace(event, migrations=moved + event.migrations)
                     return
@@ -206,11 +208,10 @@ class Dispatcher:
                     # Back off a little: a worker that just died takes its peers' health checks a moment to notice.
                     await asyncio.sleep(min(0.2 * 2 ** (attempt - 1), 2.0, max(0.0, deadline - time.monotonic())))
 
-    def _count_resumed(self, kind: str | None) -> None:
+    def _count_resumed(self, kind: str) -> None:
         """A retry or migration counts once the request runs again elsewhere, not when tried."""
-        if kind is not None:
-            self.counters[kind] += 1
-            metrics.MIGRATIONS.labels(kind).inc()
+        self.counters[kind] += 1
+        metrics.MIGRATIONS.labels(kind).inc()
 
     def _another(self, worker: Worker, failed: set[str]) -> bool:
         pool = self.registry.decode if worker.role is Role.DECODE else self.registry.prefill

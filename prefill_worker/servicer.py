@@ -48,7 +48,7 @@ class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
         max_queued_requests: int = 256,
     ) -> None:
         self.max_queued_requests = max_queued_requests
-        self.queued = 0  # requests accepted and not yet answered
+        self.queued = 0  # requests accepted and not yet prefilled (not those whose KV is on its way)
         self.loop = loop
         self.lease_s = lease_s  # the decode side's lease: past it without an ack, our copy is of no use
         self.engine: LLMEngine = loop.engine
@@ -85,12 +85,13 @@ class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
         if self.queued >= self.max_queued_requests:
             await abort_overloaded(context, f"prefill worker queue is full ({self.max_queued_requests} waiting)")
         self.queued += 1
+        waiting = [True]  # until the engine has prefilled it, as the decode worker counts its queue
         try:
-            return await self._serve(request, context, token_ids, sampling, transfer_id)
+            return await self._serve(request, context, token_ids, sampling, transfer_id, waiting)
         finally:
-            self.queued -= 1
+            self.queued -= waiting[0]
 
-    async def _serve(self, request, context, token_ids, sampling, transfer_id) -> pb.PrefillResponse:
+    async def _serve(self, request, context, token_ids, sampling, transfer_id, waiting) -> pb.PrefillResponse:
         rid, target = request.request_id, request.target
         blame = ((PEER_FAULT_KEY, "decode"),)  # the router then tries another decode worker
         try:
@@ -129,6 +130,7 @@ class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
                 async for out in outputs:
                     if first is None:
                         first, prefill_ms = out, (time.perf_counter() - started) * 1e3
+                        self.queued, waiting[0] = self.queued - 1, False
                     if out.finished:
                         sent = out.kv
         except ValueError as e:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
+import socket
 import time
 
 import grpc
@@ -33,9 +35,11 @@ ACK_GRACE_S = 2.0  # past the decode side's lease, so its verdict (and its lease
 
 def decode_side(error: Exception) -> bool:
     """Whether a failure to open a KV connection is the decode worker's: a refused handshake, a
-    refused or broken connection, no answer in time. Ours (out of file descriptors, no route
-    out) stay ours."""
-    return isinstance(error, (HandshakeError, ConnectionError, TimeoutError))
+    refused or broken connection, no answer in time, its host gone or its name unknown. Ours
+    (out of file descriptors or buffers, no route out at all) stay ours."""
+    if isinstance(error, (HandshakeError, ConnectionError, TimeoutError, socket.gaierror)):
+        return True
+    return isinstance(error, OSError) and error.errno in (errno.EHOSTUNREACH, errno.EHOSTDOWN)
 
 
 class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):

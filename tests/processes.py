@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import queue
@@ -150,3 +151,13 @@ class Stack:
             time.sleep(0.2)
         leftovers = [pid for pid in self.children if alive(pid)]
         assert not leftovers, f"processes left behind by pdserve up: {leftovers}"
+
+
+@functools.cache
+def can_mount_private_shm() -> bool:
+    """Whether this process may give a child its own /dev/shm (root with CAP_SYS_ADMIN and unshare)."""
+    try:
+        probe = ["unshare", "-m", "--propagation", "private", "sh", "-c", "mount -t tmpfs tmpfs /dev/shm"]
+        return subprocess.run(probe, capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False

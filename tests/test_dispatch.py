@@ -443,6 +443,7 @@ async def test_a_message_too_large_for_grpc_is_not_sent_to_every_sibling():
 
 def test_the_prefill_worker_blames_the_decode_worker_only_for_what_is_on_its_side():
     import errno
+    import socket
 
     from pdserve.kvtransfer.handshake import HandshakeError
     from pdserve.prefill_worker.servicer import decode_side
@@ -451,5 +452,7 @@ def test_the_prefill_worker_blames_the_decode_worker_only_for_what_is_on_its_sid
     assert decode_side(ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused"))
     assert decode_side(ConnectionError("KV handshake with kv:1 broke off: no answer in time"))
     assert decode_side(TimeoutError("timed out"))
+    assert decode_side(OSError(errno.EHOSTUNREACH, "No route to host"))  # its host is gone
+    assert decode_side(socket.gaierror(-2, "Name or service not known"))  # its advertised name
     assert not decode_side(OSError(errno.EMFILE, "Too many open files"))
     assert not decode_side(OSError(errno.ENETUNREACH, "Network is unreachable"))

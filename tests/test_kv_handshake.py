@@ -4,8 +4,6 @@ on the wire, both sides proven), negotiation, transport availability, the model 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -15,6 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 from kv_sides import Decode, Prefill, peer, wait_until
+from processes import can_mount_private_shm
 from safetensors.torch import save_file
 
 from pdserve.kvtransfer import registry
@@ -234,9 +233,7 @@ def test_peers_that_never_finish_their_handshake_are_dropped_and_cannot_stop_the
         decode.close()
 
 
-@pytest.mark.skipif(
-    os.geteuid() != 0 or not shutil.which("unshare"), reason="a private /dev/shm needs root and unshare"
-)
+@pytest.mark.skipif(not can_mount_private_shm(), reason="a private /dev/shm needs unshare and CAP_SYS_ADMIN")
 def test_a_process_with_its_own_dev_shm_is_another_host_for_shared_memory():
     """Containers on the host's network share its hostname and boot id, not a private /dev/shm:
     shm between them must not be chosen (its segments are not there)."""

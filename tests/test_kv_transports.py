@@ -5,6 +5,7 @@ cancelled receives and refused units never sent, and CUDA IPC's data path on CPU
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -758,8 +759,8 @@ def test_a_shm_cache_counts_the_room_other_workers_caches_will_take(monkeypatch)
 
     lay = layout(8)
     size = lay.num_layers * 32 * lay.block_bytes
-    others = shm_transport._promised()  # other processes' caches on this machine, if any
-    room = collections.namedtuple("Usage", "total used free")(0, 0, others + 1.5 * size)
+    monkeypatch.setattr(shm_transport, "PREFIX", f"pdserve-kv-test{os.getpid()}x-")  # blind to other workers'
+    room = collections.namedtuple("Usage", "total used free")(0, 0, 1.5 * size)
     monkeypatch.setattr(shm_transport.shutil, "disk_usage", lambda path: room)  # room for one cache more
     first = shm_transport.make_pool(lay, 32, torch.device("cpu"))  # nothing written yet: it takes no room now
     try:

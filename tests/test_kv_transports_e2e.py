@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 
 import pytest
 from conftest import PROMPTS
-from processes import Proc, Stack
+from processes import Proc, Stack, can_mount_private_shm
 from test_stack_e2e import assert_blocks_all_free, cluster_stats, collect
 
 from pdserve.client import build_request
@@ -75,9 +74,7 @@ SMALL_SHM = [  # a private /dev/shm of 8 MiB, as a container's (64 MiB by defaul
 ]
 
 
-@pytest.mark.skipif(
-    os.geteuid() != 0 or not shutil.which("unshare"), reason="a private /dev/shm needs root and unshare"
-)
+@pytest.mark.skipif(not can_mount_private_shm(), reason="a private /dev/shm needs unshare and CAP_SYS_ADMIN")
 async def test_a_dev_shm_too_small_for_the_cache_drops_shm_instead_of_crashing(tmp_path, hf_reference):
     stack = Stack.up(*ARGS, env=without_ucxx(tmp_path), prefix=SMALL_SHM)  # 128 MiB of KV cache
     try:
@@ -90,8 +87,11 @@ async def test_a_dev_shm_too_small_for_the_cache_drops_shm_instead_of_crashing(t
         stack.down()
 
     proc = Proc(["up", "--port", "0", "--kv-transport", "shm", *ARGS], prefix=SMALL_SHM)  # forced: refused by name
-    assert await asyncio.to_thread(proc.process.wait, 120) != 0
-    assert "--kv-transport shm" in proc.log_tail() and "MiB are free" in proc.log_tail()
+    try:
+        assert await asyncio.to_thread(proc.process.wait, 120) != 0
+        assert "--kv-transport shm" in proc.log_tail() and "MiB are free" in proc.log_tail()
+    finally:
+        proc.stop()
 
 
 async def test_forcing_an_unavailable_transport_fails_at_start():

@@ -76,15 +76,18 @@ async def test_full_worker_queue_rejects_fast_and_recovers(hf_reference):
 
 async def test_a_disaggregated_request_waits_for_a_decode_slot_as_long_as_its_deadline_allows(hf_reference):
     """As a colocated one: the KV lease starts with the reservation, it does not bound the wait
-    for one; a request with a TTFT budget is refused for that budget, by name."""
+    for one."""
     stack = Stack.up("--max-num-seqs", "1", "--kv-lease-s", "1", *ARGS)
     try:
         long = asyncio.create_task(
-            collect(stack.address, build_request("Count:", max_tokens=400, temperature=0, ignore_eos=True))
+            collect(stack.address, build_request("Count:", max_tokens=400, temperature=0, ignore_eos=True), timeout=300)
         )
-        await asyncio.sleep(0.3)  # it holds the decode worker's only batch slot
-        prompt = "The capital of France is"  # waits behind it past the 1 s lease, and is served
-        ids, _, _ = await collect(stack.address, build_request(prompt, max_tokens=8, temperature=0))
+        deadline = time.monotonic() + 60
+        while not any(w.running for w in by_role(await cluster_stats(stack.address), "decode")):
+            assert time.monotonic() < deadline, "the long request never started"
+            await asyncio.sleep(0.05)
+        prompt = "The capital of France is"  # waits behind it (its only batch slot) past the 1 s lease
+        ids, _, _ = await collect(stack.address, build_request(prompt, max_tokens=8, temperature=0), timeout=300)
         assert ids == hf_reference.greedy(hf_reference.tokenizer(prompt).input_ids, 8)
         await long
         await assert_blocks_all_free(stack.address)

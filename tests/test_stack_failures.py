@@ -122,18 +122,31 @@ async def test_a_router_told_to_stop_refuses_new_streams_and_finishes_the_runnin
     """SIGTERM: not ready at once, no new stream on either front end, and the streams already
     running (HTTP and gRPC alike) drain to their end within the grace period."""
     ((worker, winfo),) = start_together(
-        ("decode", "--colocated", "--port", "0", "--dtype", "float32", "--kv-cache-memory", "64MiB")
+        (
+            "decode",
+            "--colocated",
+            "--port",
+            "0",
+            "--dtype",
+            "float32",
+            "--kv-cache-memory",
+            "64MiB",
+            "--num-threads",
+            "1",
+        )
     )
     router, info = start("router", "--port", "0", "--http-port", "0", "--decode-workers", winfo["grpc"])
     try:
-        # Short enough to end within the 5 s grace on a loaded machine.
-        body = {"prompt": "Count to a hundred:", "max_tokens": 12, "ignore_eos": True, "stream": True}
+        body = {"prompt": "Count to a hundred:", "max_tokens": 12, "ignore_eos": True, "stream": True, "logprobs": 0}
         async with httpx.AsyncClient(base_url=f"http://{info['http']}", timeout=60) as http:
             async with http.stream("POST", "/v1/completions", json=body) as response:
-                lines = response.aiter_lines()
-                assert (await anext(lines)).startswith("data: ")  # streaming
+                lines, received = response.aiter_lines(), 0
+                while received < 9:  # signalled with 3 tokens to go: they end well within the 5 s grace
+                    line = await anext(lines)
+                    if line.startswith("data: {"):
+                        received += len(json.loads(line.removeprefix("data: "))["choices"][0]["logprobs"]["tokens"])
                 router.process.send_signal(signal.SIGTERM)
-                assert router.saw(lambda line: "SIGTERM: shutting down" in line)
+                assert await asyncio.to_thread(router.saw, lambda line: "SIGTERM: shutting down" in line)
                 with pytest.raises(grpc.aio.AioRpcError) as refused:  # a new stream is not started
                     await generate(info["grpc"], build_request("hello", max_tokens=2), timeout=10)
                 assert refused.value.code() is grpc.StatusCode.UNAVAILABLE

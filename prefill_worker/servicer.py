@@ -52,7 +52,7 @@ class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
         max_queued_requests: int = 256,
     ) -> None:
         self.max_queued_requests = max_queued_requests
-        self.queued = 0  # requests accepted and not yet prefilled (not those whose KV is on its way)
+        self._waiting: set[str] = set()  # requests accepted and not yet prefilled (not those whose KV travels)
         self.loop = loop
         self.lease_s = lease_s  # the decode side's lease: past it without an ack, our copy is of no use
         self.engine: LLMEngine = loop.engine
@@ -88,14 +88,17 @@ class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if self.queued >= self.max_queued_requests:
             await abort_overloaded(context, f"prefill worker queue is full ({self.max_queued_requests} waiting)")
-        self.queued += 1
-        waiting = [True]  # until the engine has prefilled it, as the decode worker counts its queue
+        self._waiting.add(request.request_id)
         try:
-            return await self._serve(request, context, token_ids, sampling, transfer_id, waiting)
+            return await self._serve(request, context, token_ids, sampling, transfer_id)
         finally:
-            self.queued -= waiting[0]
+            self._waiting.discard(request.request_id)
 
-    async def _serve(self, request, context, token_ids, sampling, transfer_id, waiting) -> pb.PrefillResponse:
+    @property
+    def queued(self) -> int:
+        return len(self._waiting)
+
+    async def _serve(self, request, context, token_ids, sampling, transfer_id) -> pb.PrefillResponse:
         rid, target = request.request_id, request.target
         blame = ((PEER_FAULT_KEY, "decode"),)  # the router then tries another decode worker
         try:
@@ -134,7 +137,8 @@ class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
                 async for out in outputs:
                     if first is None:
                         first, prefill_ms = out, (time.perf_counter() - started) * 1e3
-                        self.queued, waiting[0] = self.queued - 1, False
+                        self._waiting.discard(rid)  # prefilled: no longer waiting for the engine
+
                     if out.finished:
                         sent = out.kv
         except ValueError as e:

@@ -109,13 +109,12 @@ def _prefill_error(prefill: Worker, decode: Worker, error: grpc.aio.AioRpcError)
     """A failed Prefill call: the prefill worker's fault, or the decode worker's when the
     prefill worker says its KV endpoint could not be reached or refused the handshake."""
     if dict(error.trailing_metadata() or ()).get(PEER_FAULT_KEY) == "decode":
-        blamed = _worker_error(decode, error)
-        blamed.elsewhere = True
-        return blamed
+        return _worker_error(decode, error, elsewhere=True)
     return _worker_error(prefill, error)
 
 
-def _worker_error(worker: Worker, error: grpc.aio.AioRpcError) -> DispatchError:
+def _worker_error(worker: Worker, error: grpc.aio.AioRpcError, elsewhere: bool = False) -> DispatchError:
+    """``elsewhere``: this worker's fault whatever the code (another of its role may do)."""
     code = error.code()
     if code is grpc.StatusCode.CANCELLED:
         return DispatchError(code, "request cancelled", worker)
@@ -129,7 +128,7 @@ def _worker_error(worker: Worker, error: grpc.aio.AioRpcError) -> DispatchError:
         retry_after_ms=int(retry) if retry and str(retry).isdigit() else None,
         # Its own overload answer (it says when to come back): a sibling may have room. Not
         # gRPC's message-size refusal, which every worker would repeat.
-        elsewhere=code is grpc.StatusCode.RESOURCE_EXHAUSTED and retry is not None,
+        elsewhere=elsewhere or (code is grpc.StatusCode.RESOURCE_EXHAUSTED and retry is not None),
     )
 
 

@@ -71,7 +71,7 @@ async def test_requests_whose_kv_is_on_its_way_do_not_fill_the_queue():
 
 async def test_a_full_queue_is_refused_with_a_retry_hint():
     service = PrefillService(Loop(), SimpleNamespace(), max_queued_requests=1)
-    service.queued = 1  # one waits for the engine
+    service._waiting.add("other")  # one waits for the engine
     with pytest.raises(Aborted) as refused:
         await service.Prefill(request("c"), Context())
     assert refused.value.args[0] is grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -21,6 +21,10 @@ from pdserve.router.validation import InvalidRequest, ValidatedRequest, validate
 from pdserve.v1 import pdserve_pb2 as pb
 
 VALIDATION_THREADS = 4  # requests tokenized at once, off the event loop
+# The workers' calls outlive a client's own deadline by this much, so the client's deadline
+# always ends the request at the router first (the client left): a worker's DEADLINE_EXCEEDED
+# arriving at the same instant would race gRPC's cancellation of the handler.
+CLIENT_DEADLINE_GRACE_S = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,9 +89,10 @@ class Completions:
         self._validators.shutdown(wait=False, cancel_futures=True)
 
     def timeout(self, client_remaining_s: float | None) -> float:
+        """How long the workers' calls may take: the router's limit, or just past the client's deadline."""
         if client_remaining_s is None:
             return self.request_timeout_s
-        return min(client_remaining_s, self.request_timeout_s)
+        return min(client_remaining_s + CLIENT_DEADLINE_GRACE_S, self.request_timeout_s)
 
     async def stream(self, req: ValidatedRequest, timeout_s: float) -> AsyncIterator[Chunk]:
         """Streams the completion; raises DispatchError when the workers cannot serve it."""

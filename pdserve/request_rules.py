@@ -128,11 +128,22 @@ def check_prompt_tokens(
     left in the context for at least one new token."""
     if not token_ids:
         raise InvalidRequest(field, "the prompt holds no tokens")
+    check_prompt_length(len(token_ids), max_model_len=max_model_len, field=field)  # before walking millions of ids
     bad = next((t for t in token_ids if not (_is_int(t) and 0 <= t < vocab_size)), None)
     if bad is not None:
         raise InvalidRequest(field, f"token id {bad} is outside the vocabulary [0, {vocab_size})")
-    if len(token_ids) >= max_model_len:
-        raise InvalidRequest(field, f"{len(token_ids)} tokens leave no room in the model's context of {max_model_len}")
+
+
+def check_prompt_length(count: int, *, max_model_len: int, field: str = "prompt_token_ids") -> None:
+    """Room left in the context after a prompt of ``count`` tokens. Checked before a list of ids
+    is copied or walked: a body of millions of ids must not hold the event loop for seconds."""
+    if count >= max_model_len:
+        raise InvalidRequest(field, f"{count} tokens leave no room in the model's context of {max_model_len}")
+
+
+def check_message_count(count: int) -> None:
+    if count > MAX_MESSAGES:
+        raise InvalidRequest("messages", f"{count} messages exceed the limit of {MAX_MESSAGES}")
 
 
 def check_sampling(

@@ -14,6 +14,7 @@ from typing import AsyncIterator
 import grpc
 
 from pdserve import metrics
+from pdserve.request_rules import check_message_count, check_prompt_length
 from pdserve.router.dispatch import Dispatcher, DispatchError
 from pdserve.router.request import CompletionRequest
 from pdserve.router.tokenizer import RouterTokenizer
@@ -76,6 +77,17 @@ class Completions:
         """Raises InvalidRequest naming the field."""
         try:
             return await asyncio.get_running_loop().run_in_executor(self._validators, validate, request, self.tokenizer)
+        except InvalidRequest:
+            self.count_invalid()
+            raise
+
+    def check_sizes(self, prompt_token_count: int, message_count: int) -> None:
+        """What validation refuses by size alone, judged before a huge request is copied or
+        walked on the event loop (millions of ids would stall every other stream for seconds)."""
+        try:
+            if prompt_token_count:
+                check_prompt_length(prompt_token_count, max_model_len=self.tokenizer.max_model_len)
+            check_message_count(message_count)
         except InvalidRequest:
             self.count_invalid()
             raise

@@ -178,7 +178,7 @@ class _OpenAI:
                 inputs = {"messages": chat_messages(p), **chat_template_options(p)}
                 max_param = "max_completion_tokens" if p.given("max_completion_tokens") else "max_tokens"
             else:
-                inputs = prompt_input(p)
+                inputs = prompt_input(p, self.completions.tokenizer.max_model_len)
                 max_param = "max_tokens"
             sampling, names = sampling_fields(p, max_param)
             parity = parity_fields(p, chat, stream)

@@ -13,6 +13,7 @@ from fastapi import Request
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse
 
+from pdserve.request_rules import InvalidRequest, check_message_count, check_prompt_length
 from pdserve.router.completions import Usage
 from pdserve.router.dispatch import DispatchError
 from pdserve.router.json_text import has_lone_surrogate_escape, lone_surrogate_path
@@ -92,7 +93,7 @@ class ClientGone(Exception):
 # ---------------------------------------------------------------------------------------------
 # Request bodies
 # ---------------------------------------------------------------------------------------------
-MAX_BODY_BYTES = 64 << 20  # a request body (a prompt of millions of tokens fits)
+MAX_BODY_BYTES = 16 << 20  # a request body: the largest valid one (a 1M-character prompt, escaped) fits
 
 
 async def json_body(request: Request) -> "Params":
@@ -210,12 +211,15 @@ def _token_list(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
-def prompt_input(p: Params) -> dict[str, Any]:
+def prompt_input(p: Params, max_model_len: int) -> dict[str, Any]:
     """/v1/completions ``prompt``: a string, a list of token ids, or a list holding one of
     those; returns the ``CompletionRequest`` field it fills."""
     value = p.raw("prompt")
     if value is None:
         raise invalid("prompt", "is required")
+    ids = value[0] if isinstance(value, list) and len(value) == 1 and isinstance(value[0], list) else value
+    if isinstance(ids, list) and ids and isinstance(ids[0], int):  # a list of ids: its length first
+        _by_rule(check_prompt_length, len(ids), max_model_len=max_model_len, field="prompt")
     if isinstance(value, list) and len(value) == 1 and (isinstance(value[0], str) or _token_list(value[0])):
         value = value[0]  # a batch of one prompt
     if isinstance(value, str):
@@ -238,6 +242,7 @@ def chat_messages(p: Params) -> tuple[ChatMessage, ...]:
         raise invalid("messages", "is required")
     if not isinstance(value, list) or not value:
         raise invalid("messages", "must be a non-empty list of messages")
+    _by_rule(check_message_count, len(value))
     out = []
     for i, message in enumerate(value):
         where = f"messages[{i}]"
@@ -253,6 +258,14 @@ def chat_messages(p: Params) -> tuple[ChatMessage, ...]:
                 raise invalid(f"{where}.{name}", "tool calls are not supported")
         out.append(ChatMessage(role, _content(message.get("content"), f"{where}.content")))
     return tuple(out)
+
+
+def _by_rule(check, *args, **kwargs) -> None:
+    """A shared request rule, its refusal as a 400."""
+    try:
+        check(*args, **kwargs)
+    except InvalidRequest as e:
+        raise invalid(e.field, e.problem) from None
 
 
 def chat_template_options(p: Params) -> dict[str, Any]:

@@ -32,6 +32,7 @@ class RouterService(pdserve_pb2_grpc.RouterServicer):
                 grpc.StatusCode.INVALID_ARGUMENT, "request: not a valid GenerateRequest (wire format or UTF-8)"
             )
         try:
+            self.completions.check_sizes(len(request.prompt_token_ids), len(request.messages))
             req = await self.completions.validate(CompletionRequest.from_proto(request))
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

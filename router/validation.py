@@ -16,10 +16,10 @@ from dataclasses import dataclass, field, replace
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.request_rules import (
     CHAT_ROLES,
-    MAX_MESSAGES,
     MAX_PROMPT_CHARS,
     InvalidRequest,
     check_best_of,
+    check_message_count,
     check_priority,
     check_prompt_tokens,
     check_request_id,
@@ -140,8 +140,7 @@ def _refuse_if_prefix_fills_context(text: str, tokenizer: RouterTokenizer, field
 
 
 def _messages(messages: tuple[ChatMessage, ...]) -> list[dict[str, str]]:
-    if len(messages) > MAX_MESSAGES:
-        raise InvalidRequest("messages", f"{len(messages)} messages exceed the limit of {MAX_MESSAGES}")
+    check_message_count(len(messages))
     total = 0
     out = []
     for i, m in enumerate(messages):

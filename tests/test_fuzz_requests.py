@@ -760,3 +760,10 @@ async def test_grpc_refuses_invalid_utf8_as_invalid_argument(tok):
     raw = pb.GenerateRequest(prompt="ab").SerializeToString().replace(b"ab", b"\xff\xfe")
     code, details = await _generate_status(tok, raw)
     assert code is grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+
+
+async def test_grpc_judges_a_prompt_by_its_length_before_its_ids(tok):
+    ids = [10**7] * (tok.max_model_len + 10)  # too long, and every id outside the vocabulary
+    code, details = await _generate_status(tok, pb.GenerateRequest(prompt_token_ids=ids).SerializeToString())
+    assert code is grpc.StatusCode.INVALID_ARGUMENT
+    assert details == f"prompt_token_ids: {len(ids)} tokens leave no room in the model's context of {tok.max_model_len}"

@@ -302,6 +302,30 @@ async def test_hostile_bodies_get_4xx_naming_the_problem(tokenizer, monkeypatch)
         completions.close()
 
 
+async def test_sizes_are_judged_before_a_list_is_walked(tokenizer):
+    """A list of ids or messages too long for any answer is refused by its length, before its
+    elements are checked one by one (millions of them held the event loop for seconds)."""
+    dispatcher = EchoDispatcher()
+    completions = Completions(tokenizer, dispatcher, 600, max_inflight=MAX_INFLIGHT)
+    server, task, base = await _http(create_app(completions, "m"))
+    too_many = tokenizer.max_model_len + 10
+    try:
+        async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+            for prompt in ([1] * too_many + ["x"], [[1] * too_many + ["x"]]):
+                answer = await http.post("/v1/completions", json={"model": "m", "prompt": prompt})
+                error = assert_openai_error(answer, 400, "prompt")
+                assert f"{too_many + 1} tokens leave no room" in error["message"], error
+            answer = await http.post("/v1/chat/completions", json={"model": "m", "messages": [1] * 600})
+            error = assert_openai_error(answer, 400, "messages")
+            assert "600 messages exceed the limit" in error["message"], error
+            answer = await http.post("/v1/completions", json={"model": "m", "prompt": ["a", "b"] * 10_000})
+            assert "a batch of 20000 prompts" in assert_openai_error(answer, 400, "prompt")["message"]
+        assert not dispatcher.seen
+    finally:
+        await _stop(server, task)
+        completions.close()
+
+
 async def test_a_client_gone_while_sending_its_body_is_no_server_error(tokenizer, caplog):
     caplog.set_level(logging.INFO)
     completions = Completions(tokenizer, EchoDispatcher(), 600, max_inflight=MAX_INFLIGHT)

@@ -105,21 +105,33 @@ async def _next(chunks: AsyncIterator[Chunk]) -> Chunk:
 
 class _EventStream(StreamingResponse):
     """An SSE response that always watches for the client going away and then cancels the
-    body (Starlette only does so for ASGI servers older than spec 2.4)."""
+    body (Starlette only does so for ASGI servers older than spec 2.4). It lasts at most
+    ``limit_s``: a client that stops reading blocks the send, out of reach of the request's
+    own deadline, and would hold its in-flight slot until it hangs up."""
 
     media_type = "text/event-stream"
 
+    def __init__(self, content: AsyncIterator[bytes], headers: dict[str, str], limit_s: float, request_id: str) -> None:
+        super().__init__(content, headers=headers)
+        self.limit_s, self.request_id = limit_s, request_id
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            async with anyio.create_task_group() as group:
+            with anyio.move_on_after(self.limit_s) as limit:
+                async with anyio.create_task_group() as group:
 
-                async def run_then_cancel(func: Callable) -> None:
-                    with contextlib.suppress(OSError):  # the connection broke while sending
-                        await func()
-                    group.cancel_scope.cancel()
+                    async def run_then_cancel(func: Callable) -> None:
+                        with contextlib.suppress(OSError):  # the connection broke while sending
+                            await func()
+                        group.cancel_scope.cancel()
 
-                group.start_soon(run_then_cancel, partial(self.stream_response, send))
-                await run_then_cancel(partial(_wait_disconnect, receive))
+                    group.start_soon(run_then_cancel, partial(self.stream_response, send))
+                    await run_then_cancel(partial(_wait_disconnect, receive))
+            if limit.cancelled_caught:  # the server closes the connection of an unfinished response
+                log.warning(
+                    "request %s: its stream outlived the request time limit (the client stopped reading)",
+                    self.request_id,
+                )
         finally:
             # A body cancelled while it waited to send is still open: close it now, which
             # closes the generation and cancels the workers' RPCs.
@@ -264,7 +276,7 @@ class _OpenAI:
                     yield sse(APIError(500, "internal error while streaming").body())
             yield DONE
 
-        return _EventStream(body(), headers={**SSE_HEADERS, **headers})
+        return _EventStream(body(), {**SSE_HEADERS, **headers}, self.completions.request_timeout_s, job.id)
 
 
 class RequireToken:

@@ -6,8 +6,10 @@ validation, naming the field in their own terms; worker failures map to HTTP sta
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
+import socket
 import threading
 from collections import Counter
 
@@ -322,6 +324,57 @@ async def test_sizes_are_judged_before_a_list_is_walked(tokenizer):
             assert "a batch of 20000 prompts" in assert_openai_error(answer, 400, "prompt")["message"]
         assert not dispatcher.seen
     finally:
+        await _stop(server, task)
+        completions.close()
+
+
+class EndlessDispatcher:
+    """Streams long-text tokens until it is closed."""
+
+    def __init__(self, token_id: int) -> None:
+        self.counters: Counter[str] = Counter()
+        self.token_id = token_id
+
+    async def generate(self, req, timeout_s):
+        for _ in range(100_000):
+            yield TokenEvent([self.token_id] * 64)
+            await asyncio.sleep(0)
+
+
+async def test_a_stream_its_client_stops_reading_ends_at_the_request_time_limit(tokenizer, caplog):
+    """A send blocked on a client that reads nothing is out of reach of the workers' deadline: the
+    stream itself ends at the request time limit, freeing its in-flight slot."""
+    special = set(tokenizer.hf.all_special_ids)
+    token_id = max(
+        (i for i in tokenizer.hf.get_vocab().values() if i not in special), key=lambda i: len(tokenizer.decode([i]))
+    )
+    completions = Completions(tokenizer, EndlessDispatcher(token_id), 1.5, max_inflight=MAX_INFLIGHT)
+    server, task, base = await _http(create_app(completions, "m"))
+    host, port = base.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps({"model": "m", "prompt": "Hi", "stream": True}).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        sock.connect((host, int(port)))
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        for _ in range(200):  # the stream starts, then fills the socket buffers and blocks
+            await asyncio.sleep(0.1)
+            if completions.inflight == 1:
+                break
+        assert completions.inflight == 1
+        for _ in range(300):  # bounded: 30 s
+            await asyncio.sleep(0.1)
+            if completions.inflight == 0:
+                break
+        assert completions.inflight == 0, "the stream outlived its time limit"
+        assert completions.counters["cancelled"] == 1
+        assert any("outlived the request time limit" in r.getMessage() for r in caplog.records)
+    finally:
+        sock.close()
         await _stop(server, task)
         completions.close()
 

@@ -4,7 +4,7 @@ OpenAI and vLLM rank them), once every choice is done. Nothing can stream before
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
 from pdserve.router.completions import Chunk
@@ -40,12 +40,16 @@ async def best_of(chunks: AsyncIterator[Chunk], n: int, keep_logprobs: bool) -> 
             prompt_logprobs = chunk.prompt_logprobs
         last = chunk
     ranked = sorted(choices.values(), key=lambda c: c.cumulative_logprob, reverse=True)[:n]
+    # As vLLM: the usage counts the tokens of the choices returned, not of the candidates dropped.
+    usage = last.usage if last is not None else None
+    if usage is not None:
+        usage = replace(usage, completion_tokens=sum(len(c.token_ids) for c in ranked))
     for index, choice in enumerate(ranked):
         yield Chunk(
             choice.token_ids,
             "".join(choice.text),
             choice.finish_reason,
-            usage=last.usage if index == len(ranked) - 1 and last is not None else None,
+            usage=usage if index == len(ranked) - 1 else None,
             index=index,
             logprobs=choice.logprobs if keep_logprobs else [],
             prompt_logprobs=prompt_logprobs if index == 0 else None,

@@ -106,8 +106,10 @@ class Completions:
             return self.request_timeout_s
         return min(client_remaining_s + CLIENT_DEADLINE_GRACE_S, self.request_timeout_s)
 
-    async def stream(self, req: ValidatedRequest, timeout_s: float) -> AsyncIterator[Chunk]:
-        """Streams the completion; raises DispatchError when the workers cannot serve it."""
+    async def stream(self, req: ValidatedRequest, timeout_s: float, prompt_only: bool = False) -> AsyncIterator[Chunk]:
+        """Streams the completion; raises DispatchError when the workers cannot serve it.
+        ``prompt_only``: the client gets the prompt's scoring alone (echo with max_tokens 0), not
+        the token drawn for it, which is then not counted as generated."""
         if self.inflight >= self.max_inflight:
             self.counters["rejected_overloaded"] += 1
             metrics.REJECTIONS.labels("overloaded").inc()
@@ -122,6 +124,8 @@ class Completions:
 
                 chunks = best_of(chunks, req.sampling.n, req.sampling.logprobs is not None)
             async for chunk in chunks:
+                if not prompt_only:  # what the client gets (best_of's discarded choices are not)
+                    metrics.GENERATION_TOKENS.inc(len(chunk.token_ids))
                 yield chunk
 
     async def _stream(self, req: ValidatedRequest, timeout_s: float) -> AsyncIterator[Chunk]:
@@ -165,7 +169,6 @@ class Completions:
                     kept = text.consumed if text.stopped else len(event.token_ids)
                     token_ids, logprobs = event.token_ids[:kept], event.logprobs[:kept]
                     completion_tokens += len(token_ids)
-                    metrics.GENERATION_TOKENS.inc(len(token_ids))
                     finish = "stop" if text.stopped else event.finish_reason
                     first_logprobs = None
                     if prompt_logprobs and i == 0:

@@ -239,7 +239,7 @@ class _OpenAI:
             return Response(status_code=499)
 
     def _generation(self, job: Job) -> AsyncIterator[Chunk]:
-        return self.completions.stream(job.validated, self.completions.timeout(None))
+        return self.completions.stream(job.validated, self.completions.timeout(None), prompt_only=job.echo_only)
 
     async def _complete(self, request: Request, job: Job, headers: dict[str, str]) -> Response:
         async def collect() -> list[Chunk]:

@@ -602,3 +602,56 @@ async def test_inter_token_latency_times_each_choice_against_itself(tokenizer):
         assert (total2 - total) / 4 >= 0.045  # each about the 50 ms between steps
     finally:
         completions.close()
+
+
+class RankedChoicesDispatcher:
+    """Three choices of 2, 3 and 4 tokens; the second is the most likely (best_of keeps it)."""
+
+    def __init__(self) -> None:
+        self.counters: Counter[str] = Counter()
+
+    async def generate(self, req, timeout_s):
+        for index, (length, logprob) in enumerate(((2, -1.0), (3, -0.1), (4, -2.0))):
+            logprobs = [pb.TokenLogprob(logprob=logprob, rank=1)] * length
+            yield TokenEvent([28] * length, "length", index=index, logprobs=logprobs)
+
+
+def _generated() -> float:
+    return pdserve_metrics.ROUTER.get_sample_value("pdserve_generation_tokens_total") or 0
+
+
+async def test_best_of_counts_the_tokens_of_the_choices_returned_only(tokenizer):
+    completions = Completions(tokenizer, RankedChoicesDispatcher(), 600, MAX_INFLIGHT)
+    try:
+        req = await completions.validate(
+            CompletionRequest(prompt="Hi", sampling=SamplingRequest(max_tokens=4, n=1, best_of=3, ignore_eos=True))
+        )
+        before = _generated()
+        chunks = [chunk async for chunk in completions.stream(req, 60)]
+        assert [len(c.token_ids) for c in chunks] == [3]  # the most likely choice
+        assert chunks[-1].usage.completion_tokens == 3
+        assert _generated() - before == 3
+    finally:
+        completions.close()
+
+
+async def test_echo_with_no_new_tokens_counts_no_generated_token(tokenizer):
+    completions = Completions(tokenizer, TwoChoicesDispatcher(), 600, MAX_INFLIGHT)
+    server, task, base = await _http(create_app(completions, "m"))
+    try:
+        body = {"model": "m", "prompt": "Hello there", "max_tokens": 0, "echo": True, "n": 2}
+        before = _generated()
+        async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+            answer = await http.post("/v1/completions", json=body)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["usage"]["completion_tokens"] == 0
+        assert [c["text"] for c in answer.json()["choices"]] == ["Hello there"] * 2
+        assert _generated() == before
+        body["max_tokens"] = 3  # the same with new tokens: six of them, counted
+        async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+            answer = await http.post("/v1/completions", json=body)
+        assert answer.json()["usage"]["completion_tokens"] == 6
+        assert _generated() - before == 6
+    finally:
+        await _stop(server, task)
+        completions.close()

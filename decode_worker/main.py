@@ -26,7 +26,7 @@ from pdserve.kvtransfer.ucx_worker import UcxWorker
 from pdserve.metrics import WorkerCollector, start_worker_metrics
 from pdserve.planner import chunking
 from pdserve.process import announce_ready, wait_for_shutdown_signal
-from pdserve.security import SecuritySettings, TokenAuth
+from pdserve.security import SecuritySettings, TokenAuth, is_loopback
 from pdserve.settings import WorkerSettings
 from pdserve.v1 import pdserve_pb2_grpc
 
@@ -73,7 +73,7 @@ async def serve(engine_config: EngineConfig, settings: WorkerSettings, security:
         lease_s=settings.kv_lease_s,
         quarantine_s=ONE_SIDED_QUARANTINE_S if one_sided else 0.0,
     )
-    ucx = UcxWorker() if "ucx" in transports else None
+    ucx = UcxWorker(loopback_only=is_loopback(settings.host)) if "ucx" in transports else None
     fingerprint = await asyncio.to_thread(model_fingerprint, engine.model_dir, engine_config.cache_dir)
     peer = local_peer_info(
         fingerprint,

@@ -65,10 +65,13 @@ def ucx_unavailable_reason() -> str:
 
 
 class UcxWorker:
-    def __init__(self) -> None:
+    def __init__(self, loopback_only: bool = False) -> None:
+        """``loopback_only``: a worker bound to loopback keeps UCX there too. UCX's TCP
+        transport otherwise listens on every network device (unless UCX_NET_DEVICES says)."""
         if not ucx_available():
             raise RuntimeError(ucx_unavailable_reason())
-        self._context = _ucx.UCXContext({})
+        config = {"NET_DEVICES": "lo"} if loopback_only and "UCX_NET_DEVICES" not in os.environ else {}
+        self._context = _ucx.UCXContext(config)
         self._worker = _ucx.UCXWorker(self._context, enable_delayed_submission=False, enable_python_future=False)
         self._worker.init_blocking_progress_mode()
         self.address: bytes = self._worker.address.tobytes()

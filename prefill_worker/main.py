@@ -22,7 +22,7 @@ from pdserve.kvtransfer.ucx_worker import UcxWorker
 from pdserve.metrics import WorkerCollector, start_worker_metrics
 from pdserve.prefill_worker.servicer import PrefillService
 from pdserve.process import announce_ready, wait_for_shutdown_signal
-from pdserve.security import SecuritySettings, TokenAuth
+from pdserve.security import SecuritySettings, TokenAuth, is_loopback
 from pdserve.settings import WorkerSettings
 from pdserve.v1 import pdserve_pb2_grpc
 
@@ -38,7 +38,7 @@ async def serve(engine_config: EngineConfig, settings: WorkerSettings, security:
     loop = await EngineLoop.build(lambda: LLMEngine(engine_config))
     engine = loop.engine
 
-    ucx = UcxWorker() if "ucx" in transports else None
+    ucx = UcxWorker(loopback_only=is_loopback(settings.host)) if "ucx" in transports else None
     extra = {}
     for name in transports:  # what the decode side needs to know about us (CUDA IPC: the GPUs we see)
         sender_extra = getattr(registry.get(name).load(), "sender_extra", None)

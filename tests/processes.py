@@ -50,7 +50,7 @@ class Proc:
     """A pdserve process whose stdout is watched for its ready line (and, for `up`, 'pdserve ready')."""
 
     args: list[str]
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str | None] = field(default_factory=dict)  # None: unset that variable
     prefix: list[str] = field(default_factory=list)  # a command that runs it (unshare ...)
     process: subprocess.Popen = field(init=False)
     lines: queue.Queue = field(default_factory=queue.Queue, init=False)
@@ -65,6 +65,7 @@ class Proc:
             "PDSERVE_LOG_LEVEL": "INFO",
             **self.env,
         }
+        env = {name: value for name, value in env.items() if value is not None}
         self.process = subprocess.Popen(
             [*self.prefix, sys.executable, "-m", "pdserve.cli", *self.args],
             stdout=subprocess.PIPE,
@@ -131,7 +132,7 @@ class Stack:
     processes: list[dict]  # each process's name, pid and addresses
 
     @classmethod
-    def up(cls, *extra: str, env: dict[str, str] | None = None, prefix: list[str] | None = None) -> "Stack":
+    def up(cls, *extra: str, env: dict[str, str | None] | None = None, prefix: list[str] | None = None) -> "Stack":
         # Port 0: the router binds a port of its own choosing (a port picked here and passed on
         # could be taken by another process meanwhile), and the cluster line says which.
         proc = Proc(["up", "--port", "0", *extra], env=env or {}, prefix=prefix or [])

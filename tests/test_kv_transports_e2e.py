@@ -4,8 +4,10 @@ is missing, corruption and stall injection, and re-blocking between block sizes.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import os
 
+import psutil
 import pytest
 from conftest import PROMPTS
 from processes import Proc, Stack, can_mount_private_shm
@@ -30,18 +32,27 @@ def worker_counters(stats: pb.ClusterStats, role: str) -> dict:
     return next(dict(w.counters) for w in stats.workers if w.role == role)
 
 
+def _loopback(host: str) -> bool:
+    address = ipaddress.ip_address(host)
+    return (getattr(address, "ipv4_mapped", None) or address).is_loopback  # gRPC listens on ::ffff:127.0.0.1
+
+
 UCX = pytest.param("ucx", marks=pytest.mark.skipif(not ucx_available(), reason=ucx_unavailable_reason()))
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm", UCX])
 async def test_each_transport_gives_hf_greedy_output(transport, hf_reference):
-    stack = Stack.up("--kv-transport", transport, *ARGS)
+    stack = Stack.up("--kv-transport", transport, *ARGS, env={"UCX_NET_DEVICES": None})  # as a user runs it
     try:
         await check_greedy(stack.address, hf_reference)
         stats = await cluster_stats(stack.address)
         assert worker_counters(stats, "decode")[f"kv_transfers_{transport}"] >= 2
         assert worker_counters(stats, "prefill")[f"kv_transfers_{transport}"] >= 2
         await assert_blocks_all_free(stack.address)
+        # A stack on loopback listens on loopback only (UCX's TCP transport included).
+        for pid in stack.children:
+            listening = [c.laddr for c in psutil.Process(pid).net_connections("inet") if c.status == psutil.CONN_LISTEN]
+            assert all(_loopback(host) for host, _ in listening), (pid, listening)
     finally:
         stack.down()
 

@@ -197,8 +197,17 @@ def prefix_overlap(request_hashes: list[int], cached: set[int]) -> int:
     return n
 
 
+# A worker back on its address must be seen by the next probe: gRPC's default backoff between
+# reconnection attempts grows to 2 minutes, and until it ends every call fails at once.
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.min_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
 def _connect(address: str, role: Role, credentials: grpc.ChannelCredentials | None) -> Worker:
-    options = channel_options()
+    options = [*channel_options(), *RECONNECT_OPTIONS]
     channel = (
         grpc.aio.secure_channel(address, credentials, options)
         if credentials

@@ -147,6 +147,17 @@ def test_seeded_sampling_gives_the_same_tokens_as_without_speculation(proposer, 
     assert_all_free(engine)
 
 
+def test_the_choices_of_a_request_with_n_above_1_carry_no_proposals(engines, few):
+    """As documented: every choice of an n > 1 request draws one token per step (choices after
+    the first sample with n = 1 settings of their own, and so looked eligible)."""
+    engine = engines("ngram")
+    drafts = engine.speculator.stats.drafts
+    arrivals = [(0, "choices", few[2], SamplingParams(max_tokens=12, temperature=0.8, seed=7, n=3))]
+    assert run(engine, arrivals) == run(engines("none"), arrivals)
+    assert engine.speculator.stats.drafts == drafts
+    assert_all_free(engine)
+
+
 def test_unseeded_sampling_with_a_draft_runs_rejection_sampling(model_dir, truncated_draft, prompt_ids):
     engine = make_engine(model_dir, speculative="draft", draft_model=str(truncated_draft))
     sp = SamplingParams(max_tokens=20, temperature=0.7, ignore_eos=True)

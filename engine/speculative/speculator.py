@@ -56,7 +56,7 @@ def speculates(seq: Sequence) -> bool:
     """Whether a sequence may carry proposals. Not requests that want logprobs, a grammar or
     several choices: their sampling step draws one token per sequence and step."""
     sp = seq.sampling
-    return sp.logprobs is None and sp.constraint is None and sp.n == 1
+    return sp.logprobs is None and sp.constraint is None and sp.n == 1 and seq.group is None  # choices: n > 1
 
 
 class Speculator:

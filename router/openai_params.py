@@ -9,8 +9,9 @@ field back to the parameter the client sent.
   ``prompt_logprobs`` (answered whole, as vLLM does: not with ``stream``);
 - chat ``logprobs`` (a boolean) and ``top_logprobs``;
 - ``response_format``: ``text``, ``json_object``, ``json_schema`` (``{"json_schema":
-  {"name", "schema", "strict"}}``), and vLLM's ``guided_json``, ``guided_regex``,
-  ``guided_choice``, ``guided_grammar``; at most one of them.
+  {"name", "schema", "strict"}}``); vLLM's ``structured_outputs`` (``{"json" | "regex" |
+  "choice" | "grammar" | "json_object": ...}``, its form since v0.12) and its older
+  ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``; at most one of them.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pdserve.request_rules import Constraint
 from pdserve.router.openai_protocol import Params, invalid
 
 GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +78,7 @@ def parity_fields(p: Params, chat: bool, stream: bool) -> ParityFields:
 
 
 def _constraint(p: Params) -> tuple[Constraint | None, str]:
-    given = [name for name in ("response_format", *GUIDED) if p.given(name)]
+    given = [name for name in ("response_format", "structured_outputs", *GUIDED) if p.given(name)]
     fmt = p.raw("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and isinstance(fmt.get("type"), str)):
         raise invalid("response_format", 'must be an object with a "type": text, json_object or json_schema')
@@ -98,7 +100,12 @@ def _constraint(p: Params) -> tuple[Constraint | None, str]:
         if not isinstance(spec, dict) or "schema" not in spec:
             raise invalid("response_format.json_schema", 'must be an object with a "schema" (and a "name")')
         return Constraint("json_schema", _schema_text(spec["schema"], "response_format.json_schema.schema")), name
-    kind = GUIDED[name]
+    if name == "structured_outputs":
+        name, kind, value = _structured_outputs(value)
+        if kind == "json_object":
+            return Constraint("json_object"), name
+    else:
+        kind = GUIDED[name]
     if kind == "choice":
         if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
             raise invalid(name, "must be a list of strings")
@@ -108,6 +115,22 @@ def _constraint(p: Params) -> tuple[Constraint | None, str]:
     if not isinstance(value, str):
         raise invalid(name, "must be a string")
     return Constraint(kind, value), name
+
+
+def _structured_outputs(value: Any) -> tuple[str, str, Any]:
+    """vLLM's ``structured_outputs`` object: (the parameter's name, the constraint kind, its
+    value). Its other options would change the answer and are not built: refused when set."""
+    keys = (*STRUCTURED_OUTPUTS, "json_object")
+    if not isinstance(value, dict):
+        raise invalid("structured_outputs", f"must be an object with one of {', '.join(keys)}")
+    for key, option in value.items():
+        if key not in keys and option not in (None, False):
+            raise invalid(f"structured_outputs.{key}", "is not supported")
+    given = [key for key in keys if value.get(key) not in (None, False)]
+    if len(given) != 1:
+        raise invalid("structured_outputs", f"give exactly one of {', '.join(keys)} (got {len(given)})")
+    key = given[0]
+    return f"structured_outputs.{key}", STRUCTURED_OUTPUTS.get(key, "json_object"), value[key]
 
 
 def _schema_text(schema: Any, param: str) -> str:

@@ -309,6 +309,7 @@ _NOT_BUILT = (
     ("bad_words", None),
     ("allowed_token_ids", None),
     ("guided_whitespace_pattern", None),
+    ("logits_processors", None),
 )
 _NOT_BUILT_CHAT = (
     ("echo", False),

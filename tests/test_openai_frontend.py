@@ -26,6 +26,7 @@ from test_openai_api import assert_openai_error
 
 from pdserve import metrics as pdserve_metrics
 from pdserve.client import build_request
+from pdserve.request_rules import Constraint
 from pdserve.router.completions import Completions
 from pdserve.router.dispatch import DispatchError, TokenEvent
 from pdserve.router.openai_api import create_app, http_port, serve_http
@@ -652,6 +653,48 @@ async def test_echo_with_no_new_tokens_counts_no_generated_token(tokenizer):
             answer = await http.post("/v1/completions", json=body)
         assert answer.json()["usage"]["completion_tokens"] == 6
         assert _generated() - before == 6
+    finally:
+        await _stop(server, task)
+        completions.close()
+
+
+async def test_vllm_structured_outputs_reach_the_workers_as_constraints(tokenizer):
+    """vLLM's current form (``structured_outputs``, since v0.12) constrains as its older
+    ``guided_*`` parameters do; what it cannot honour is refused, never ignored."""
+    dispatcher = EchoDispatcher()
+    completions = Completions(tokenizer, dispatcher, 600, max_inflight=MAX_INFLIGHT)
+    server, task, base = await _http(create_app(completions, "m"))
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    try:
+        async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+
+            async def post(**fields):
+                return await http.post(
+                    "/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 2, **fields}
+                )
+
+            for options, expected in (
+                ({"choice": ["yes", "no"]}, Constraint("choice", choices=("yes", "no"))),
+                ({"json": schema}, Constraint("json_schema", json.dumps(schema))),
+                ({"regex": "[0-9]{3}", "disable_fallback": False}, Constraint("regex", "[0-9]{3}")),
+                ({"grammar": 'root ::= "a"'}, Constraint("grammar", 'root ::= "a"')),
+                ({"json_object": True}, Constraint("json_object")),
+            ):
+                answer = await post(structured_outputs=options)
+                assert answer.status_code == 200, answer.text
+                assert dispatcher.seen[-1].sampling.constraint == expected
+            seen = len(dispatcher.seen)
+            for fields, param in (
+                ({"structured_outputs": {"choice": ["a"], "regex": "a"}}, "structured_outputs"),
+                ({"structured_outputs": {}}, "structured_outputs"),
+                ({"structured_outputs": ["a"]}, "structured_outputs"),
+                ({"structured_outputs": {"regex": 5}}, "structured_outputs.regex"),
+                ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
+                ({"structured_outputs": {"regex": "a"}, "guided_choice": ["a"]}, "guided_choice"),
+                ({"logits_processors": ["my.module:Processor"]}, "logits_processors"),
+            ):
+                assert_openai_error(await post(**fields), 400, param)
+            assert len(dispatcher.seen) == seen
     finally:
         await _stop(server, task)
         completions.close()

@@ -164,8 +164,8 @@ def check_sampling(
     if not (_is_number(s.top_p) and 0 < s.top_p <= 1):
         raise InvalidRequest("sampling.top_p", f"must be in (0, 1], got {s.top_p!r}")
     if not (_is_int(s.top_k) and 0 <= s.top_k and (vocab_size is None or s.top_k <= vocab_size)):
-        bound = f"[0, {vocab_size}]" if vocab_size is not None else ">= 0"
-        raise InvalidRequest("sampling.top_k", f"must be an integer in {bound} (0 = off), got {s.top_k!r}")
+        bound = f"in [0, {vocab_size}]" if vocab_size is not None else ">= 0"
+        raise InvalidRequest("sampling.top_k", f"must be an integer {bound} (0 = off), got {s.top_k!r}")
     if s.seed is not None and not (_is_int(s.seed) and 0 <= s.seed <= MAX_SEED):
         raise InvalidRequest("sampling.seed", f"must be an integer in [0, 2**63), got {s.seed!r}")
     if len(s.stop) > MAX_STOP_STRINGS:

@@ -46,7 +46,7 @@ def test_bad_sampling_params(kwargs, field):
         (dict(temperature=math.nan), "sampling.temperature", "must be in [0, 100], got nan"),
         (dict(temperature=100.5), "sampling.temperature", "must be in [0, 100]"),
         (dict(top_p=math.inf), "sampling.top_p", "must be in (0, 1], got inf"),
-        (dict(top_k=2.0), "sampling.top_k", "must be an integer in >= 0 (0 = off)"),
+        (dict(top_k=2.0), "sampling.top_k", "must be an integer >= 0 (0 = off)"),
         (dict(seed=2**63), "sampling.seed", "must be an integer in [0, 2**63)"),
         (dict(stop=("x",) * 17), "sampling.stop", "17 stop strings exceed the limit of 16"),
         (dict(stop=("ok", "x" * 257)), "sampling.stop[1]", "must be 1 to 256 characters"),

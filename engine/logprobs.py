@@ -3,8 +3,10 @@
 They are computed from the model's raw next-token distribution: ``log_softmax`` of the fp32
 logits of the very forward pass the sampler draws from, *before* temperature, top-k/top-p and
 any structured-output mask. That is what OpenAI reports (its logprobs do not change with
-temperature) and vLLM's default (``logprobs_mode=raw_logprobs``); a constrained or truncated
-sampler may therefore pick a token whose reported logprob is low, never -inf.
+temperature) and vLLM's default (``logprobs_mode=raw_logprobs``), except under a grammar:
+vLLM applies the structured-output mask first, here the alternatives stay the model's own. A
+constrained or truncated sampler may therefore pick a token whose reported logprob is low,
+never -inf.
 
 Prompt logprobs: position ``p`` of a prompt predicts token ``p + 1``; a prompt of ``L``
 tokens has ``L - 1`` of them (OpenAI's ``echo`` reports ``null`` for the first token). The

@@ -198,10 +198,10 @@ def prefix_overlap(request_hashes: list[int], cached: set[int]) -> int:
 
 
 # A worker back on its address must be seen by the next probe: gRPC's default backoff between
-# reconnection attempts grows to 2 minutes, and until it ends every call fails at once.
+# reconnection attempts grows to 2 minutes, and until it ends every call fails at once. (Not
+# grpc.min_reconnect_backoff_ms: it is also each attempt's connect timeout, 20 s by default.)
 RECONNECT_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 500),
-    ("grpc.min_reconnect_backoff_ms", 500),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 

@@ -71,6 +71,7 @@ from pdserve.router.validation import InvalidRequest, ValidatedRequest
 from pdserve.security import SecuritySettings, bearer_ok
 
 log = logging.getLogger(__name__)
+STREAM_LIMIT_GRACE_S = 1.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,7 +277,9 @@ class _OpenAI:
                     yield sse(APIError(500, "internal error while streaming").body())
             yield DONE
 
-        return _EventStream(body(), {**SSE_HEADERS, **headers}, self.completions.request_timeout_s, job.id)
+        # Past the workers' own deadline, which ends (with an error event) a stream the client reads.
+        limit_s = self.completions.request_timeout_s + STREAM_LIMIT_GRACE_S
+        return _EventStream(body(), {**SSE_HEADERS, **headers}, limit_s, job.id)
 
 
 class RequireToken:

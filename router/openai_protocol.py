@@ -217,6 +217,8 @@ def prompt_input(p: Params, max_model_len: int) -> dict[str, Any]:
     value = p.raw("prompt")
     if value is None:
         raise invalid("prompt", "is required")
+    if isinstance(value, list) and len(value) > 1 and isinstance(value[0], (list, str)):  # before walking them
+        raise invalid("prompt", f"a batch of {len(value)} prompts is not supported; send one request per prompt")
     ids = value[0] if isinstance(value, list) and len(value) == 1 and isinstance(value[0], list) else value
     if isinstance(ids, list) and ids and isinstance(ids[0], int):  # a list of ids: its length first
         _by_rule(check_prompt_length, len(ids), max_model_len=max_model_len, field="prompt")
@@ -228,8 +230,6 @@ def prompt_input(p: Params, max_model_len: int) -> dict[str, Any]:
         return {"prompt": value}
     if isinstance(value, list) and value and _token_list(value):
         return {"prompt_token_ids": tuple(p.token_ids("prompt", value))}
-    if isinstance(value, list) and len(value) > 1 and all(isinstance(v, str) or _token_list(v) for v in value):
-        raise invalid("prompt", f"a batch of {len(value)} prompts is not supported; send one request per prompt")
     if value == []:
         raise invalid("prompt", "must not be empty")
     raise invalid("prompt", "must be a string, a list of token ids, or a list holding one of those")

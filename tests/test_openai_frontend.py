@@ -321,8 +321,9 @@ async def test_sizes_are_judged_before_a_list_is_walked(tokenizer):
             answer = await http.post("/v1/chat/completions", json={"model": "m", "messages": [1] * 600})
             error = assert_openai_error(answer, 400, "messages")
             assert "600 messages exceed the limit" in error["message"], error
-            answer = await http.post("/v1/completions", json={"model": "m", "prompt": ["a", "b"] * 10_000})
-            assert "a batch of 20000 prompts" in assert_openai_error(answer, 400, "prompt")["message"]
+            for batch in (["a", "b"] * 10_000, [[1] * too_many, [1] * too_many + ["x"]]):
+                answer = await http.post("/v1/completions", json={"model": "m", "prompt": batch})
+                assert f"a batch of {len(batch)} prompts" in assert_openai_error(answer, 400, "prompt")["message"]
         assert not dispatcher.seen
     finally:
         await _stop(server, task)

@@ -169,8 +169,17 @@ class OnlinePlanner:
         elif ttft is not None:
             self._met_ttft = ttft
         if "tpot" in unmet:  # one sequence at a time: the lowest TPOT there is
-            decode = rate / capacity.decode_rate(self.profile, self.decode_degree, w, None, max_num_seqs=1)
+            one = capacity.decode_rate(self.profile, self.decode_degree, w, None, max_num_seqs=1)
+            decode = rate / one if one > 0 else math.inf  # inf: today's requests overflow one KV cache
         if unmet and unmet != self._unmet:
+            if math.isinf(decode) and "tpot" in unmet:
+                log.warning(
+                    "online planner: today's mean request (%.0f prompt + %.0f output tokens) does not fit "
+                    "one decode instance's KV cache (%s tokens in the profile)",
+                    prompts,
+                    outputs,
+                    self.profile.kv_tokens(self.decode_degree),
+                )
             log.warning(
                 "online planner: no instance meets the %s SLO (corrections: ttft %.2f, tpot %.2f); "
                 "asking for the replicas of the lowest latency instead",
@@ -206,6 +215,9 @@ class OnlinePlanner:
                 d = self.decide()
             except ValueError as e:  # e.g. a window of one-token prompts the capacity model refuses
                 log.warning("online planner: %s", e)
+                continue
+            except Exception:  # the loop must outlive one bad decision: its gauges would freeze
+                log.exception("online planner: this decision failed; the next interval tries again")
                 continue
             self.export(d)
             log.info(

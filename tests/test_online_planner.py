@@ -3,6 +3,7 @@ model it asks, and the Prometheus gauges it exports (fake clock, no servers)."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
@@ -215,3 +216,42 @@ def test_the_floor_from_a_met_ttft_target_is_sized_for_todays_prompts():
     at_met_target = short.rate / capacity.prefill_rate(PROFILE, 1, w, 1000)
     assert short.prefill >= at_met_target * 0.99  # never below what the met target needs now
     assert short.prefill < long.prefill * short.rate / long.rate / 1.5  # not the long prompts' count
+
+
+def test_requests_larger_than_one_kv_cache_ask_for_the_cap_and_keep_the_planner_running(caplog):
+    """A window whose mean request overflows a decode instance's KV cache: no instance serves it
+    at any batch, which is said once; the decision stays a number (no division by zero)."""
+    clock = Clock()
+    small = Profile(**{**PROFILE.__dict__, "kv_cache_tokens": {1: 100}})
+    planner = OnlinePlanner(small, ttft_ms=1000, tpot_ms=None, window_s=60, clock=clock)  # a TTFT SLO only
+    feed(planner, clock, rate=1.0, seconds=10, prompt_len=200, max_tokens=50)
+    with caplog.at_level("WARNING", logger="pdserve.planner.online"):
+        d = planner.decide()
+        planner.decide()
+    assert math.isinf(d.decode) and math.isfinite(d.prefill)
+    assert caplog.text.count("does not fit one decode instance's KV cache (100 tokens") == 1
+    planner.export(d)
+    assert REGISTRY.get_sample_value("pdserve_planner_desired_replicas", {"role": "decode"}) == 1024
+
+
+async def test_the_loop_outlives_a_decision_that_fails(caplog, monkeypatch):
+    planner = OnlinePlanner(PROFILE, ttft_ms=1000, tpot_ms=50, interval_s=0.01)
+    decide, calls = planner.decide, []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) == 2:
+            raise ZeroDivisionError("float division by zero")
+        return decide()
+
+    monkeypatch.setattr(planner, "decide", flaky)
+    planner.start()
+    try:
+        for _ in range(200):  # bounded: 2 s
+            if len(calls) >= 4:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        await planner.stop()
+    assert len(calls) >= 4, "the loop stopped at the failed decision"
+    assert "this decision failed" in caplog.text

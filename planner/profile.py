@@ -180,12 +180,12 @@ class Profile:
             raise ValueError("profile.steps: needs the step cost of at least one degree")
         if any(not isinstance(d, int) or d < 1 for d in self.steps):
             raise ValueError(f"profile.steps: degrees must be integers >= 1, got {sorted(self.steps)}")
-        if self.transport not in self.transfers:
+        if not isinstance(self.transport, str) or self.transport not in self.transfers:
             raise ValueError(f"profile.transport: {self.transport!r} has no entry in profile.transfers")
         for name in ("kv_bytes_per_token", "cores", "max_model_len"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-                raise ValueError(f"profile.{name}: must be an integer, got {value!r}")
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value >= 2**40):
+                raise ValueError(f"profile.{name}: must be an integer below 2**40, got {value!r}")
         if any(tokens < 1 for tokens in self.kv_cache_tokens.values()):
             raise ValueError(f"profile.kv_cache_tokens: must be >= 1 per degree, got {self.kv_cache_tokens}")
         if self.kv_bytes_per_token < 1:
@@ -194,6 +194,15 @@ class Profile:
             raise ValueError(f"profile.cores: must be >= 1, got {self.cores}")
         if self.max_model_len < 2:
             raise ValueError(f"profile.max_model_len: must be >= 2, got {self.max_model_len}")
+        for degree, cost in self.steps.items():  # a term below zero must not make long steps free
+            if (
+                cost.decode_ms + cost.decode_ctx_ms * self.max_model_len <= 0
+                or cost.prefill_alone_ms(self.max_model_len) <= 0
+            ):
+                raise ValueError(
+                    f"profile.steps.{degree}: a sequence at the longest context ({self.max_model_len} tokens) "
+                    "would cost nothing (a term weighs too far below zero)"
+                )
 
     # -- queries --------------------------------------------------------------------------------
     @property
@@ -271,9 +280,12 @@ class Profile:
             values["transfers"] = {str(k): TransferCost(**v) for k, v in data["transfers"].items()}
             values["overheads"] = Overheads(**data.get("overheads", {}))
             values["kv_cache_tokens"] = {
-                _degree(k, "kv_cache_tokens"): int(v) for k, v in data.get("kv_cache_tokens", {}).items()
+                _degree(k, "kv_cache_tokens"): _number(int, v, "kv_cache_tokens")
+                for k, v in data.get("kv_cache_tokens", {}).items()
             }
-            values["fit_error"] = {_degree(k, "fit_error"): float(v) for k, v in data.get("fit_error", {}).items()}
+            values["fit_error"] = {
+                _degree(k, "fit_error"): _number(float, v, "fit_error") for k, v in data.get("fit_error", {}).items()
+            }
             values["samples"] = tuple(data.get("samples", ()))
         except KeyError as e:
             raise ValueError(f"profile.{e.args[0]}: missing") from None
@@ -317,3 +329,10 @@ def _degree(key, where: str) -> int:
     if degree < 1:
         raise ValueError(f"profile.{where}: degrees must be >= 1, got {degree}")
     return degree
+
+
+def _number(kind: type, value, where: str):
+    try:
+        return kind(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"profile.{where}: values must be numbers, got {value!r}") from None

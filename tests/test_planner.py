@@ -100,6 +100,11 @@ def test_profile_round_trip(tmp_path):
         (lambda d: d["steps"]["1"].update(base_ms=0, decode_ms=0, prefill_ms=0), "must each take > 0 ms"),
         (lambda d: d.update(cores="2"), "cores"),
         (lambda d: d.update(kv_cache_tokens={"1": -5}), "kv_cache_tokens"),
+        (lambda d: d.update(kv_cache_tokens={"1": "many"}), "kv_cache_tokens"),
+        (lambda d: d.update(fit_error={"1": "x"}), "fit_error"),
+        (lambda d: d.update(transport=[]), "transport"),
+        (lambda d: d.update(kv_bytes_per_token=10**400), "kv_bytes_per_token"),
+        (lambda d: d["steps"]["1"].update(decode_ctx_ms=-0.5), "would cost nothing"),
     ],
 )
 def test_bad_profiles_are_refused_naming_the_field(tmp_path, change, field):

@@ -110,6 +110,7 @@ def to_json(fleet: FleetPlan, profile: Profile, slo: Goodput, attainment: float)
         "goodput_rps": fleet.goodput,
         "target_rate": fleet.target_rate,
         "replicas_for_target": fleet.replicas_for_target,
+        "target_unit": unit_summary(fleet.target_unit) if fleet.target_unit else None,
         "at_target": _percentiles(fleet.at_target),
         "candidates": [unit_summary(u) for u in fleet.candidates],
     }
@@ -149,9 +150,10 @@ def render(fleet: FleetPlan, profile: Profile, slo: Goodput, attainment: float) 
         if fleet.replicas_for_target is None:
             lines.append(f"target {fleet.target_rate:g} req/s: no unit meets the SLOs at any rate")
         else:
-            need = fleet.replicas_for_target
-            fits = "fits" if need <= fleet.replicas else f"needs {need * u.devices} {kind}: over the budget"
-            lines.append(f"target {fleet.target_rate:g} req/s: {need} units, {need * u.devices} {kind} ({fits})")
+            need, t = fleet.replicas_for_target, fleet.target_unit
+            devices = need * t.devices
+            fits = "fits the budget" if devices <= fleet.budget else "over the budget"
+            lines.append(f"target {fleet.target_rate:g} req/s: {need} x [{t.label}] = {devices} {kind} ({fits})")
             if fleet.at_target:
                 m = fleet.at_target
                 lines.append(

@@ -61,9 +61,10 @@ class FleetPlan:
     replicas: int
     budget: int
     target_rate: float | None  # req/s asked for, if any
-    replicas_for_target: int | None  # units the target rate needs
-    at_target: RunMetrics | None  # one unit at its share of the target rate
+    replicas_for_target: int | None  # units of ``target_unit`` the target rate needs
+    at_target: RunMetrics | None  # one such unit at its share of the target rate
     candidates: list[UnitResult] = field(default_factory=list)
+    target_unit: UnitResult | None = None  # the unit that serves the target on the fewest devices
 
     @property
     def devices(self) -> int:
@@ -227,13 +228,16 @@ def plan(
         simulated.append(UnitResult(unit.topology, unit.devices, unit.estimate, rate, metrics))
     best = best_fill(simulated, budget)
     replicas = budget // best.devices
-    needed, at_target = None, None
-    if target_rate is not None and best.goodput:
-        needed = max(1, math.ceil(target_rate / best.goodput))
-        run = run_at(profile, best.topology, specs, target_rate / needed, config, burstiness, seed, span_s)
+    needed, at_target, target_unit = None, None, None
+    serving = [u for u in simulated if u.goodput]
+    if target_rate is not None and serving:
+        # The fewest devices that serve the target: often a smaller unit than the budget's best.
+        target_unit = min(serving, key=lambda u: (math.ceil(target_rate / u.goodput) * u.devices, -u.per_device))
+        needed = max(1, math.ceil(target_rate / target_unit.goodput))
+        run = run_at(profile, target_unit.topology, specs, target_rate / needed, config, burstiness, seed, span_s)
         at_target = compute(run.timelines, run.duration, slo)
     ranked = sorted(simulated, key=lambda u: -u.per_device) + [u for u in units if u not in _shortlist(units, top_k)]
-    return FleetPlan(best, replicas, budget, target_rate, needed, at_target, ranked)
+    return FleetPlan(best, replicas, budget, target_rate, needed, at_target, ranked, target_unit)
 
 
 def best_fill(units: list[UnitResult], budget: int) -> UnitResult:

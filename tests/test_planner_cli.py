@@ -4,6 +4,7 @@ plan, their bad input, and the new flags of pdserve up. No servers, no model."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -188,6 +189,23 @@ def test_plan_prints_and_writes_a_plan(tmp_path, profile_path, capsys):
     plan = json.loads(out.read_text())
     assert plan["devices_used"] <= 2 and plan["unit"]["goodput_rps"] > 0
     assert {c["unit"] for c in plan["candidates"]} >= {"colocated x2", "1P(x1) 1D(x1)"}
+
+
+def test_a_target_rate_is_planned_on_the_fewest_devices_that_serve_it(tmp_path, capsys):
+    """The budget's best unit (the most goodput on 2 cores) is not what a small target needs:
+    one colocated core serves 1 req/s here, and the plan says so."""
+    out = tmp_path / "plan.json"
+    bundled = Path(__file__).resolve().parents[1] / "bench" / "profiles" / "smollm2-cpu-2vcpu-quiet.json"
+    args = ["--profile", str(bundled), "--num-prompts", "50"]
+    args += ["--input-len", "256", "--output-len", "64", "--slo", "ttft:1500", "tpot:60", "--devices", "2"]
+    assert plan_cli.main([*args, "--request-rate", "1", "--json", str(out), "--disable-tqdm"]) == 0
+    plan = json.loads(out.read_text())
+    target = plan["target_unit"]
+    assert target["devices"] * plan["replicas_for_target"] < plan["unit"]["devices"] * plan["replicas"]
+    assert target["goodput_rps"] * plan["replicas_for_target"] >= 1
+    cheaper = [c for c in plan["candidates"] if c.get("goodput_rps") and c["goodput_rps"] >= 1]
+    assert target["devices"] == min(c["devices"] for c in cheaper)
+    assert f"= {target['devices']} cores (fits the budget)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

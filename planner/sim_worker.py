@@ -43,6 +43,7 @@ class SimWorker:
         self.speed = 1.0  # of the step in progress, while the busy set stays as it is
         self.version = 0  # bumped whenever its end is rescheduled (stale end events are dropped)
         self.charged_at = 0.0  # when work_ms was last brought up to date
+        self.aborts: list[str] = []  # requests the router cancelled during a step: dropped after it
 
     @property
     def busy(self) -> bool:
@@ -76,7 +77,17 @@ class SimWorker:
         schedule, self.schedule = self.schedule, None
         self.sim.reshare()
         self._hand_out(self.engine.finish_step(schedule))
+        for request_id in self.aborts:
+            self.engine.abort(request_id)
+        self.aborts.clear()
         self.kick()
+
+    def abort(self, request_id: str) -> None:
+        """As the engine thread takes an abort: between steps, never inside one."""
+        if self.busy:
+            self.aborts.append(request_id)
+        else:
+            self.engine.abort(request_id)
 
     def _hand_out(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

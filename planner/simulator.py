@@ -69,6 +69,9 @@ class _Request:
     reservation: KVReservation | None = None  # where the decode worker wants the K/V
     held: list[RequestOutput] = field(default_factory=list)  # decode outputs the router reads after the first token
     first_sent: bool = False  # the prefill worker's first token reached the client
+    prefill: SimWorker | None = None  # the prefill worker of a disaggregated request
+    prefilled: bool = False  # its Prefill call has answered
+    ended: bool = False  # finished or failed
 
 
 class Simulation:
@@ -212,8 +215,11 @@ class Simulation:
         req.timeline.send_time = self.now
         req.deadline = self.now + min(self.config.request_timeout_s, max(0.0, self.config.time_limit_s - self.now))
         self.after(self.profile.overheads.first_token_ms / 1e3, self._route, req)
+        self.after(max(0.001, req.deadline - self.now), self._deadline_passed, req)
 
     def _route(self, req: _Request) -> None:
+        if req.ended:
+            return
         tokens = list(req.spec.prompt_token_ids)
         request = ValidatedRequest(req.rid, tokens, SamplingParams(max_tokens=req.spec.max_tokens))
         decode = self._by_record[id(self.policy.pick_decode(request, [w.record for w in self.decode]))]
@@ -240,13 +246,14 @@ class Simulation:
             return
         # The decode worker reserves blocks in its step loop, waiting up to the request's
         # deadline; the reservation is its stream's first message.
+        req.prefill = prefill
         req.work = prefill.record.begin_prefill(PromptBlocks(tokens))
         decode.handlers[req.rid] = lambda out: self._decode_output(req, prefill, out)
         decode.engine.add_request(
             req.rid, tokens, req.spec.max_tokens, self.now, kv_receive=KVReceive(decode.engine.receiver)
         )
-        # As a decode worker: a reservation waits for a batch slot and blocks until the deadline.
-        self.after(max(0.001, req.deadline - self.now), self._reservation_overdue, req, prefill)
+        # As a decode worker: a reservation waits for a batch slot and blocks until the deadline
+        # (``_deadline_passed``).
         self._wake(decode)
 
     def _reservation_overdue(self, req: _Request, prefill: SimWorker) -> None:
@@ -256,6 +263,32 @@ class Simulation:
         req.decode.handlers.pop(req.rid, None)
         req.decode.record.inflight -= 1
         self._fail(req, "RESOURCE_EXHAUSTED: decode worker could not start the request before its deadline")
+
+    def _deadline_passed(self, req: _Request) -> None:
+        """The client's deadline: the router cancels the request's calls, and the workers free
+        what it holds (its work no longer takes capacity from the requests behind it)."""
+        if req.ended:
+            return
+        error = "DEADLINE_EXCEEDED: the request outlived its deadline"
+        decode = req.decode
+        if decode is None:  # not routed yet
+            self._fail(req, error)
+            return
+        if req.prefill is not None and req.reservation is None:  # still waiting for a decode slot
+            self._reservation_overdue(req, req.prefill)  # refused as the decode worker refuses it
+            if req.ended:
+                return
+        decode.handlers.pop(req.rid, None)
+        decode.abort(req.rid)
+        if req.prefill is not None and not req.prefilled:
+            req.prefill.handlers.pop(req.rid, None)
+            req.prefill.abort(req.rid)
+            req.prefill.record.end_prefill(req.work)
+            self._wake(req.prefill)
+        elif req.local and self.conditional is not None and req.work:
+            self.conditional.end_local(decode.record, req.work)
+        self._wake(decode)
+        self._end(req, error)
 
     def _decode_output(self, req: _Request, prefill: SimWorker, out: RequestOutput) -> None:
         if isinstance(out.kv, KVReservation):  # the router sends the prompt to the prefill worker
@@ -296,6 +329,7 @@ class Simulation:
             return  # the first token: the Prefill call answers once the K/V are acknowledged
         prefill.handlers.pop(req.rid, None)
         prefill.record.end_prefill(req.work)
+        req.prefilled = True
         if out.error is not None:
             req.decode.engine.abort(req.rid)
             self._end(req, f"prefill failed: {out.error}")
@@ -334,6 +368,7 @@ class Simulation:
         req.timeline.finish_reason = "length"
         if self.now > req.deadline:
             req.timeline.error = "DEADLINE_EXCEEDED: the request outlived its deadline"
+        req.ended = True
         self._done()
 
     def _end(self, req: _Request, error: str) -> None:
@@ -343,6 +378,7 @@ class Simulation:
         self._fail(req, error)
 
     def _fail(self, req: _Request, error: str) -> None:
+        req.ended = True
         req.timeline.error = error
         self.counters["failed"] += 1
         self._done()

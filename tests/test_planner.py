@@ -273,7 +273,7 @@ def test_a_prefill_worker_sharing_the_cores_runs_on_those_the_decode_worker_leav
     assert [times_ms(t) for t in by_hand.timelines] == [[42.0, 54.0, 66.0, 78.0], [242.0, 248.0]]
 
 
-def test_a_reservation_waits_for_blocks_at_most_its_lease():
+def test_a_reservation_waits_for_blocks_and_a_request_ends_at_its_deadline():
     # 8 blocks of 16 tokens per worker: A (40 + 60 tokens) grows to all of them on the decode
     # worker, so B (100 tokens) cannot get its 7 blocks until A has finished.
     p = profile(SIMPLE)
@@ -281,17 +281,21 @@ def test_a_reservation_waits_for_blocks_at_most_its_lease():
     run = simulate(p, Topology(prefill=1, decode=1), specs, sent, SimConfig(kv_cache_tokens=128))
     a, b = run.timelines
     assert a.success and b.success and b.chunk_times[0] > a.end_time
-    # Waiting longer than the request may (its timeout, under the lease) gives up, and says why.
+    # At its deadline a request is cancelled, as the router cancels its calls: A stops there
+    # (it ran to its end before, holding the blocks B waited for), and B, whose reservation
+    # came only then, cannot prefill and answer by its own.
     short = simulate(
         p, Topology(prefill=1, decode=1), specs, sent, SimConfig(kv_cache_tokens=128, request_timeout_s=0.5)
     )
     a, b = short.timelines
-    assert (
-        len(a.chunk_times) == 60
-        and not b.chunk_times
-        and "RESOURCE_EXHAUSTED" in b.error
-        and short.counters["failed"] == 1
+    assert "DEADLINE_EXCEEDED" in a.error and 0 < len(a.chunk_times) < 60 and a.chunk_times[-1] <= 0.5
+    assert not b.chunk_times and "DEADLINE_EXCEEDED" in b.error and short.counters["failed"] == 2
+    # Sent together, B's wait for its blocks runs out with A's deadline: refused, and it says why.
+    together = simulate(
+        p, Topology(prefill=1, decode=1), specs, [0.0, 0.0], SimConfig(kv_cache_tokens=128, request_timeout_s=0.5)
     )
+    a, b = together.timelines
+    assert "DEADLINE_EXCEEDED" in a.error and not b.chunk_times and "RESOURCE_EXHAUSTED" in b.error
 
 
 def test_requests_that_do_not_fit_fail_cleanly():

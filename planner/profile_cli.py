@@ -66,7 +66,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--parts takes a comma-separated list of {', '.join(PARTS)}, got {args.parts!r}")
         if "engine" not in parts:
             raise ValueError("--parts must include engine: the other parts are measured against its step costs")
-        degrees = sorted({int(x) for x in args.degrees.split(",")}) if args.degrees else sorted({1, cores})
+        try:
+            degrees = sorted({int(x) for x in args.degrees.split(",")}) if args.degrees else sorted({1, cores})
+        except ValueError:
+            raise ValueError(f"--degrees takes comma-separated integers, got {args.degrees!r}") from None
         if any(d < 1 for d in degrees) or args.repeats < 1:
             raise ValueError("--degrees and --repeats must be >= 1")
         results.check_output_file(Path(args.output), "--output")

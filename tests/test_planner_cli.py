@@ -285,8 +285,8 @@ def test_outputs_that_could_not_be_written_are_refused_before_any_work(tmp_path,
     assert "--output" in capsys.readouterr().err
 
 
-def test_profile_names_a_degree_that_is_not_a_number(capsys):
+def test_profile_names_a_degree_that_is_not_a_number(tmp_path, capsys):
     from pdserve.planner import profile_cli
 
-    assert profile_cli.main(["--degrees", "1,abc", "--disable-tqdm"]) == 2
+    assert profile_cli.main(["--output", str(tmp_path / "p.json"), "--degrees", "1,abc"]) == 2
     assert "--degrees takes comma-separated integers, got '1,abc'" in capsys.readouterr().err

@@ -18,6 +18,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from safetensors import SafetensorError
+
 log = logging.getLogger(__name__)
 
 CACHE_ENV = "PDSERVE_CACHE_DIR"
@@ -122,7 +124,7 @@ def _converted(gguf: Path, sha: str, cache: str | Path | None, expected_sha: str
                 convert_gguf(gguf, Path(tmp) / "model")
                 (Path(tmp) / "model" / MARKER).write_text(marker)
             except Exception as e:
-                if isinstance(e, OSError) or type(e).__name__ == "SafetensorError":  # a full disk, mostly
+                if isinstance(e, (OSError, SafetensorError)):  # a full disk, mostly
                     raise OSError(f"cannot convert the model into {target.parent}: {e}; {_WHERE}") from None
                 raise
             _readable_as_umask_allows(Path(tmp) / "model")

@@ -172,7 +172,7 @@ class OnlinePlanner:
             one = capacity.decode_rate(self.profile, self.decode_degree, w, None, max_num_seqs=1)
             decode = rate / one if one > 0 else math.inf  # inf: today's requests overflow one KV cache
         if unmet and unmet != self._unmet:
-            if math.isinf(decode) and "tpot" in unmet:
+            if math.isinf(decode):
                 log.warning(
                     "online planner: today's mean request (%.0f prompt + %.0f output tokens) does not fit "
                     "one decode instance's KV cache (%s tokens in the profile)",

@@ -138,7 +138,6 @@ class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
                     if first is None:
                         first, prefill_ms = out, (time.perf_counter() - started) * 1e3
                         self._waiting.discard(rid)  # prefilled: no longer waiting for the engine
-
                     if out.finished:
                         sent = out.kv
         except ValueError as e:

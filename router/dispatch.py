@@ -169,7 +169,8 @@ class Dispatcher:
                 async with contextlib.aclosing(self._attempt(Attempt(req, list(prior)), deadline, failed)) as events:
                     async for event in events:
                         if resuming:
-                            resuming = self._count_resumed(resuming)
+                            self._count_resumed(resuming)
+                            resuming = None
                         prior += event.token_ids
                         priors.setdefault(event.index, []).extend(event.token_ids)
                         watch = _tell_planner(watch, event)
@@ -197,7 +198,8 @@ class Dispatcher:
                     async with contextlib.aclosing(continue_choices(self, req, priors, ended, deadline)) as rest:
                         async for event in rest:
                             if resuming:
-                                resuming = self._count_resumed(resuming)
+                                self._count_resumed(resuming)
+                                resuming = None
                             watch = _tell_planner(watch, event)
                             yield replace(event, migrations=moved + event.migrations)
                     return

@@ -51,8 +51,7 @@ def test_converted_files_are_as_readable_as_the_umask_says(tmp_path, gguf, monke
 
 
 def test_a_full_disk_during_conversion_names_the_folder_and_what_to_do(tmp_path, gguf, monkeypatch):
-    class SafetensorError(Exception):  # safetensors' own error type is no OSError
-        pass
+    from safetensors import SafetensorError  # safetensors' own error type is no OSError
 
     def full(gguf: Path, out: Path) -> None:
         out.mkdir(parents=True)

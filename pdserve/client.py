@@ -22,11 +22,13 @@ def build_request(
     messages: list[dict[str, str]] | None = None,
     request_id: str = "",
     priority: int = 0,
-    **sampling,
+    **fields,
 ) -> pb.GenerateRequest:
-    """``sampling``: max_tokens, temperature, top_p, top_k, seed, stop (a string or a list),
-    stop_token_ids, ignore_eos, n, best_of... (None = default). A value the message cannot
-    carry (out of its integer's range, text that is not UTF-8) is a ValueError naming the field."""
+    """``fields``: the request's own options (ttft_budget_ms, add_generation_prompt,
+    continue_final_message) and its sampling parameters: max_tokens, temperature, top_p, top_k,
+    seed, stop (a string or a list), stop_token_ids, ignore_eos, n, best_of... (None = default).
+    A value the message cannot carry (out of its integer's range, text that is not UTF-8) or a
+    chat message without its role or content is a ValueError naming the field."""
     with _naming("request_id"):
         req = pb.GenerateRequest(request_id=request_id)
     with _naming("priority"):
@@ -39,18 +41,27 @@ def build_request(
     for i, m in enumerate(messages or []):
         with _naming(f"messages[{i}]"):
             req.messages.add(role=m["role"], content=m["content"])
-    for name, value in sampling.items():
+    for name, value in fields.items():
         if value is None:
             continue
-        with _naming(f"sampling.{name}"):
-            field = getattr(req.sampling, name)
-            if hasattr(field, "extend"):
-                field.extend([value] if isinstance(value, str) else value)  # stop="END" is one stop string
-            elif hasattr(field, "CopyFrom"):  # a message (structured_output): copied in, not assigned
-                field.CopyFrom(value)
-            else:
-                setattr(req.sampling, name, value)
+        own = name in _REQUEST_OPTIONS
+        with _naming(name if own else f"sampling.{name}"):
+            _assign(req if own else req.sampling, name, value)
     return req
+
+
+# GenerateRequest's fields a keyword sets on the request itself; every other keyword is sampling.
+_REQUEST_OPTIONS = frozenset(pb.GenerateRequest.DESCRIPTOR.fields_by_name) - {"sampling"}
+
+
+def _assign(message, name: str, value) -> None:
+    field = getattr(message, name)
+    if hasattr(field, "extend"):
+        field.extend([value] if isinstance(value, str) else value)  # stop="END" is one stop string
+    elif hasattr(field, "CopyFrom"):  # a message (structured_output): copied in, not assigned
+        field.CopyFrom(value)
+    else:
+        setattr(message, name, value)
 
 
 @contextlib.contextmanager
@@ -59,6 +70,8 @@ def _naming(field: str) -> Iterator[None]:
         yield
     except AttributeError:
         raise ValueError(f"{field}: no such field") from None
+    except KeyError as e:  # a chat message given without its role or content
+        raise ValueError(f"{field}: missing {e}") from None
     except (ValueError, TypeError) as e:  # protobuf's own words name neither the field nor the message
         raise ValueError(f"{field}: {e}") from None
 
@@ -84,10 +97,11 @@ class Client:
     ) -> tuple[list[int], str, pb.GenerateResponse]:
         """Runs a request to completion: (token ids, text, last message). One choice: with
         n > 1 the messages of several choices interleave; read ``stream`` and group by ``index``."""
-        if (kwargs.get("n") or 1) > 1:
+        request = build_request(prompt, **kwargs)
+        if request.sampling.n > 1:
             raise ValueError("n: generate() returns one choice; use stream() and group messages by their index")
         ids, text, last = [], [], None
-        for msg in self.stream(build_request(prompt, **kwargs), timeout=timeout):
+        for msg in self.stream(request, timeout=timeout):
             ids += msg.token_ids
             text.append(msg.text)
             last = msg

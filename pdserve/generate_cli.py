@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 
 import grpc
@@ -40,6 +42,9 @@ def run_generate(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:  # Ctrl-C: closing the channel cancels the request
             print(file=sys.stderr)
             return 130
+        except BrokenPipeError:  # the reader left (`| head`): closing the channel cancels the request
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+            return 128 + signal.SIGPIPE
     return 0
 
 

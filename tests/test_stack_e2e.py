@@ -241,3 +241,24 @@ def test_cli_generate_json_streams_one_object_per_message(stack, hf_reference):
     assert all(row["finish_reason"] is None for row in rows[:-1]) and rows[-1]["finish_reason"] == "length"
     ids = [t for row in rows for t in row["token_ids"]]
     assert ids == hf_reference.greedy(hf_reference.tokenizer(PROMPTS[0]).input_ids, 8)
+
+
+def test_cli_generate_leaves_quietly_when_its_reader_does(stack):
+    """`pdserve generate --json ... | head -1`: no BrokenPipeError traceback, the shell's SIGPIPE
+    status, and the request is cancelled on the server."""
+    cmd = [sys.executable, "-m", "pdserve.cli", "generate", "--addr", stack.address, "--json"]
+    proc = subprocess.Popen(
+        [*cmd, "--max-tokens", "400", "--seed", "1", PROMPTS[0]],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        first = json.loads(proc.stdout.readline())
+        proc.stdout.close()
+        err = proc.stderr.read()
+        assert proc.wait(timeout=60) == 128 + signal.SIGPIPE, err
+    finally:
+        proc.kill()
+    assert first["finish_reason"] is None and "Traceback" not in err
+    asyncio.run(assert_blocks_all_free(stack.address))

@@ -184,13 +184,16 @@ class KVConnector:
         if not self.pipelined:
             return None
         units = []
-        for chunk in schedule.prefills:
+        # Decodes too: a prompt whose chunks left one token runs that token as a decode chunk
+        # (``is_prefilling`` ends a token early), and its K/V belong to the prompt.
+        for chunk in (*schedule.prefills, *schedule.decodes):
             seq = chunk.seq
             if seq.kv_send is None:
                 continue
             # The first chunk also carries the prefix that came from the prefix cache.
             start = 0 if chunk.start == seq.num_cached_tokens else chunk.start
-            units.append((seq.kv_send.transfer, list(seq.block_table), start, chunk.start + chunk.num_tokens))
+            end = min(chunk.start + chunk.num_tokens, seq.num_prompt_tokens)
+            units.append((seq.kv_send.transfer, list(seq.block_table), start, end))
         if not units:
             return None
 

@@ -199,13 +199,16 @@ class LocalHandoff:
         raise AssertionError("nothing cancels this transfer")
 
 
-def test_seam_prefill_here_decode_there(model_dir, prompt_ids, hf_reference):
+@pytest.mark.parametrize("one_token_left", [False, True])
+def test_seam_prefill_here_decode_there(model_dir, prompt_ids, hf_reference, one_token_left):
     """Prefill in one engine, decode in another (another block size): the KV connector on both
-    sides, with the bytes copied layer by layer during the prefill's forward pass."""
-    prefill = make_engine(model_dir, block_size=16, max_num_batched_tokens=128)  # chunked: several steps
+    sides, with the bytes copied layer by layer during the prefill's forward pass. With
+    ``one_token_left`` the chunks leave the last prompt token to a decode chunk of its own."""
+    ids = prompt_ids[-1]
+    budget = len(ids) - 1 if one_token_left else 128
+    prefill = make_engine(model_dir, block_size=16, max_num_batched_tokens=budget)  # chunked: several steps
     prefill.connector.pipelined = True  # as with a core to spare, whatever this machine has (thread_budget)
     decode = make_engine(model_dir, block_size=32)
-    ids = prompt_ids[-1]
     handoff = LocalHandoff(prefill, decode)
     decode.add_request("r", ids, GREEDY, kv_receive=KVReceive(handoff))
     [reserved] = decode.step()
@@ -218,7 +221,7 @@ def test_seam_prefill_here_decode_there(model_dir, prompt_ids, hf_reference):
     first, acked = outputs
     assert first.new_token_ids and not first.finished and first.finish_reason is None
     assert acked.finished and acked.kv == KVSent("local", 123) and acked.new_token_ids == []
-    assert handoff.layers_sent == prefill.model_config.num_layers * -(-len(ids) // 128)
+    assert handoff.layers_sent == prefill.model_config.num_layers * -(-len(ids) // budget)
     assert_all_free(prefill)
 
     rest = []

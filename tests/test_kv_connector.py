@@ -181,6 +181,19 @@ def test_prefill_side_saves_each_layer_and_holds_blocks_until_the_ack():
     assert h.blocks.num_free == h.blocks.num_blocks and not h.connector.sending
 
 
+def test_a_prompt_whose_chunks_leave_one_token_sends_that_token_too():
+    """Budget + 1 tokens: the last prompt token runs as a decode chunk; its K/V still go."""
+    h, transfer = Harness(budget=6), FakeTransfer()
+    seq = h.add("p", 7, kv_send=KVSend(transfer, ack_timeout_s=30))
+    h.step()  # chunk [0, 6)
+    assert not seq.is_prefilling
+    h.step()  # the decode chunk [6, 7), first token
+    assert transfer.layers == [(layer, seq.block_table, 0, 6) for layer in range(LAYERS)] + [
+        (layer, seq.block_table, 6, 7) for layer in range(LAYERS)
+    ]
+    assert transfer.finished_with == 5 and seq.status is SequenceStatus.SENDING_KV
+
+
 def test_the_first_chunk_carries_the_cached_prefix():
     h, transfer = Harness(), FakeTransfer()
     warm = h.add("warm", 9)

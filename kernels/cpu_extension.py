@@ -3,9 +3,9 @@
 The kernels are compiled with the machine's own instruction set, under a name that includes
 the sources, the torch version and the CPU's feature flags, so a cache shared between
 different machines never loads a foreign build, and the source and torch folders, so two
-checkouts never rebuild each other's build. `make kernels` (and so `make demo` and `make test`)
-builds them (`python -m pdserve.kernels.cpu_extension`); otherwise the first process that needs
-them does.
+checkouts never rebuild each other's build. `make kernels` (and so `make test`) builds them
+(`python -m pdserve.kernels.cpu_extension`), as `make demo` does where a compiler is missing
+only with a warning; otherwise the first process that needs them does.
 
 torch's builder guards a build with a lock file that a killed build leaves behind, after which
 every later load waits on it forever. So builds are serialized by an flock of our own, which the
@@ -121,12 +121,16 @@ def _why(error: Exception) -> str:
     return " | ".join(causes[:4]) or (lines[0] if lines else type(error).__name__)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """``--optional``: a build that fails here is a warning (pdserve runs on its torch
+    fallbacks), not an error; what ``make demo`` wants, where ``make test`` wants the kernels."""
+    optional = "--optional" in (sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # "building ... takes minutes" is shown
     start = time.perf_counter()
     module = load()
     if module is None:
         print("C++ CPU kernels could not be built here; pdserve will use its torch fallbacks", file=sys.stderr)
-        return 1
+        return 0 if optional else 1
     print(f"C++ CPU kernels ready: {module.__file__} ({time.perf_counter() - start:.1f} s)")
     return 0
 

@@ -270,3 +270,12 @@ def test_a_failed_kernel_build_is_reported_by_its_cause_not_its_first_command():
     assert "No space left" in _why(
         RuntimeError("Error building extension 'k'\nFatal error: a.o: No space left on device")
     )
+
+
+def test_a_build_that_cannot_happen_here_fails_make_test_but_only_warns_the_demo(monkeypatch, capsys):
+    from pdserve.kernels import cpu_extension
+
+    monkeypatch.setattr(cpu_extension, "load", lambda: None)  # as with no C++ compiler
+    assert cpu_extension.main([]) == 1
+    assert cpu_extension.main(["--optional"]) == 0
+    assert "will use its torch fallbacks" in capsys.readouterr().err

@@ -14,6 +14,7 @@ import argparse
 import hmac
 import logging
 import re
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -49,9 +50,33 @@ class SecuritySettings:
             path = getattr(self, name)
             if path and not Path(path).is_file():
                 raise ValueError(f"{name}: {path} is not a file")
+        self._check_pem()
         for name in SECRET_SETTINGS:  # its value is never repeated in the message
             if getattr(self, name) is not None and not _TOKEN.fullmatch(getattr(self, name)):
                 raise ValueError(f"{name}: must be printable ASCII, without line breaks or spaces at either end")
+
+    def _check_pem(self) -> None:
+        """gRPC takes a bad certificate or key without a word and fails the bind later ("could
+        not bind"); judged here, each by its name."""
+        for name in ("tls_cert", "tls_ca"):
+            path = getattr(self, name)
+            if path:
+                try:
+                    ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=path)
+                except ssl.SSLError:
+                    raise ValueError(f"{name}: {path} holds no PEM certificate") from None
+        if not self.tls_cert:
+            return
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(self.tls_cert, self.tls_key, password=b"")
+        except ssl.SSLError as e:
+            if e.reason == "KEY_VALUES_MISMATCH":
+                raise ValueError(
+                    f"tls_key: {self.tls_key} is not the private key of tls_cert {self.tls_cert}"
+                ) from None
+            raise ValueError(
+                f"tls_key: {self.tls_key} is not an unencrypted PEM private key (gRPC takes no passphrase)"
+            ) from None
 
     @property
     def tls(self) -> bool:

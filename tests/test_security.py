@@ -250,6 +250,41 @@ def test_up_refuses_a_certificate_without_a_ca(certs):
         Cluster(EngineConfig(), WorkerSettings(), RouterSettings(), ClusterSettings(), security)
 
 
+def test_a_key_or_certificate_that_cannot_serve_is_refused_by_its_name(certs, tmp_path):
+    """Not gRPC's later "could not bind": the field, at start-up, before the model loads."""
+    from pdserve.security import SecuritySettings
+
+    other = tmp_path / "other"
+    subprocess.run([str(ROOT / "scripts" / "make_dev_certs.sh"), str(other)], check=True, capture_output=True)
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not PEM")
+    encrypted = tmp_path / "encrypted.key"
+    subprocess.run(
+        ["openssl", "pkey", "-in", certs / "node.key", "-aes256", "-passout", "pass:x", "-out", encrypted], check=True
+    )
+    cert, key = str(certs / "node.crt"), str(certs / "node.key")
+    cases = [
+        ((cert, str(other / "node.key"), None), "tls_key: .* is not the private key of tls_cert"),
+        ((key, cert, None), "tls_cert: .* holds no PEM certificate"),
+        ((cert, str(junk), None), "tls_key: .* is not an unencrypted PEM private key"),
+        ((cert, str(encrypted), None), "tls_key: .* is not an unencrypted PEM private key"),
+        ((cert, key, str(junk)), "tls_ca: .* holds no PEM certificate"),
+    ]
+    for (tls_cert, tls_key, tls_ca), words in cases:
+        with pytest.raises(ValueError, match=words):
+            SecuritySettings(tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca)
+    assert SecuritySettings(tls_cert=cert, tls_key=key, tls_ca=str(certs / "ca.crt")).tls
+    router = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "router", "--port", "0", "--decode-workers", "127.0.0.1:5"]
+        + ["--tls-cert", cert, "--tls-key", str(other / "node.key")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert router.returncode == 2 and "is not the private key of tls_cert" in router.stderr, router.stderr
+    assert "could not bind" not in router.stderr
+
+
 @pytest.mark.parametrize("token", ["tok\n", " token", "toké", "\x00"])
 def test_tokens_that_cannot_travel_in_a_header_are_refused_without_repeating_them(token):
     from pdserve.security import SecuritySettings

@@ -67,6 +67,8 @@ def _coerce(kind: type, value: Any, source: str) -> Any:
         value is None or isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
     ):  # YAML's true is no 1
         return value
+    if isinstance(value, (list, dict)):
+        raise ValueError(f"{source}: expected one {kind.__name__}, got a YAML {type(value).__name__}: {value!r}")
     text = str(value).strip()
     try:
         if kind is bool:
@@ -80,17 +82,37 @@ def _coerce(kind: type, value: Any, source: str) -> Any:
         raise ValueError(f"{source}: {value!r} is not a valid {kind.__name__}") from None
 
 
+class _TextLoader(yaml.SafeLoader):
+    """YAML whose scalars stay the text they were written as (null aside), so a file's value is
+    read like an environment variable's: an unquoted 012345 token is not octal 5349, 1.10 not 1.1."""
+
+
+_TextLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag == "tag:yaml.org,2002:null"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+
+
 def load_file(path: str | Path | None) -> dict[str, Any]:
     if not path:
         return {}
     try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        data = yaml.load(Path(path).read_text(encoding="utf-8"), Loader=_TextLoader)
     except OSError as e:
         raise ValueError(f"config file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"config file {path} is not UTF-8 text (byte {e.start})") from None
     except yaml.YAMLError as e:
-        raise ValueError(f"config file {path} is not valid YAML: {e}") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ValueError(f"config file {path} is not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
+    if data is None:  # an empty file
+        return {}
     if not isinstance(data, dict):
         raise ValueError(f"config file {path} must hold a mapping of settings")
+    keys = [key for key in data if not isinstance(key, str)]
+    if keys:
+        raise ValueError(f"config file {path}: {keys[0]!r} is not a setting name")
     return data
 
 

@@ -80,14 +80,50 @@ def test_yaml_null_is_unset_and_yaml_true_is_not_a_number(tmp_path):
     file.write_text("port: null\nblock_size: true\n")
     values = load_file(file)
     assert resolve(RouterSettings, None, env={}, file=values).port == RouterSettings().port
-    with pytest.raises(ValueError, match="config file key block_size: True is not a valid int"):
+    with pytest.raises(ValueError, match="config file key block_size: 'true' is not a valid int"):
         resolve(EngineConfig, None, env={}, file=values)
 
 
+def test_a_files_values_are_read_as_written_like_the_environments(tmp_path):
+    """YAML would make an unquoted token 012345 the octal number 5349 and a name 1.10 the float
+    1.1; a file's text is coerced to each setting's type as an environment variable's is."""
+    from pdserve.security import SecuritySettings
+
+    file = tmp_path / "pdserve.yaml"
+    file.write_text(
+        "api_token: 012345\nserved_model_name: 1.10\nport: 9100\nhttp_port: ~\n"
+        "kv_cache_memory: 0.5\nenable_prefix_caching: off\ncpus: 0\n"
+    )
+    values = load_file(file)
+    assert resolve(SecuritySettings, None, env={}, file=values).api_token == "012345"
+    router = resolve(RouterSettings, None, env={}, file=values)
+    assert (router.served_model_name, router.port, router.http_port) == ("1.10", 9100, None)
+    engine = resolve(EngineConfig, None, env={}, file=values)
+    assert engine.kv_cache_memory == "0.5" and engine.enable_prefix_caching is False
+    assert resolve(WorkerSettings, None, env={}, file=values).cpus == "0"
+    file.write_text("served_model_name: [smol, smol2]\n")
+    with pytest.raises(ValueError, match="config file key served_model_name: expected one str, got a YAML list"):
+        resolve(RouterSettings, None, env={}, file=load_file(file))
+
+
 def test_config_files_that_cannot_be_read_are_clear_errors(tmp_path):
-    (tmp_path / "bad.yaml").write_text("a: [\n")
-    with pytest.raises(ValueError, match="not valid YAML"):
+    (tmp_path / "bad.yaml").write_text("port: 1\na: [\n")
+    with pytest.raises(ValueError) as e:
         load_file(tmp_path / "bad.yaml")
+    assert str(e.value).startswith(f"config file {tmp_path / 'bad.yaml'} is not valid YAML, line 3, column 1: ")
+    assert "\n" not in str(e.value)
+    (tmp_path / "utf16.yaml").write_text("port: 1\n", encoding="utf-16")
+    with pytest.raises(ValueError, match="utf16.yaml is not UTF-8 text"):
+        load_file(tmp_path / "utf16.yaml")
+    for text in ("[]\n", "0\n", "false\n", "- port: 1\n"):
+        (tmp_path / "list.yaml").write_text(text)
+        with pytest.raises(ValueError, match="must hold a mapping of settings"):
+            load_file(tmp_path / "list.yaml")
+    (tmp_path / "keys.yaml").write_text("null: 1\n")
+    with pytest.raises(ValueError, match="None is not a setting name"):
+        load_file(tmp_path / "keys.yaml")
+    (tmp_path / "empty.yaml").write_text("# nothing set\n")
+    assert load_file(tmp_path / "empty.yaml") == {}
     with pytest.raises(ValueError, match="Is a directory"):
         load_file(tmp_path)
     with pytest.raises(ValueError, match="No such file"):

@@ -227,6 +227,7 @@ class Cluster:
         worker = dataclasses.replace(
             self.worker,
             host=self.router.host,
+            advertise_host=None,  # the router reaches its children where they bind
             port=0,
             kv_port=0,
             cpus=cpus,

@@ -271,3 +271,14 @@ def test_a_restarted_worker_gets_its_ports_once_however_often_it_restarts(monkey
         child = cluster._restart(child)
     assert child.restarts == 3
     assert spawned[-1] == ["decode", "--port=0", "--port", "4001", "--kv-port", "4002", "--metrics-port", "4003"]
+
+
+def test_up_gives_its_workers_their_addresses_whatever_the_file_or_environment_says():
+    """An advertise_host meant for a worker run by hand must not reach ``pdserve up``'s children:
+    the router would look for them where they do not listen."""
+    from pdserve import launcher
+
+    worker = resolve(WorkerSettings, None, env={"PDSERVE_ADVERTISE_HOST": "127.0.0.2"})
+    cluster = launcher.Cluster(EngineConfig(), worker, RouterSettings(), ClusterSettings())
+    commands = cluster.worker_commands(num_gpus=0)
+    assert commands and all(not any("advertise" in a for a in args) for _, args in commands)

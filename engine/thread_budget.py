@@ -22,9 +22,9 @@ threads and the rest would wait for it at the next layer (measured: 10–52 ms a
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from pdserve.placement import usable_cores
 
 
 class ThreadBudget:
@@ -34,7 +34,7 @@ class ThreadBudget:
         usable = device.type == "cpu" and world_size == 1 and borrow_threads is not None
         self.borrowed = borrow_threads if usable and borrow_threads > self.own else self.own
         self.current = self.own
-        self.fills_cores = device.type == "cpu" and self.own >= _usable_cores()
+        self.fills_cores = device.type == "cpu" and self.own >= usable_cores()
 
     def for_step(self, prefills_here: bool, waiting_for_kv: bool) -> int:
         """Sets and returns the threads of the next forward pass."""
@@ -43,10 +43,3 @@ class ThreadBudget:
             torch.set_num_threads(threads)
             self.current = threads
         return threads
-
-
-def _usable_cores() -> int:
-    """The cores this process may run on (all of the machine's where affinity is not exposed)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1

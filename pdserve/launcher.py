@@ -30,6 +30,7 @@ from pdserve.placement import (
     plan,
     shared_prefill_threads,
     threads_per_worker,
+    usable_cores,
 )
 from pdserve.process import parse_ready
 from pdserve.security import SecuritySettings
@@ -206,8 +207,8 @@ class Cluster:
                 prefill=self.cluster.prefill, decode=self.cluster.decode, by_hand=self.engine.num_threads is not None
             )
             if role == "decode":
-                borrow = self.engine.borrow_threads or borrowed_threads(os.cpu_count() or 1, **pools)
-            elif share is not False and (shared := shared_prefill_threads(os.cpu_count() or 1, **pools)):
+                borrow = self.engine.borrow_threads or borrowed_threads(usable_cores(), **pools)
+            elif share is not False and (shared := shared_prefill_threads(usable_cores(), **pools)):
                 threads, share = shared, True
         tp, pp = self.cluster.role_parallelism(
             role, self.engine.tensor_parallel_size, self.engine.pipeline_parallel_size

@@ -90,9 +90,17 @@ def plan(
     ]
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (a taskset or cpuset narrows them; all of the machine's
+    where affinity is not exposed)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def threads_per_worker(num_workers: int) -> int:
     """Torch threads for each of ``num_workers`` CPU workers of one machine, unpinned: its cores split evenly."""
-    return max(1, (os.cpu_count() or 1) // max(1, num_workers))
+    return max(1, usable_cores() // max(1, num_workers))
 
 
 def borrowed_threads(

@@ -157,7 +157,8 @@ def test_up_s_children_take_their_settings_from_its_flags_not_from_its_environme
 
 
 def test_unpinned_cpu_workers_split_the_cores_evenly(monkeypatch):
-    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    monkeypatch.setattr("os.cpu_count", lambda: 64)  # the machine's; a taskset or cpuset gives this process 8
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8, 16)))
     assert [threads_per_worker(n) for n in (1, 2, 3, 8, 16)] == [8, 4, 2, 1, 1]
     cluster = Cluster(EngineConfig(), WorkerSettings(), RouterSettings(), ClusterSettings(prefill=1, decode=1))
     threads = [_flags(args)["--num-threads"] for _, args in cluster.worker_commands(num_gpus=0)]
@@ -180,7 +181,7 @@ def test_unpinned_decode_workers_borrow_the_prefill_workers_cores(monkeypatch):
     (engine/thread_budget.py); prefill workers, colocated and pinned workers, a pool of several
     decode workers (a prefill for one would not stop another from borrowing) and thread counts
     set by hand never borrow on their own."""
-    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    monkeypatch.setattr("os.cpu_count", lambda: 64)  # the machine's; this process may use 8
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
 
     def borrowed(cluster: Cluster) -> list[str | None]:
@@ -203,7 +204,7 @@ def test_unpinned_prefill_workers_share_their_pools_split_of_the_cores(monkeypat
     every core with threads that sleep while they wait (--share-cores), so it takes the cores
     the decode workers leave idle; pinned, colocated, GPU workers and thread counts set by hand
     keep their share."""
-    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    monkeypatch.setattr("os.cpu_count", lambda: 64)  # the machine's; this process may use 8
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
 
     def threads_and_sharing(cluster: Cluster, num_gpus: int = 0) -> list[tuple[str, bool]]:

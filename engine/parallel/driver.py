@@ -35,6 +35,7 @@ from pdserve.engine.parallel.layout import ParallelLayout
 from pdserve.engine.parallel.rank_runtime import RankRuntime
 from pdserve.engine.parallel.step_channel import Message, Op, StepChannel
 from pdserve.engine.parallel.supervisor import RankSupervisor, stop_worker
+from pdserve.placement import usable_cores
 
 log = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 300.0
@@ -59,7 +60,7 @@ def launched_externally() -> bool:
 def rank_threads(config: EngineConfig, cores: list[int] | None, world: int) -> int:
     if cores:
         return len(cores)
-    return max(1, (config.num_threads or os.cpu_count() or 1) // world)
+    return max(1, (config.num_threads or usable_cores()) // world)
 
 
 class ParallelDriver:

@@ -193,7 +193,13 @@ def _check_seconds(name: str, value: float, zero_ok: bool = False) -> None:
 
 
 def _check_ports(settings, *names: str) -> None:
+    """Each a TCP port, and no fixed port given to two of them (0 picks a free one each)."""
+    taken: dict[int, str] = {}
     for name in names:
         value = getattr(settings, name)
         if value is not None and not 0 <= value <= 65535:
             raise ValueError(f"{name} must be a TCP port in [0, 65535], got {value}")
+        if value:
+            if value in taken:
+                raise ValueError(f"{name}: {value} is {taken[value]} too (each needs a port of its own)")
+            taken[value] = name

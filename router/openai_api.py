@@ -44,6 +44,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute
 from starlette.types import Receive, Scope, Send
 
+from pdserve.addresses import join_host_port
 from pdserve.router.completions import Chunk, Completions
 from pdserve.router.dispatch import DispatchError
 from pdserve.router.openai_job import Job
@@ -412,7 +413,10 @@ async def serve_http(
     it with ``server.should_exit = True`` and ``await task``; ``http_port(server)`` is the bound
     port (useful with port 0)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.create_server((host, port), family=family)
+    try:
+        sock = socket.create_server((host, port), family=family)
+    except OSError as e:
+        raise OSError(f"--http-port: could not bind {join_host_port(host, port)}: {e.strerror or e}") from None
     config = uvicorn.Config(
         app,
         log_level="warning",

@@ -72,6 +72,17 @@ def test_a_worker_address_with_a_port_out_of_range_is_refused_at_start(spec):
         parse_spec(spec)
 
 
+async def test_a_taken_http_port_is_named():
+    from fastapi import FastAPI
+
+    from pdserve.router.openai_api import serve_http
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"^--http-port: could not bind 127.0.0.1:{port}: Address already in use"):
+            await serve_http(FastAPI(), "127.0.0.1", port)
+
+
 def test_a_taken_metrics_port_is_named():
     from prometheus_client import CollectorRegistry
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -56,6 +57,9 @@ def test_booleans_optionals_and_bad_values():
         (RouterSettings, {"port": 70000}, "port must be a TCP port"),
         (RouterSettings, {"http_port": -1}, "http_port must be a TCP port"),
         (WorkerSettings, {"metrics_port": 65536}, "metrics_port must be a TCP port"),
+        (RouterSettings, {"port": 31412, "http_port": 31412}, "http_port: 31412 is port too"),
+        (WorkerSettings, {"port": 31412, "kv_port": 31412}, "kv_port: 31412 is port too"),
+        (WorkerSettings, {"port": 0, "kv_port": 31412, "metrics_port": 31412}, "metrics_port: 31412 is kv_port too"),
         (RouterSettings, {"request_timeout_s": float("nan")}, "request_timeout_s must be a finite"),
         (RouterSettings, {"worker_wait_s": float("inf")}, "worker_wait_s must be a finite"),
         (WorkerSettings, {"kv_lease_s": float("nan")}, "kv_lease_s must be a finite"),
@@ -183,9 +187,8 @@ def test_log_level_is_checked_and_read_from_a_config_file_too(tmp_path, capsys, 
 def test_commands_name_the_flag_that_is_wrong(tmp_path):
     """Each a one-line error naming the setting, exit 2, no traceback (and a router whose HTTP
     port is taken stops its gRPC server instead of leaving it to the garbage collector)."""
-    from pdserve.process import free_port
-
-    port = free_port()
+    taken = socket.create_server(("127.0.0.1", 0))
+    port = taken.getsockname()[1]
     profile = ROOT / "bench" / "profiles" / "smollm2-cpu-2vcpu-quiet.json"
     cases = [
         (["prefill", "--cpus", "9999"], "cpus: cannot run on cores '9999'"),
@@ -195,8 +198,12 @@ def test_commands_name_the_flag_that_is_wrong(tmp_path):
             "--slo ttft",
         ),
         (
+            ["router", "--port", "0", "--http-port", str(port), "--decode-workers", "127.0.0.1:1"],
+            f"--http-port: could not bind 127.0.0.1:{port}: Address already in use",
+        ),
+        (
             ["router", "--port", str(port), "--http-port", str(port), "--decode-workers", "127.0.0.1:1"],
-            "Address already in use",
+            f"http_port: {port} is port too",
         ),
     ]
     for argv, words in cases:
@@ -205,6 +212,7 @@ def test_commands_name_the_flag_that_is_wrong(tmp_path):
         )
         assert done.returncode == 2 and words in done.stderr, (argv, done.stderr[-2000:])
         assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr[-2000:]
+    taken.close()
 
 
 def test_up_exits_as_a_shell_would_when_a_child_is_killed(monkeypatch):

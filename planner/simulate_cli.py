@@ -29,6 +29,7 @@ from pdserve.planner.sim_topology import SimConfig, Topology
 from pdserve.planner.simulator import simulate
 
 PROG = "pdserve simulate"
+DEFAULT_MODES = "1p1d,colocated"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,6 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
         "Simulated serving benchmark: pdserve bench's options and result files, from a profile "
         "(pdserve profile) instead of started stacks; --profile is required"
     )
+    for action in parser._actions:  # bench's options that speak of a live stack or transformers
+        if action.dest == "modes":
+            action.default = DEFAULT_MODES
+            action.help = f"comma-separated stack modes: colocated, NpMd (e.g. 1p1d, 2p1d) (default: {DEFAULT_MODES})"
+        elif action.dest in ("addr", "connect_timeout_s", "hf_batch_size"):
+            action.help = argparse.SUPPRESS
     return parser
 
 

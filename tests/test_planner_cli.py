@@ -111,6 +111,12 @@ def test_simulate_is_deterministic_and_matches_the_simulator(tmp_path, profile_p
     assert ra["ttfts"] == [t.ttft for t in run.timelines]
 
 
+def test_simulate_runs_with_its_own_default_modes(tmp_path, profile_path):
+    """Not bench's default (live, a running stack, which cannot be simulated)."""
+    assert _simulate(tmp_path, profile_path, "--request-rates", "1", "--num-prompts", "3") == 0
+    assert {p.name for p in tmp_path.glob("*.json")} >= {"1p1d-1qps.json", "colocated-1qps.json"}
+
+
 def test_simulate_reads_jsonl_traces(tmp_path, profile_path):
     trace = tmp_path / "trace.jsonl"
     trace.write_text(

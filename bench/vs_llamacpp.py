@@ -11,6 +11,7 @@ fixed text (bench/quality.py) is printed beside every speed figure, llama.cpp's 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import statistics
@@ -24,6 +25,7 @@ PROMPT_TOKENS = 512
 DECODE_CONTEXT = 64
 DECODE_TOKENS = 64
 SYSTEMS = ("llama.cpp", "none", "int8", "int4")  # pdserve's quantizations, by name
+NOT_INSTALLED = "llama-cpp-python is not installed: CMAKE_ARGS=-DGGML_NATIVE=ON pip install 'pdserve[bench]'"
 
 
 class LlamaCpp:
@@ -33,9 +35,7 @@ class LlamaCpp:
         try:
             from llama_cpp import Llama
         except ImportError as e:
-            raise SystemExit(
-                f"llama-cpp-python is not installed ({e}): CMAKE_ARGS=-DGGML_NATIVE=ON pip install 'pdserve[bench]'"
-            ) from None
+            raise SystemExit(f"{NOT_INSTALLED} ({e})") from None
         self.llm = Llama(
             model_path=str(DEFAULT_MODEL.locate()),
             n_ctx=2048,
@@ -135,11 +135,15 @@ def _in_subprocess(system: str, what: str, args: argparse.Namespace) -> dict:
         "--text-tokens",
         str(args.text_tokens),
     ]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:  # its own words (a missing llama-cpp-python, a failed load), not a traceback of ours
+        raise SystemExit(f"{system} {what} run failed (exit {done.returncode}):\n{done.stderr.strip()[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def run(args: argparse.Namespace) -> dict:
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise SystemExit(NOT_INSTALLED)
     rounds = max(3, args.repeats // 5)
     speed: dict[str, list[dict]] = {s: [] for s in SYSTEMS}
     for _ in range(rounds):

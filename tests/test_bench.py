@@ -694,3 +694,15 @@ def test_bench_scripts_refuse_bad_arguments_in_one_line_before_loading_anything(
     with pytest.raises(SystemExit) as exit_:
         module.main(argv) if script != "parallel_bench" else module.main()
     assert exit_.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_the_llamacpp_comparison_without_llama_cpp_python_says_how_to_install_it(monkeypatch):
+    import importlib.util
+
+    from pdserve.bench import engine_bench
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
+    with pytest.raises(SystemExit) as e:
+        engine_bench.main(["llamacpp"])
+    assert str(e.value).startswith("llama-cpp-python is not installed: ") and "pdserve[bench]" in str(e.value)

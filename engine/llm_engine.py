@@ -78,8 +78,14 @@ class LLMEngine:
             num_blocks = num_blocks_for_budget(
                 self.kv_layout, config.kv_cache_memory, self.device, draft.block_bytes if draft else 0
             )
-            storage = kv_storage(self.kv_layout, num_blocks) if kv_storage else None
-            self.kv_cache = KVCache(self.kv_layout, num_blocks, self.device, getattr(storage, "tensor", storage))
+            try:
+                storage = kv_storage(self.kv_layout, num_blocks) if kv_storage else None
+                self.kv_cache = KVCache(self.kv_layout, num_blocks, self.device, getattr(storage, "tensor", storage))
+            except (OSError, MemoryError, torch.OutOfMemoryError) as e:  # more than the machine (or /dev/shm) gives
+                size = num_blocks * self.kv_layout.block_bytes * self.kv_layout.num_layers / 2**30
+                raise ValueError(
+                    f"kv_cache_memory {config.kv_cache_memory}: cannot allocate {size:.1f} GiB ({e})"
+                ) from None
             self.kv_shards = KVShards(self.kv_cache.layers, self.kv_layout)  # the cache as the KV handoff sees it
             backend_name = backend.name
         num_blocks = self.kv_cache.num_blocks

@@ -416,3 +416,9 @@ def test_ttft_budget_rejects_requests_that_cannot_start_in_time(model_dir, promp
     with pytest.raises(ValueError, match="ttft_budget_ms"):
         engine.add_request("zero", prompt_ids[1], GREEDY, ttft_budget_s=0)
     assert_all_free(engine)
+
+
+def test_a_kv_cache_the_machine_cannot_hold_is_refused_by_its_setting(model_dir):
+    """Past any address space: the setting and the size, not a bare ENOMEM."""
+    with pytest.raises(ValueError, match=r"^kv_cache_memory 200000GiB: cannot allocate \d+\.\d GiB \("):
+        make_engine(model_dir, kv_cache_memory="200000GiB")

@@ -20,6 +20,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.engine.engine_config import parse_memory
+
 AUTO_GPU_FRACTION = 0.9  # what ``kv_cache_memory=auto`` takes of a GPU's free memory (engine/kv_cache.py)
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
@@ -43,18 +45,15 @@ def _canonical(device: str) -> str:
     return "cuda:0" if device == "cuda" else device
 
 
-def _is_fraction(budget: str) -> bool:
-    return re.fullmatch(r"0?\.\d+|1\.0*", budget.strip()) is not None
-
-
 def _share(budget: str, sharing: int) -> str:
     """One worker's budget when ``sharing`` workers share a GPU."""
     if sharing == 1:
         return budget
     if budget == "auto":
         return f"{AUTO_GPU_FRACTION / sharing:.6g}"
-    if _is_fraction(budget):
-        return f"{float(budget) / sharing:.6g}"
+    _, fraction = parse_memory(budget)  # however it is spelled: 0.5, .5, 00.5, 0.5e0
+    if fraction is not None:
+        return f"{fraction / sharing:.6g}"
     return budget  # a size: already per worker
 
 

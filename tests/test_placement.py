@@ -77,7 +77,9 @@ def test_a_list_for_one_role_only_leaves_the_other_to_round_robin():
 
 
 def test_explicit_budgets_fractions_split_sizes_stay():
-    assert {p.kv_cache_memory for p in plan(P2D2, device="cuda", kv_cache_memory="0.5", num_gpus=2)} == {"0.25"}
+    for fraction in ("0.5", ".5", "00.5", "0.5e0", " 0.5 "):  # every spelling the engine reads as a fraction
+        assert {p.kv_cache_memory for p in plan(P2D2, device="cuda", kv_cache_memory=fraction, num_gpus=2)} == {"0.25"}
+    assert {p.kv_cache_memory for p in plan(P2D2, device="cuda", kv_cache_memory="1", num_gpus=2)} == {"1"}  # a byte
     assert {p.kv_cache_memory for p in plan(P2D2, device="cuda", kv_cache_memory="8GiB", num_gpus=2)} == {"8GiB"}
 
 

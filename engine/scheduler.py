@@ -228,7 +228,9 @@ class Scheduler:
     def _reserve_next_token(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Makes room for ``seq``'s next token, preempting others if needed; False if ``seq`` itself was preempted."""
         while not self.blocks.ensure_capacity(seq, seq.num_tokens):
-            victim = self.running[-1]
+            # Not a prompt handing its K/V off layer by layer: started again, it would send over
+            # what the receiver already holds, while units queued from its old blocks are in flight.
+            victim = next((s for s in reversed(self.running) if s.kv_send is None), seq)
             self.preempt(victim)
             out.preempted.append(victim)
             if victim is seq:

@@ -194,6 +194,23 @@ def test_a_prompt_whose_chunks_leave_one_token_sends_that_token_too():
     assert transfer.finished_with == 5 and seq.status is SequenceStatus.SENDING_KV
 
 
+def test_a_prompt_handing_off_its_kv_is_not_preempted_part_way():
+    """A decode that needs a block takes it from a request that can start again, itself if need
+    be, never from a prompt whose layers are already on their way: re-run, it would send
+    over what the receiver holds (and its queued units would read freed blocks)."""
+    h, transfer = Harness(num_blocks=4, budget=4), FakeTransfer()
+    d = h.add("d", 3)
+    h.step()  # d: [0, 3) and its first token; one block
+    p = h.add("p", 12, kv_send=KVSend(transfer, ack_timeout_s=30))
+    h.step()  # d decodes; p takes the 3 other blocks and sends [0, 3)
+    h.step()  # d needs a second block: none is free
+    assert d.status is SequenceStatus.WAITING and p.status is SequenceStatus.RUNNING
+    while transfer.finished_with is None:
+        h.step()
+    sent = [(start, end) for layer, _, start, end in transfer.layers if layer == 0]
+    assert sent == [(0, 3), (3, 7), (7, 11), (11, 12)]  # each prompt token once
+
+
 def test_the_first_chunk_carries_the_cached_prefix():
     h, transfer = Harness(), FakeTransfer()
     warm = h.add("warm", 9)

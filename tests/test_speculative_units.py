@@ -272,3 +272,14 @@ def test_a_proposal_its_own_draft_gives_no_mass_is_rejected():
     for seed in range(20):
         out = rejection_sample([2], q, p, bonus=0, generator=torch.Generator().manual_seed(seed))
         assert len(out) == 1 and out[0] in (0, 1)
+
+
+def test_a_prompt_handing_off_its_kv_carries_no_proposals():
+    """Its one first token goes to the decode worker with the K/V; proposals accepted on the
+    prefill side would be tokens the handoff drops."""
+    from pdserve.engine.kv_connector import KVSend
+    from pdserve.engine.speculative.speculator import speculates
+
+    plain = Sequence("a", [1, 2, 3], 3, SamplingParams(max_tokens=8))
+    handed_off = Sequence("b", [1, 2, 3], 3, SamplingParams(max_tokens=8), kv_send=KVSend(object()))
+    assert speculates(plain) and not speculates(handed_off)

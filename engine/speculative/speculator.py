@@ -54,9 +54,16 @@ class SpecStats:
 
 def speculates(seq: Sequence) -> bool:
     """Whether a sequence may carry proposals. Not requests that want logprobs, a grammar or
-    several choices: their sampling step draws one token per sequence and step."""
+    several choices: their sampling step draws one token per sequence and step; nor a prompt
+    whose K/V go to a decode worker, which hands off exactly one first token."""
     sp = seq.sampling
-    return sp.logprobs is None and sp.constraint is None and sp.n == 1 and seq.group is None  # choices: n > 1
+    return (
+        sp.logprobs is None
+        and sp.constraint is None
+        and sp.n == 1
+        and seq.group is None  # choices: n > 1
+        and seq.kv_send is None
+    )
 
 
 class Speculator:

@@ -42,6 +42,9 @@ class EngineConfig:
     block_size: int = setting(16, "KV cache block size in tokens")
     kv_cache_memory: str = setting("auto", "KV cache budget: '2GiB', bytes, or a fraction of free memory")
     max_num_seqs: int = setting(64, "most sequences in one running batch")
+    max_model_len: int | None = setting(
+        None, "the context (prompt + output) in tokens, at most the model's own (default: the model's)"
+    )
     max_num_batched_tokens: int = setting(1024, "token budget of one forward pass (chunked prefill)")
     enable_chunked_prefill: bool = setting(True, "split long prompts across steps")
     enable_prefix_caching: bool = setting(True, "reuse the KV of shared prompt prefixes")
@@ -104,7 +107,7 @@ class EngineConfig:
             parse_memory(self.kv_cache_memory)
         if parse_memory(self.swap_space, "swap_space")[1] is not None:
             raise ValueError(f"swap_space must be a size such as '4GiB', got {self.swap_space!r}")
-        for name in ("num_threads", "borrow_threads"):
+        for name in ("num_threads", "borrow_threads", "max_model_len"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

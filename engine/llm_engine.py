@@ -37,7 +37,7 @@ from pdserve.engine.structured_output import GrammarCompiler
 from pdserve.engine.swap import SwapSpace
 from pdserve.engine.thread_budget import ThreadBudget
 from pdserve.kernels import select_backend
-from pdserve.request_rules import check_prompt_tokens, check_sampling, check_ttft_budget_ms
+from pdserve.request_rules import DEFAULT_MAX_TOKENS, check_prompt_tokens, check_sampling, check_ttft_budget_ms
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +125,13 @@ class LLMEngine:
             self.kv_cache.nbytes / 2**20,
             backend_name,
         )
+        if num_blocks * config.block_size < self.max_model_len:  # also refuses a max_model_len past the model's
+            log.warning(
+                "the KV cache holds %d tokens, less than one context of %d: requests that could outgrow it "
+                "are refused (raise --kv-cache-memory or lower --max-model-len)",
+                num_blocks * config.block_size,
+                self.max_model_len,
+            )
 
     def _swap_space(self, num_blocks: int) -> SwapSpace | None:
         mode = self.config.preemption_mode
@@ -143,7 +150,7 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------
     @property
     def max_model_len(self) -> int:
-        return self.model_config.max_position
+        return self.model_config.context_length(self.config.max_model_len)
 
     def validate(
         self,
@@ -176,7 +183,8 @@ class LLMEngine:
                 raise ValueError(
                     f"sampling.max_tokens: {new_tokens} new tokens after a {len(prompt_token_ids)}-token prompt"
                     f"{f' for {sampling.n} choices' if sampling.n > 1 else ''} need {needed} KV blocks; this "
-                    f"worker's cache has {self.blocks.num_blocks} of {self.blocks.block_size} tokens"
+                    f"worker's cache has {self.blocks.num_blocks} of {self.blocks.block_size} tokens (unset, "
+                    f"max_tokens asks for min({DEFAULT_MAX_TOKENS}, the context left): set it lower)"
                 )
 
     def compile_constraint(self, sampling: SamplingParams) -> None:

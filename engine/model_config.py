@@ -62,6 +62,17 @@ class ModelConfig:
     name: str = ""
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
+    def context_length(self, max_model_len: int | None) -> int:
+        """The context served: the model's own, or the ``max_model_len`` setting below it (the
+        engine and the router both hold requests to it)."""
+        if max_model_len is None:
+            return self.max_position
+        if not 2 <= max_model_len <= self.max_position:
+            raise ValueError(
+                f"max_model_len: {max_model_len} must be in [2, {self.max_position}] (the model's context)"
+            )
+        return max_model_len
+
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(

@@ -67,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="start router, prefill and decode pools locally; print 'ready'; run until Ctrl-C")
-    add_arguments(up, RouterSettings, skip=("prefill_workers", "decode_workers", "model", "cache_dir"))
+    add_arguments(up, RouterSettings, skip=("prefill_workers", "decode_workers", "model", "cache_dir", "max_model_len"))
     add_arguments(up, ClusterSettings)
     add_arguments(up, EngineConfig)
     add_arguments(up, WorkerSettings, skip=UP_WORKER_FIELDS)

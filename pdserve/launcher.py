@@ -96,6 +96,7 @@ class Cluster:
             decode_workers=",".join(decode),
             model=self.engine.model,
             cache_dir=self.engine.cache_dir,
+            max_model_len=self.engine.max_model_len,
             metrics_port=0 if self.cluster.metrics and self.router.metrics_port is None else self.router.metrics_port,
         )
         router = self._spawn("router", ["router", *to_args(router_settings), *self._tls_args()], router=True)

@@ -78,6 +78,9 @@ class RouterSettings:
     request_timeout_s: float = setting(600.0, "upper bound on a request's life when the client sets no deadline")
     model: str | None = setting(None, "model folder or .gguf, for the tokenizer (default: SmolLM2-135M-Instruct)")
     cache_dir: str | None = setting(None, "where converted models are kept (default ~/.cache/pdserve)")
+    max_model_len: int | None = setting(
+        None, "the context (prompt + output) in tokens, at most the model's own; as the workers' (default: the model's)"
+    )
     served_model_name: str | None = setting(None, "the model name clients send (default: derived from the model)")
     max_migrations: int = setting(3, "times a request may move to other workers after failures")
     worker_wait_s: float = setting(5.0, "how long a request waits for a worker to come back when every one is down")

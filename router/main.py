@@ -53,7 +53,7 @@ async def serve(settings: RouterSettings, security: SecuritySettings) -> None:
     if not decode:
         raise ValueError("the router needs at least one decode worker (--decode-workers host:port,...)")
     model_dir = await asyncio.to_thread(resolve_model, settings.model, settings.cache_dir)
-    tokenizer = await asyncio.to_thread(RouterTokenizer, model_dir)
+    tokenizer = await asyncio.to_thread(RouterTokenizer, model_dir, settings.max_model_len)
     _return_freed_heap()
     registry = WorkerRegistry.connect(prefill, decode, security.channel_credentials(), security.cluster_metadata())
     dispatcher = Dispatcher(

@@ -31,12 +31,12 @@ def tokenizer_class(model_dir: Path) -> type:
 
 
 class RouterTokenizer:
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, max_model_len: int | None = None) -> None:
+        config = ModelConfig.from_folder(model_dir)
+        self.max_model_len = config.context_length(max_model_len)  # refused before the tokenizer loads
         self.hf = tokenizer_class(Path(model_dir)).from_pretrained(str(model_dir))
         self.backend = self.hf.backend_tokenizer
-        config = ModelConfig.from_folder(model_dir)
         self.vocab_size = config.vocab_size
-        self.max_model_len = config.max_position
         self.model_name = config.name
         self.has_chat_template = bool(getattr(self.hf, "chat_template", None))
         self.sampling_defaults = generation_defaults(Path(model_dir))

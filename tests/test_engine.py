@@ -422,3 +422,19 @@ def test_a_kv_cache_the_machine_cannot_hold_is_refused_by_its_setting(model_dir)
     """Past any address space: the setting and the size, not a bare ENOMEM."""
     with pytest.raises(ValueError, match=r"^kv_cache_memory 200000GiB: cannot allocate \d+\.\d GiB \("):
         make_engine(model_dir, kv_cache_memory="200000GiB")
+
+
+def test_max_model_len_caps_the_context_below_the_models(model_dir):
+    engine = make_engine(model_dir, max_model_len=40)
+    assert engine.max_model_len == 40
+    with pytest.raises(ValueError, match="leave no room in the model's context of 40"):
+        engine.validate(list(range(100, 140)), SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="exceed the context of 40"):
+        engine.validate(list(range(100, 130)), SamplingParams(max_tokens=11))
+    engine.add_request("r", list(range(100, 130)), SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert outputs[-1].finish_reason.value == "length" and sum(len(o.new_token_ids) for o in outputs) == 10
+    with pytest.raises(ValueError, match=r"max_model_len: 9000 must be in \[2, 8192\]"):
+        make_engine(model_dir, max_model_len=9000)

@@ -158,3 +158,16 @@ def test_a_models_generation_config_sets_the_sampling_defaults(model_dir, tmp_pa
     (folder / "generation_config.json").write_text(json.dumps({"top_p": 7}))
     with pytest.raises(ValueError, match=r"generation_config\.json: .*top_p"):
         RouterTokenizer(folder)
+
+
+def test_the_router_holds_requests_to_max_model_len(model_dir):
+    from pdserve.router.request import CompletionRequest
+    from pdserve.router.tokenizer import RouterTokenizer
+    from pdserve.router.validation import validate
+
+    tokenizer = RouterTokenizer(model_dir, max_model_len=64)
+    assert tokenizer.max_model_len == 64
+    unset = validate(CompletionRequest(prompt_token_ids=(1,) * 60), tokenizer)
+    assert unset.engine_sampling.max_tokens == 4  # the default fits the context it sets
+    with pytest.raises(ValueError, match=r"max_model_len: 9000 must be in \[2, 8192\]"):
+        RouterTokenizer(model_dir, max_model_len=9000)

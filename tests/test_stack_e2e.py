@@ -11,11 +11,12 @@ import sys
 import time
 
 import grpc
+import psutil
 import pytest
 from conftest import PROMPTS
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from processes import Stack
+from processes import Stack, descendants
 
 from pdserve.client import build_request
 from pdserve.v1 import pdserve_pb2 as pb
@@ -23,7 +24,8 @@ from pdserve.v1 import pdserve_pb2_grpc
 
 pytestmark = pytest.mark.e2e
 MAX_NEW = 16
-STACK_ARGS = ("--dtype", "float32", "--kv-cache-memory", "256MiB")
+MAX_MODEL_LEN = 4096  # below the model's 8192: --max-model-len reaches the router and every worker
+STACK_ARGS = ("--dtype", "float32", "--kv-cache-memory", "256MiB", "--max-model-len", str(MAX_MODEL_LEN))
 
 
 @pytest.fixture(scope="module")
@@ -193,6 +195,21 @@ async def test_bad_input_is_invalid_argument_naming_the_field(stack, fields, fie
     assert err.value.details().startswith(field + ":"), err.value.details()
     # Refused up front by the router's validation, not after a worker round trip.
     assert (await cluster_stats(stack.address)).counters["rejected_invalid"] == before + 1
+
+
+async def test_max_model_len_holds_requests_to_the_context_it_sets(stack):
+    for fields, words in (
+        (dict(prompt_token_ids=[1] * MAX_MODEL_LEN), f"prompt_token_ids: {MAX_MODEL_LEN} tokens leave no room"),
+        (dict(prompt_token_ids=[1] * 96, max_tokens=MAX_MODEL_LEN - 95), f"exceed the context of {MAX_MODEL_LEN}"),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(stack.address, build_request(**fields), timeout=60)
+        assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT and words in err.value.details()
+    ids, _, messages = await collect(stack.address, greedy(None, prompt_token_ids=[1] * 96, max_tokens=4), timeout=60)
+    assert len(ids) == 4 and messages[-1].finish_reason == "length"
+    cmdlines = [" ".join(psutil.Process(pid).cmdline()) for pid in descendants(stack.proc.process.pid)]
+    roles = [line for line in cmdlines if any(f" {role} " in line for role in ("router", "prefill", "decode"))]
+    assert len(roles) == 3 and all(f"--max-model-len={MAX_MODEL_LEN}" in line for line in roles), cmdlines
 
 
 async def test_health_and_reflection_on_every_server(stack):

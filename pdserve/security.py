@@ -67,16 +67,20 @@ class SecuritySettings:
                     raise ValueError(f"{name}: {path} holds no PEM certificate") from None
         if not self.tls_cert:
             return
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.set_ciphers("DEFAULT:@SECLEVEL=0")  # OpenSSL's policy on key sizes and digests is not gRPC's
         try:
-            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(self.tls_cert, self.tls_key, password=b"")
+            context.load_cert_chain(self.tls_cert, self.tls_key, password=b"")
         except ssl.SSLError as e:
             if e.reason == "KEY_VALUES_MISMATCH":
                 raise ValueError(
                     f"tls_key: {self.tls_key} is not the private key of tls_cert {self.tls_cert}"
                 ) from None
-            raise ValueError(
-                f"tls_key: {self.tls_key} is not an unencrypted PEM private key (gRPC takes no passphrase)"
-            ) from None
+            if e.reason is None:  # OpenSSL's "PEM lib": the key could not be read
+                raise ValueError(
+                    f"tls_key: {self.tls_key} is not an unencrypted PEM private key (gRPC takes no passphrase)"
+                ) from None
+            raise ValueError(f"tls_cert, tls_key: {self.tls_cert} with {self.tls_key}: {e.reason}") from None
 
     @property
     def tls(self) -> bool:

@@ -274,6 +274,15 @@ def test_a_key_or_certificate_that_cannot_serve_is_refused_by_its_name(certs, tm
         with pytest.raises(ValueError, match=words):
             SecuritySettings(tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca)
     assert SecuritySettings(tls_cert=cert, tls_key=key, tls_ca=str(certs / "ca.crt")).tls
+    # What gRPC serves, OpenSSL's default policy aside: an RSA-1024 key, a SHA-1 signature.
+    weak_key, weak_cert = tmp_path / "weak.key", tmp_path / "weak.crt"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:1024", "-sha1", "-nodes", "-subj", "/CN=localhost", "-days", "1"]
+        + ["-keyout", weak_key, "-out", weak_cert],
+        check=True,
+        capture_output=True,
+    )
+    assert SecuritySettings(tls_cert=str(weak_cert), tls_key=str(weak_key)).tls
     router = subprocess.run(
         [sys.executable, "-m", "pdserve.cli", "router", "--port", "0", "--decode-workers", "127.0.0.1:5"]
         + ["--tls-cert", cert, "--tls-key", str(other / "node.key")],

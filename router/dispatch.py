@@ -169,7 +169,7 @@ class Dispatcher:
                 async with contextlib.aclosing(self._attempt(Attempt(req, list(prior)), deadline, failed)) as events:
                     async for event in events:
                         if resuming:
-                            self._count_resumed(resuming)
+                            moved += self._count_resumed(resuming)
                             resuming = None
                         prior += event.token_ids
                         priors.setdefault(event.index, []).extend(event.token_ids)
@@ -191,14 +191,13 @@ class Dispatcher:
                     raise  # its words say more than "no worker left" would
 
                 kind = resuming = "migrations" if prior else "retries"
-                moved += kind == "migrations"
                 how = "continues" if kind == "migrations" else "is retried"
-                log.info("request %s: %s; it %s elsewhere (attempt %d)", req.request_id, e.message, how, attempt + 1)
+                log.info("request %s: %s; it %s (attempt %d)", req.request_id, e.message, how, attempt + 1)
                 if n > 1 and prior:  # several choices under way: each continues on its own
                     async with contextlib.aclosing(continue_choices(self, req, priors, ended, deadline)) as rest:
                         async for event in rest:
                             if resuming:
-                                self._count_resumed(resuming)
+                                moved += self._count_resumed(resuming)
                                 resuming = None
                             watch = _tell_planner(watch, event)
                             yield replace(event, migrations=moved + event.migrations)
@@ -209,10 +208,12 @@ class Dispatcher:
                     # Back off a little: a worker that just died takes its peers' health checks a moment to notice.
                     await asyncio.sleep(min(0.2 * 2 ** (attempt - 1), 2.0, max(0.0, deadline - time.monotonic())))
 
-    def _count_resumed(self, kind: str) -> None:
-        """A retry or migration counts once the request runs again elsewhere, not when tried."""
+    def _count_resumed(self, kind: str) -> int:
+        """A retry or migration counts once the request runs again, not when tried; 1 for a
+        migration (the request's usage counts those), else 0."""
         self.counters[kind] += 1
         metrics.MIGRATIONS.labels(kind).inc()
+        return int(kind == "migrations")
 
     def _another(self, worker: Worker, failed: set[str]) -> bool:
         pool = self.registry.decode if worker.role is Role.DECODE else self.registry.prefill

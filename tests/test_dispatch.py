@@ -191,7 +191,7 @@ async def test_a_corrupted_handoff_is_prefilled_again_elsewhere(caplog):
     ids, finish = await collect(disp, request(max_tokens=2))
     assert (ids, finish) == ([7, 8], "length")
     assert disp.counters["retries"] == 1 and disp.counters["reprefills_after_corruption"] == 1
-    assert "p1: checksum mismatch; it is retried elsewhere (attempt 2)" in caplog.text  # said, not only counted
+    assert "p1: checksum mismatch; it is retried (attempt 2)" in caplog.text  # said, not only counted
     assert len(decode.calls) == 2 and all(call.cancelled for call in decode.calls)  # the failed attempt's too
     assert idle(p1, p2, d)
 
@@ -208,6 +208,20 @@ async def test_a_dead_decode_worker_is_migrated_from_without_losing_or_repeating
     assert list(resumed.token_ids) == PROMPT + [1, 2, 3] and resumed.num_prior_output_tokens == 3
     assert disp.counters["migrations"] == 1 and d1.consecutive_failures == 1
     assert idle(d1, d2)
+
+
+async def test_a_move_counts_once_the_request_resumes_not_for_each_try():
+    """usage.migrations and the migrations counter agree: a worker that refused the resumed
+    request before it ran (failed to connect) is not a move."""
+    dying = FakeDecode([([[1, 2], [3]], rpc_error(grpc.StatusCode.UNAVAILABLE, "connection reset"))])
+    refusing = FakeDecode([([], rpc_error(grpc.StatusCode.UNAVAILABLE, "failed to connect"))])
+    healthy = FakeDecode([([[4, 5], [6]], None)])
+    d1, d2, d3 = decode_worker("d1", dying), decode_worker("d2", refusing), decode_worker("d3", healthy)
+    disp = dispatcher(registry([], [d1, d3, d2]))  # round robin without the failed: d1, then d2, then d3
+    events = [event async for event in disp.generate(request(max_tokens=6), 30.0)]
+    assert [t for e in events for t in e.token_ids] == [1, 2, 3, 4, 5, 6] and len(refusing.requests) == 1
+    assert events[-1].migrations == 1 and disp.counters["migrations"] == 1
+    assert idle(d1, d2, d3)
 
 
 async def test_errors_that_retrying_cannot_fix_are_raised_at_once():

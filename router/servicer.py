@@ -50,6 +50,7 @@ class RouterService(pdserve_pb2_grpc.RouterServicer):
                     prompt_token_ids=req.prompt_token_ids if chunk.prompt_logprobs is not None else (),
                 )
         except DispatchError as e:
+            log.info("request %s failed: %s %s", req.request_id, e.code.name, e.message)  # as the HTTP API says it
             hint = ((RETRY_AFTER_KEY, str(e.retry_after_ms)),) if e.retry_after_ms else ()
             await context.abort(e.code, e.message, trailing_metadata=hint)
 

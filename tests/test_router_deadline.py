@@ -78,3 +78,28 @@ async def test_a_client_deadline_counts_as_the_client_leaving_and_logs_no_error(
     assert dispatcher.closed_before_deadline == 3
     assert all(t > 0.3 for t in dispatcher.timeouts), dispatcher.timeouts
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.records
+
+
+class FailingDispatcher:
+    async def generate(self, req, timeout_s: float):
+        raise DispatchError(grpc.StatusCode.UNAVAILABLE, "decode worker 127.0.0.1:9: gone")
+        yield  # an async generator, as the real dispatcher's
+
+
+async def test_a_failed_grpc_request_is_logged_as_an_http_one_is(tok, caplog):
+    completions = Completions(tok, FailingDispatcher(), request_timeout_s=5.0, max_inflight=8)
+    server = grpc.aio.server()
+    add_router_service(RouterService(completions), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    caplog.set_level(logging.INFO, logger="pdserve.router.servicer")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                request = build_request("hi", max_tokens=4, request_id="client-7")
+                async for _ in pdserve_pb2_grpc.RouterStub(channel).Generate(request, timeout=10):
+                    pass
+            assert err.value.code() is grpc.StatusCode.UNAVAILABLE
+    finally:
+        await server.stop(None)
+    assert "request client-7 failed: UNAVAILABLE decode worker 127.0.0.1:9: gone" in caplog.text

@@ -23,11 +23,12 @@ def setup_logging(level: str | None = None) -> None:
     level = str(level or os.environ.get("PDSERVE_LOG_LEVEL") or "INFO").upper()
     if level not in LOG_LEVELS:
         raise ValueError(f"--log-level: {level.lower()!r} is not one of {', '.join(LOG_LEVELS)}")
-    logging.basicConfig(
-        level=level,
-        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
-        stream=sys.stderr,
-    )
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s", stream=sys.stderr)
+    # The level is pdserve's own (and a module run as a script's); other libraries say their
+    # warnings only: gRPC's DEBUG writes lines per health probe that would bury ours.
+    logging.getLogger().setLevel(max(logging.getLevelName(level), logging.WARNING))
+    for name in ("pdserve", "__main__"):
+        logging.getLogger(name).setLevel(level)
 
 
 def announce_ready(role: str, **addresses: object) -> None:

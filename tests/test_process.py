@@ -30,3 +30,21 @@ async def test_a_second_signal_during_the_drain_is_logged_not_obeyed(caplog):
     finally:  # the test session's loop lives on: give the signals back to pytest
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+
+
+def test_the_log_level_is_pdserves_and_other_libraries_keep_to_warnings():
+    """--log-level DEBUG shows pdserve's debug lines, not gRPC's per-probe ones."""
+    from pdserve.process import setup_logging
+
+    names = ("", "pdserve", "__main__")
+    saved = {name: logging.getLogger(name).level for name in names}
+    try:
+        setup_logging("DEBUG")
+        assert logging.getLogger("pdserve.router.dispatch").isEnabledFor(logging.DEBUG)
+        assert not logging.getLogger("grpc._cython.cygrpc").isEnabledFor(logging.INFO)
+        setup_logging("ERROR")
+        assert not logging.getLogger("pdserve.router.dispatch").isEnabledFor(logging.WARNING)
+        assert not logging.getLogger("grpc._cython.cygrpc").isEnabledFor(logging.WARNING)
+    finally:
+        for name, level in saved.items():
+            logging.getLogger(name).setLevel(level)

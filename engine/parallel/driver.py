@@ -127,6 +127,7 @@ class ParallelDriver:
             "PDSERVE_RANK_LAYOUT": f"{self.layout.tp},{self.layout.pp}",
             "PDSERVE_RANK_DEVICE": str(device),
             "PDSERVE_RANK_THREADS": str(threads),
+            "PDSERVE_LOG_LEVEL": logging.getLevelName(logging.getLogger("pdserve").getEffectiveLevel()),
         }
         self.supervisor = RankSupervisor(world, env, cores)
         self.supervisor.start()

@@ -22,7 +22,7 @@ from pdserve.engine.parallel.layout import ParallelLayout
 from pdserve.engine.parallel.rank_runtime import RankRuntime
 from pdserve.engine.parallel.step_channel import Op, StepChannel
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pdserve.engine.parallel.rank_main")  # not __main__: it runs as one
 
 
 def follow(layout: ParallelLayout, base_device: torch.device) -> int:

@@ -67,6 +67,13 @@ class DecodeService(pdserve_pb2_grpc.DecodeWorkerServicer):
         try:
             if not rid:
                 raise ValueError("request_id: the router's key for the request is missing")
+            log.debug(
+                "request %s (client %s): %d prompt tokens, %s",
+                rid,
+                request.client_request_id,
+                len(token_ids),
+                "prefilled here" if request.prefill_locally else "K/V from a prefill worker",
+            )
             sampling = sampling_from_proto(request.sampling)
             self.engine.validate(token_ids, sampling, request.num_prior_output_tokens)
             await asyncio.to_thread(

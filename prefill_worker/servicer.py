@@ -66,6 +66,13 @@ class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
         try:
             if not request.request_id:
                 raise ValueError("request_id: the router's key for the request is missing")
+            log.debug(
+                "request %s (client %s): %d prompt tokens, K/V to %s",
+                request.request_id,
+                request.client_request_id,
+                len(token_ids),
+                target.kv_address,
+            )
             sampling = sampling_from_proto(request.sampling)
             self.engine.validate(token_ids, sampling, request.num_prior_output_tokens, generates=False)
             transfer_id = parse_transfer_key(target.transfer_id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +21,8 @@ from pdserve.router.request import CompletionRequest
 from pdserve.router.tokenizer import RouterTokenizer
 from pdserve.router.validation import InvalidRequest, ValidatedRequest, validate
 from pdserve.v1 import pdserve_pb2 as pb
+
+log = logging.getLogger(__name__)
 
 VALIDATION_THREADS = 4  # requests tokenized at once, off the event loop
 # The workers' calls outlive a client's own deadline by this much, so the client's deadline
@@ -191,6 +194,7 @@ class Completions:
                             (now - started) * 1e3,
                             event.migrations,
                         )
+                        log.debug("request %s finished (%s): %s", req.request_id, finish, usage)
                     yield Chunk(
                         token_ids,
                         delta + text.flush(),
@@ -209,6 +213,7 @@ class Completions:
             raise
         except (GeneratorExit, asyncio.CancelledError):
             if not ended:  # the client went away (a disconnect, its deadline) before the end
+                log.debug("request %s cancelled: the client went away", req.request_id)
                 self.counters["cancelled"] += 1
                 metrics.REQUESTS.labels("cancelled").inc()
             raise

@@ -255,6 +255,13 @@ class Dispatcher:
         if local:
             prefill = None
             self.counters["conditional_local_prefills"] += 1
+        log.debug(
+            "request %s: try %s on %sdecode worker %s",
+            attempt.request.request_id,
+            attempt.key,
+            f"prefill worker {prefill.address}, " if prefill else "",
+            decode.address,
+        )
         if attempt.request.ttft_budget_ms is not None and not attempt.prior:
             self._check_ttft_budget(attempt, prefill or decode)
         stream = (

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -30,7 +31,7 @@ STACK_ARGS = ("--dtype", "float32", "--kv-cache-memory", "256MiB", "--max-model-
 
 @pytest.fixture(scope="module")
 def stack():
-    s = Stack.up("--prefill", "1", "--decode", "1", *STACK_ARGS)
+    s = Stack.up("--prefill", "1", "--decode", "1", *STACK_ARGS, "--log-level", "DEBUG")
     yield s
     s.down()
 
@@ -210,6 +211,22 @@ async def test_max_model_len_holds_requests_to_the_context_it_sets(stack):
     cmdlines = [" ".join(psutil.Process(pid).cmdline()) for pid in descendants(stack.proc.process.pid)]
     roles = [line for line in cmdlines if any(f" {role} " in line for role in ("router", "prefill", "decode"))]
     assert len(roles) == 3 and all(f"--max-model-len={MAX_MODEL_LEN}" in line for line in roles), cmdlines
+
+
+async def test_one_request_is_followed_across_processes_at_debug(stack):
+    """The client's id and the router's key of each try, in the router's and both workers' logs;
+    and no other library's debug lines (gRPC's per health probe) around them."""
+    await collect(stack.address, greedy(PROMPTS[0], max_tokens=4, request_id="trace-me-1"))
+    tried = re.compile(r"request trace-me-1: try ([0-9a-f]{32}) on prefill worker \S+, decode worker \S+")
+    assert stack.proc.saw(lambda line: tried.search(line) is not None), stack.proc.log_tail()
+    key = next(m.group(1) for line in stack.proc.output if (m := tried.search(line)))
+    for role in ("prefill_worker", "decode_worker"):
+        arrived = f"pdserve.{role}.servicer"
+        assert stack.proc.saw(
+            lambda line, arrived=arrived: arrived in line and f"request {key} (client trace-me-1)" in line
+        )
+    assert stack.proc.saw(lambda line: "request trace-me-1 finished (length)" in line)
+    assert not [line for line in stack.proc.output if "DEBUG grpc" in line]
 
 
 async def test_health_and_reflection_on_every_server(stack):

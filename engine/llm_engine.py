@@ -56,6 +56,8 @@ class LLMEngine:
         self.config = config
         self.model_dir = model_dir or str(resolve_model(config.model, config.cache_dir))
         self.model_config = ModelConfig.from_folder(self.model_dir)
+        # Judged once, before the weights load; read per token by the finish check.
+        self.max_model_len = self.model_config.context_length(config.max_model_len)
         self.device = pick_device(config.device)
         self.dtype = parse_dtype(config.dtype, self.device)
         self.kv_layout = KVLayout.for_model(self.model_config, config.block_size, self.dtype, config.kv_cache_dtype)
@@ -125,7 +127,7 @@ class LLMEngine:
             self.kv_cache.nbytes / 2**20,
             backend_name,
         )
-        if num_blocks * config.block_size < self.max_model_len:  # also refuses a max_model_len past the model's
+        if num_blocks * config.block_size < self.max_model_len:
             log.warning(
                 "the KV cache holds %d tokens, less than one context of %d: requests that could outgrow it "
                 "are refused (raise --kv-cache-memory or lower --max-model-len)",
@@ -148,10 +150,6 @@ class LLMEngine:
             self.parallel = None
 
     # -- requests ---------------------------------------------------------------------------
-    @property
-    def max_model_len(self) -> int:
-        return self.model_config.context_length(self.config.max_model_len)
-
     def validate(
         self,
         prompt_token_ids: list[int],

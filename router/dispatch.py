@@ -256,10 +256,10 @@ class Dispatcher:
             prefill = None
             self.counters["conditional_local_prefills"] += 1
         log.debug(
-            "request %s: try %s on %sdecode worker %s",
+            "request %s: try %s on prefill worker %s, decode worker %s",
             attempt.request.request_id,
             attempt.key,
-            f"prefill worker {prefill.address}, " if prefill else "",
+            prefill.address if prefill else "(none: prefilled on the decode worker)",
             decode.address,
         )
         if attempt.request.ttft_budget_ms is not None and not attempt.prior:

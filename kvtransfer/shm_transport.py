@@ -14,8 +14,7 @@ whose tracker would unlink the decode worker's segment when the prefill worker e
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
+import errno
 import mmap
 import os
 import secrets
@@ -45,45 +44,7 @@ def unavailable_reason(device) -> str | None:
 
 def make_pool(layout, num_blocks: int, device) -> "SharedKVPool":
     remove_stale_segments()
-    # tmpfs allocates on first touch: a segment larger than what is free maps fine, and a
-    # process dies of SIGBUS at the first write past it (a container's /dev/shm is 64 MiB).
-    # Other workers' segments take their room as they fill: counted as taken, under a lock
-    # so that workers starting together see each other's.
-    needed = layout.num_layers * num_blocks * layout.block_bytes
-    with _pool_lock():
-        free = shutil.disk_usage(SHM_DIR).free - _promised()
-        if needed > free:
-            raise PoolUnavailable(
-                f"the KV cache needs {needed / 2**20:.0f} MiB of {SHM_DIR} and {max(free, 0) / 2**20:.0f} MiB are "
-                "free beside other workers' caches (give the container more, e.g. docker's --shm-size)"
-            )
-        return SharedKVPool(layout, num_blocks)
-
-
-@contextlib.contextmanager
-def _pool_lock():
-    try:
-        fd = os.open(SHM_DIR / "pdserve-kvpool.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-    except OSError:  # another user's lock: each user's workers still see each other's segments
-        yield
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
-def _promised() -> int:
-    """Bytes the KV segments here will still take as their blocks are written."""
-    total = 0
-    for path in SHM_DIR.glob(f"{PREFIX}*"):
-        try:
-            st = path.stat()
-        except OSError:
-            continue
-        total += max(0, st.st_size - st.st_blocks * 512)
-    return total
+    return SharedKVPool(layout, num_blocks)
 
 
 class SharedKVPool:
@@ -95,6 +56,11 @@ class SharedKVPool:
         nbytes = layout.num_layers * num_blocks * layout.block_bytes
         self.name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
         self._shm = shared_memory.SharedMemory(name=self.name, create=True, size=nbytes)
+        try:
+            _take_room(self.name, nbytes)
+        except BaseException:
+            self.close()
+            raise
         flat = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=nbytes)
         self.tensor = flat.view(layout.storage_dtype).view(layout.shape(num_blocks))
 
@@ -115,6 +81,26 @@ class SharedKVPool:
             self._shm.close()
         except BufferError:
             pass  # the engine still holds views; the mapping goes away with the process
+
+
+def _take_room(name: str, nbytes: int) -> None:
+    """tmpfs gives a page on first touch: a segment larger than what is free maps fine, and the
+    worker dies of SIGBUS at its first write past it, perhaps hours later when another program
+    has filled /dev/shm. Every page is taken now, or the pool is refused (a container's
+    /dev/shm is 64 MiB)."""
+    fd = os.open(SHM_DIR / name, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        free = shutil.disk_usage(SHM_DIR).free
+        raise PoolUnavailable(
+            f"the KV cache needs {nbytes / 2**20:.0f} MiB of {SHM_DIR} and {free / 2**20:.0f} MiB are free "
+            "(give the container more, e.g. docker's --shm-size)"
+        ) from None
+    finally:
+        os.close(fd)
 
 
 class MappedKVPool:

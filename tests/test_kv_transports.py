@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 import torch
 from kv_sides import LAYERS, TOKEN_BYTES, UCX_SKIP_REASON, Decode, Prefill, assert_same_tokens, peer, wait_until
+
+from processes import can_mount_private_shm
 
 from pdserve.kvtransfer import cuda_ipc_transport, receiver, ucx_transport, ucx_worker
 from pdserve.kvtransfer.protocol import FrameHeader, FrameKind
@@ -748,24 +752,45 @@ def test_a_connection_whose_peer_dies_lets_its_transport_go_at_once(transport, m
         decode.close()
 
 
-def test_a_shm_cache_counts_the_room_other_workers_caches_will_take(monkeypatch):
-    """tmpfs takes a segment's room only as it is written: a second worker checking free space
-    alone would fit where the first worker's cache will grow, and someone dies of SIGBUS."""
-    import collections
+# A private /dev/shm of 8 MiB, whose room the script's cache and the "other program" share.
+_ROOM_TAKEN_SCRIPT = """
+import os, sys, torch
+sys.path.insert(0, sys.argv[1])
+from kv_sides import layout
+from pdserve.kvtransfer import shm_transport
 
-    from kv_sides import layout
+lay = layout(8)
+blocks = (5 << 20) // (lay.num_layers * lay.block_bytes)  # a cache of about 5 MiB
+pool = shm_transport.make_pool(lay, blocks, torch.device("cpu"))
+try:
+    shm_transport.make_pool(lay, blocks, torch.device("cpu"))  # a second one does not fit
+except shm_transport.PoolUnavailable as e:
+    print("refused:", e)
+try:  # another program fills /dev/shm after the cache was made
+    with open("/dev/shm/someone-else", "wb") as f:
+        f.write(bytes(8 << 20))
+except OSError:
+    pass
+pool.tensor.view(torch.uint8).fill_(7)  # every block written at last
+print("written", int(pool.tensor.view(torch.uint8).sum()) == 7 * pool.nbytes)
+"""
 
-    from pdserve.kvtransfer import shm_transport
 
-    lay = layout(8)
-    size = lay.num_layers * 32 * lay.block_bytes
-    monkeypatch.setattr(shm_transport, "PREFIX", f"pdserve-kv-test{os.getpid()}x-")  # blind to other workers'
-    room = collections.namedtuple("Usage", "total used free")(0, 0, 1.5 * size)
-    monkeypatch.setattr(shm_transport.shutil, "disk_usage", lambda path: room)  # room for one cache more
-    first = shm_transport.make_pool(lay, 32, torch.device("cpu"))  # nothing written yet: it takes no room now
-    try:
-        with pytest.raises(shm_transport.PoolUnavailable, match="beside other workers' caches"):
-            shm_transport.make_pool(lay, 32, torch.device("cpu"))
-    finally:
-        first.close()
-    shm_transport.make_pool(lay, 32, torch.device("cpu")).close()  # its room is back
+@pytest.mark.skipif(not can_mount_private_shm(), reason="a private /dev/shm needs unshare and CAP_SYS_ADMIN")
+def test_a_shm_cache_takes_its_room_when_made_not_when_written():
+    """tmpfs gives a page on first touch: a cache that only mapped its segment died of SIGBUS at
+    its first write past what another program had since taken from /dev/shm."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    done = subprocess.run(
+        [
+            *("unshare", "-m", "--propagation", "private", "sh", "-c"),
+            'mount -t tmpfs -o size=8m tmpfs /dev/shm && exec "$@"',
+            *("sh", sys.executable, "-c", _ROOM_TAKEN_SCRIPT, tests),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert "refused: the KV cache needs 5 MiB of /dev/shm" in done.stdout and "MiB are free" in done.stdout
+    assert "written True" in done.stdout

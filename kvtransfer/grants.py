@@ -250,13 +250,21 @@ class GrantLedger:
         transport: str,
         reply: Callable[[AckStatus], None] | None = None,
         more_token_ids: tuple[int, ...] = (),
+        tokens_intact: bool = True,
     ) -> AckStatus | None:
         """The sender is done: verify coverage and integrity, then complete or fail. Returns
         None when writes are still landing; ``reply`` then gets the status later.
-        ``more_token_ids``: the other choices' first tokens (n > 1)."""
+        ``more_token_ids``: the other choices' first tokens (n > 1); ``tokens_intact``: whether
+        the DONE frame that carried the tokens passed its checksum."""
         with grant.lock:
             if grant.state is not GrantState.ACTIVE:
                 return AckStatus.UNKNOWN_TRANSFER
+            if not tokens_intact and not grant.corrupted:
+                grant.corrupted = True
+                self.counters.add("checksum_mismatch")
+                log.warning(
+                    "transfer %s: checksum mismatch in its first tokens: the transfer is refused", grant.transfer_key
+                )
             if grant.writers and reply is not None:
                 grant.pending_done = (first_token_id, transport, reply, more_token_ids)
                 return None

@@ -17,10 +17,12 @@ import enum
 import struct
 from dataclasses import dataclass
 
+import xxhash
+
 MAGIC = b"PDKV"
-# 5: HELD; 4: units of several layers; 3: chunked XXH64 checksums; 2: HMAC challenge-response,
+# 6: DONE's checksum covers its tokens; 5: HELD; 4: units of several layers; 3: chunked XXH64 checksums; 2: HMAC challenge-response,
 # token_bytes in the layout check, RENEW
-VERSION = 5
+VERSION = 6
 HEADER = struct.Struct("<4sBBHQIIIqQQ")
 HEADER_SIZE = HEADER.size
 # Handshake and control payloads are small; K/V payloads are bounded by the grant they target.
@@ -35,7 +37,9 @@ class FrameKind(enum.IntEnum):
     HELLO_OK = 2  # decode -> prefill: PeerInfo as JSON
     REJECT = 3  # decode -> prefill: reason (utf-8); the connection closes
     DATA = 4  # prefill -> decode: K/V of tokens [start, end) of layers [layer, layer + num_layers)
-    DONE = 5  # prefill -> decode: all layers sent; aux = first generated token; payload = the other choices' (n > 1), int64 LE
+    # prefill -> decode: all layers sent; aux = first generated token; payload = the other
+    # choices' (n > 1), int64 LE; checksum: of both (see done_frame)
+    DONE = 5
     ACK = 6  # decode -> prefill: aux = AckStatus; payload = message
     WRITTEN = 7  # prefill -> decode: a one-sided write of a unit landed (shm, CUDA IPC)
     UCX_DATA = 8  # prefill -> decode: a unit's bytes follow over UCX; aux = the message's tag
@@ -102,3 +106,31 @@ class FrameHeader:
         if kind not in (FrameKind.DATA,) and payload_len > MAX_CONTROL_PAYLOAD:
             raise ProtocolError(f"{kind.name} frame of {payload_len} bytes exceeds {MAX_CONTROL_PAYLOAD}")
         return cls(FrameKind(kind), transfer_id, layer, start, end, aux, payload_len, checksum, more_layers + 1)
+
+
+def done_frame(
+    transfer_id: int, first_token_id: int, more_token_ids: tuple[int, ...] = ()
+) -> tuple[FrameHeader, bytes]:
+    """DONE and its payload. The decode side continues the answer from these tokens, so they
+    are checked like the K/V: a flipped bit would otherwise go on from a wrong token."""
+    payload = struct.pack(f"<{len(more_token_ids)}q", *more_token_ids)
+    header = FrameHeader(
+        FrameKind.DONE,
+        transfer_id,
+        aux=first_token_id,
+        payload_len=len(payload),
+        checksum=_tokens_checksum(first_token_id, payload),
+    )
+    return header, payload
+
+
+def done_tokens(header: FrameHeader, payload: bytes) -> tuple[int, tuple[int, ...], bool]:
+    """A DONE frame's first token, the other choices' and whether its checksum holds."""
+    if len(payload) % 8:
+        raise ProtocolError(f"DONE payload of {len(payload)} bytes is not a list of int64 token ids")
+    more = struct.unpack(f"<{len(payload) // 8}q", payload)
+    return header.aux, more, header.checksum == _tokens_checksum(header.aux, payload)
+
+
+def _tokens_checksum(first_token_id: int, payload: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(struct.pack("<q", first_token_id) + payload)

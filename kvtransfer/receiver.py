@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import select
 import socket
-import struct
 import threading
 import time
 
@@ -20,7 +19,7 @@ from pdserve.kvtransfer import registry
 from pdserve.kvtransfer.grants import GrantLedger
 from pdserve.kvtransfer.handshake import HandshakeError, PeerInfo, reject, server_handshake
 from pdserve.kvtransfer.layout import KVCacheView
-from pdserve.kvtransfer.protocol import HEADER_SIZE, AckStatus, FrameHeader, FrameKind, ProtocolError
+from pdserve.kvtransfer.protocol import HEADER_SIZE, AckStatus, FrameHeader, FrameKind, ProtocolError, done_tokens
 from pdserve.kvtransfer.sockets import IdleTimeout, configure, recv_header, recv_payload, send_frame, shutdown
 from pdserve.kvtransfer.transport_api import IO_TIMEOUT_S, ReceiveContext
 
@@ -189,16 +188,18 @@ class _Connection:
             self._reply(FrameKind.HELD, tid, int(held))
 
     def _done(self, h: FrameHeader) -> None:
-        payload = recv_payload(self.sock, h.payload_len)
-        if len(payload) % 8:
-            raise ProtocolError(f"DONE payload of {len(payload)} bytes is not a list of int64 token ids")
-        more = struct.unpack(f"<{len(payload) // 8}q", payload)  # n > 1: the other choices' first tokens
+        first, more, intact = done_tokens(h, recv_payload(self.sock, h.payload_len))  # more: n > 1's other choices
         grant = self.ledger.lookup(h.transfer_id)
         if grant is None:
             self._ack(h.transfer_id, AckStatus.UNKNOWN_TRANSFER)
             return
         status = self.ledger.finish(
-            grant, h.aux, self.transport, reply=lambda s: self._ack(h.transfer_id, s), more_token_ids=more
+            grant,
+            first,
+            self.transport,
+            reply=lambda s: self._ack(h.transfer_id, s),
+            more_token_ids=more,
+            tokens_intact=intact,
         )
         if status is not None:
             self._ack(h.transfer_id, status)

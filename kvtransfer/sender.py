@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import queue
 import socket
-import struct
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -34,6 +33,7 @@ from pdserve.kvtransfer.protocol import (
     FrameHeader,
     FrameKind,
     ProtocolError,
+    done_frame,
 )
 from pdserve.kvtransfer.resharding import ReshardedView
 from pdserve.kvtransfer.sockets import IdleTimeout, configure, recv_header, recv_payload, shutdown
@@ -306,10 +306,7 @@ class KVConnection:
             except (ConnectionError, TimeoutError) as e:
                 self._fail(transfer, str(e))
                 return
-            more = struct.pack(f"<{len(what.more_token_ids)}q", *what.more_token_ids)
-            self.ctx.send_frame(
-                FrameHeader(FrameKind.DONE, transfer.transfer_id, aux=what.first_token_id, payload_len=len(more)), more
-            )
+            self.ctx.send_frame(*done_frame(transfer.transfer_id, what.first_token_id, what.more_token_ids))
 
     def _renew(self, transfer: OutgoingTransfer) -> None:
         self.ctx.send_frame(FrameHeader(FrameKind.RENEW, transfer.transfer_id))

@@ -17,11 +17,12 @@ from __future__ import annotations
 import json
 import random
 import socket
+import struct
 import threading
 import time
 import traceback
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -66,6 +67,7 @@ from pdserve.kvtransfer.protocol import (
     AckStatus,
     FrameHeader,
     FrameKind,
+    done_frame,
 )
 from pdserve.kvtransfer.receiver import KVReceiver
 from pdserve.kvtransfer.sender import KVConnection
@@ -293,7 +295,7 @@ def frame_specs(draw, sizes: tuple[int, int]) -> FrameSpec:
             0,
             ("raw", draw(st.just(0) | st.integers(0, 64) | st.just(MAX_CONTROL_PAYLOAD))),
             ("full",),
-            0,
+            draw(st.sampled_from(["correct"] * 3 + ["wrong"])),
             aux=draw(st.integers(INT64_MIN, INT64_MAX)),
         )
     small = st.integers(0, 20)
@@ -338,7 +340,7 @@ def full_transfer(g: int, num_tokens: int, split: int) -> list[FrameSpec]:
         for layer in range(LAYERS)
         for a, b in zip(bounds, bounds[1:])
     ]
-    return units + [FrameSpec(FrameKind.DONE, ("grant", g), 0, 0, 0, ("raw", 0), ("full",), 0, aux=5)]
+    return units + [FrameSpec(FrameKind.DONE, ("grant", g), 0, 0, 0, ("raw", 0), ("full",), "correct", aux=5)]
 
 
 SEND_CAP = 40_000  # never send more than this for one frame's payload (the server needs EOF instead)
@@ -351,7 +353,10 @@ def render(spec: FrameSpec, grant_ids: list[int]) -> bytes:
     plen = natural + spec.plen[1] if spec.plen[0] == "natural" else spec.plen[1]
     plen = min(max(plen, 0), UINT64_MAX)
     body = random.Random(spec.seed).randbytes(min(plen, SEND_CAP))
-    csum = {"correct": checksum(body), "wrong": checksum(body) ^ 1}.get(spec.checksum, spec.checksum)
+    right = checksum(body)
+    if spec.kind == FrameKind.DONE and len(body) % 8 == 0:  # a checksum of its tokens
+        right = done_frame(tid, spec.aux, struct.unpack(f"<{len(body) // 8}q", body))[0].checksum
+    csum = {"correct": right, "wrong": right ^ 1}.get(spec.checksum, spec.checksum)
     if spec.send[0] == "short":
         body = body[: max(0, len(body) - spec.send[1])]
     elif spec.send[0] == "extra":
@@ -846,7 +851,7 @@ def test_a_failed_done_is_final(decode_side):
             [grant.transfer_id],
         )
 
-    done = FrameHeader(FrameKind.DONE, grant.transfer_id).pack()
+    done = done_frame(grant.transfer_id, 0)[0].pack()
     sock = socket.create_connection(side.address, timeout=5.0)
     try:
         handshake(sock)
@@ -863,3 +868,39 @@ def test_a_failed_done_is_final(decode_side):
     assert not grant.landed[2].any()
     outcome = side.report_of(grant)
     assert not outcome.ok and "missing" in outcome.reason
+
+
+@pytest.mark.parametrize("flipped", ["first token", "another choice's first token"])
+def test_a_done_whose_tokens_arrive_corrupted_fails_the_transfer(decode_side, flipped):
+    """The decode side continues the answer from DONE's tokens: a bit flipped in them is refused
+    like corrupted K/V, never decoded from."""
+    side = decode_side
+    rng = random.Random(2)
+    baseline_threads = kv_conn_threads()
+    grant = side.grant(8, rng)
+    mismatches = side.ledger.counters["checksum_mismatch"]
+    units = b"".join(
+        render(
+            FrameSpec(FrameKind.DATA, ("grant", 0), layer, 0, 8, ("natural", 0), ("full",), "correct", seed=layer),
+            [grant.transfer_id],
+        )
+        for layer in range(LAYERS)
+    )
+    header, payload = done_frame(grant.transfer_id, 42, (7, 9))
+    if flipped == "first token":
+        header = replace(header, aux=42 ^ 4)
+    else:
+        payload = payload[:8] + bytes([payload[8] ^ 1]) + payload[9:]
+    sock = socket.create_connection(side.address, timeout=5.0)
+    try:
+        handshake(sock)
+        sock.sendall(units + header.pack() + payload)
+        ack = FrameHeader.unpack(sock.recv(HEADER_SIZE, socket.MSG_WAITALL))
+    finally:
+        sock.close()
+        wait_conn_threads(baseline_threads)
+        side.settle([grant])
+    assert AckStatus(ack.aux) is AckStatus.CHECKSUM_MISMATCH and grant.state is GrantState.FAILED
+    assert side.ledger.counters["checksum_mismatch"] == mismatches + 1
+    outcome = side.report_of(grant)
+    assert not outcome.ok and outcome.corrupted

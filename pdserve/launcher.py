@@ -1,9 +1,9 @@
 """``pdserve up``: the whole topology as child processes of one launcher.
 
 Workers start first on free ports and report their addresses on a ready line; the router
-starts with those addresses. Every child gets SIGTERM on shutdown (SIGKILL after a grace
-period) and is bound to the launcher's life with PR_SET_PDEATHSIG, so even a killed
-launcher leaves no orphans.
+starts with those addresses. On shutdown the router gets SIGTERM first and drains, then the
+workers (each SIGKILLed after a grace period). Every child is bound to the launcher's life
+with PR_SET_PDEATHSIG, so even a killed launcher leaves no orphans.
 """
 
 from __future__ import annotations
@@ -148,18 +148,20 @@ class Cluster:
         return fresh
 
     def stop(self) -> None:
-        # The router first, so no new work reaches workers that are going away.
-        for child in reversed(self.children):
-            if child.process.poll() is None:
-                child.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
-        for child in reversed(self.children):
-            try:
-                child.process.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("%s did not stop in %.0f s; killing it", child.name, STOP_GRACE_S)
-                child.process.kill()
-                child.process.wait()
+        # The router first, alone: it drains its streams (within its grace period) while the
+        # workers they run on still serve them; then the workers, which have nothing left.
+        for group in ([c for c in self.children if c.router], [c for c in self.children if not c.router]):
+            for child in group:
+                if child.process.poll() is None:
+                    child.process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + STOP_GRACE_S
+            for child in group:
+                try:
+                    child.process.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    log.warning("%s did not stop in %.0f s; killing it", child.name, STOP_GRACE_S)
+                    child.process.kill()
+                    child.process.wait()
 
     def worker_commands(self, num_gpus: int | None = None) -> list[tuple[str, list[str]]]:
         """(name, pdserve arguments) of every worker; ``num_gpus``: the visible GPUs (found out
@@ -271,7 +273,11 @@ class Cluster:
     def _spawn(self, name: str, args: list[str], router: bool = False, register: bool = True) -> Child:
         cmd = [sys.executable, "-m", "pdserve.cli", *args]
         env = self.child_env(router)
-        process = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, preexec_fn=_die_with_parent)
+        # A process group of its own: a terminal's Ctrl-C reaches the launcher only, which stops
+        # the children in order (stop); PR_SET_PDEATHSIG still ends them if the launcher dies.
+        process = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, text=True, env=env, preexec_fn=_die_with_parent, process_group=0
+        )
         child = Child(name, process, queue.Queue(), args, router)
         threading.Thread(target=_pump, args=(child,), name=f"stdout-{name}", daemon=True).start()
         if register:

@@ -8,6 +8,7 @@ the router's series as zeros, nor the router the workers'.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Callable, Iterable, Mapping
 
@@ -77,7 +78,7 @@ GENERATION_TOKENS = Counter("pdserve_generation_tokens", "Tokens streamed to cli
 INFLIGHT = Gauge("pdserve_router_inflight_requests", "Requests the router is serving", registry=ROUTER)
 MIGRATIONS = Counter(
     "pdserve_migrations",
-    "Requests that ran on in another worker after a failure (retries: before their first token)",
+    "Requests moved to another worker after a failure (retries: before their first token)",
     ["kind"],
     registry=ROUTER,
 )
@@ -88,12 +89,21 @@ PLANNER_DESIRED_REPLICAS = Gauge(
     ["role"],
     registry=ROUTER,
 )
+# In ROUTER from the planner's first decision: a 0 before it (or with no planner) reads as a
+# forecast of no traffic.
 PLANNER_REQUEST_RATE = Gauge(
-    "pdserve_planner_request_rate", "Request rate the online planner forecasts (req/s)", registry=ROUTER
+    "pdserve_planner_request_rate", "Request rate the online planner forecasts (req/s)", registry=None
 )
 PLANNER_CORRECTION = Gauge(
     "pdserve_planner_latency_correction", "Measured over profile-predicted latency", ["metric"], registry=ROUTER
 )
+
+
+def set_planner_request_rate(rate: float) -> None:
+    with contextlib.suppress(ValueError):  # registered at an earlier decision
+        ROUTER.register(PLANNER_REQUEST_RATE)
+    PLANNER_REQUEST_RATE.set(rate)
+
 
 # -- prefill side of KV transfer ---------------------------------------------------------------------
 KV_TRANSFER_SECONDS = Histogram(

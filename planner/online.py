@@ -194,7 +194,7 @@ class OnlinePlanner:
         # Past the cap is not a number an autoscaler can act on.
         metrics.PLANNER_DESIRED_REPLICAS.labels("prefill").set(_finite(d.prefill))
         metrics.PLANNER_DESIRED_REPLICAS.labels("decode").set(_finite(d.decode))
-        metrics.PLANNER_REQUEST_RATE.set(d.rate)
+        metrics.set_planner_request_rate(d.rate)
         metrics.PLANNER_CORRECTION.labels("ttft").set(d.ttft_correction)
         metrics.PLANNER_CORRECTION.labels("tpot").set(d.tpot_correction)
 

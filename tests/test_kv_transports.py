@@ -15,7 +15,6 @@ import time
 import pytest
 import torch
 from kv_sides import LAYERS, TOKEN_BYTES, UCX_SKIP_REASON, Decode, Prefill, assert_same_tokens, peer, wait_until
-
 from processes import can_mount_private_shm
 
 from pdserve.kvtransfer import cuda_ipc_transport, receiver, ucx_transport, ucx_worker

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+import subprocess
+import sys
 
 import pytest
 
@@ -79,6 +81,15 @@ def test_measured_latency_above_the_profile_asks_for_more_replicas():
     assert slow.ttft_correction == pytest.approx(2.0, rel=0.01)
     assert slow.tpot_correction == pytest.approx(2.0, rel=0.01)
     assert slow.prefill > base.prefill and slow.decode > base.decode
+
+
+def test_no_forecast_is_exported_before_the_planner_decides():
+    """A router without a planner (or before its first decision) exports no request rate: a 0
+    would read as a forecast of no traffic to an autoscaler."""
+    script = "from prometheus_client import generate_latest; from pdserve import metrics; print(generate_latest(metrics.ROUTER).decode())"
+    exported = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60)
+    assert "pdserve_router_inflight_requests" in exported.stdout
+    assert "pdserve_planner_request_rate" not in exported.stdout
 
 
 def test_gauges_are_exported():

@@ -45,6 +45,7 @@ from starlette.routing import BaseRoute
 from starlette.types import Receive, Scope, Send
 
 from pdserve.addresses import join_host_port
+from pdserve.request_rules import check_request_id
 from pdserve.router.completions import Chunk, Completions
 from pdserve.router.dispatch import DispatchError
 from pdserve.router.openai_job import Job
@@ -201,7 +202,7 @@ class _OpenAI:
                 sampling = replace(sampling, max_tokens=1)
             completion = CompletionRequest(
                 **inputs,
-                request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+                request_id=request_id(request, chat),
                 priority=p.get_int("priority") or 0,  # a vLLM extension: lower runs first
                 sampling=replace(sampling, **parity.sampling),
             )
@@ -301,6 +302,19 @@ class RequireToken:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def request_id(request: Request, chat: bool) -> str:
+    """The client's X-Request-Id as sent (its answer's id and header, the logs' name for it), or
+    a fresh one."""
+    given = request.headers.get("x-request-id")
+    if given is None:
+        return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    try:
+        check_request_id(given)
+    except InvalidRequest as e:
+        raise invalid("X-Request-Id", f"the header {e.problem}") from None
+    return given
 
 
 def create_app(

@@ -8,6 +8,7 @@ logic, without workers, is tested in test_openai_frontend.py."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from types import SimpleNamespace
 
@@ -342,6 +343,28 @@ async def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(api):
         assert response.headers["x-request-id"] == response.json()["id"]
         out = await api.sdk.chat.completions.create(model=api.model, messages=chat["messages"], max_tokens=2)
         assert out.choices[0].message.content
+
+
+async def test_the_clients_x_request_id_names_its_request(api):
+    """A caller's X-Request-Id (a gateway's trace id) is the answer's id and comes back in the
+    header, streamed or not; one the router cannot log is refused by name."""
+    good = {"model": api.model, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+    async with httpx.AsyncClient(base_url=api.base, timeout=60) as http:
+        response = await http.post("/v1/completions", json=good, headers={"X-Request-Id": "trace-42"})
+        assert response.status_code == 200 and response.json()["id"] == "trace-42"
+        assert response.headers["x-request-id"] == "trace-42"
+        async with http.stream(
+            "POST", "/v1/completions", json={**good, "stream": True}, headers={"X-Request-Id": "trace-43"}
+        ) as streamed:
+            assert streamed.headers["x-request-id"] == "trace-43"
+            events = [line async for line in streamed.aiter_lines() if line.startswith("data: {")]
+        assert events and all(json.loads(e.removeprefix("data: "))["id"] == "trace-43" for e in events)
+        error = assert_openai_error(
+            await http.post("/v1/completions", json=good, headers={"X-Request-Id": "x" * 500}), 400, "X-Request-Id"
+        )
+        assert "at most" in error["message"]
+        unnamed = await http.post("/v1/completions", json=good)
+        assert unnamed.json()["id"].startswith("cmpl-") and unnamed.headers["x-request-id"] == unnamed.json()["id"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 - ``auto``: the model dtype; a cache layer is ``[num_blocks, block_size, 2, kv_heads, head_dim]``.
 - ``int8`` / ``fp8`` (e4m3): one byte per value plus an fp32 scale per token, K/V and head; a
   layer is ``uint8 [num_blocks, block_size, token_bytes]`` and each token holds
-  ``K codes [heads, dim] | V codes [heads, dim] | K scales [heads] | V scales [heads]``.
+  ``K codes [heads, dim] | V codes [heads, dim] | K scales [heads] | V scales [heads]``, zero
+  padding to a multiple of 16 bytes.
 
 Either way a token is one contiguous run of ``token_bytes``: KV transports move 8-bit caches,
 scales included, exactly like plain ones.
@@ -19,6 +20,7 @@ from pdserve.engine.engine_config import KV_CACHE_DTYPES
 
 _KIND = {"auto": 0, "int8": 1, "fp8": 2}  # the C++ kernels' KVFormat::Kind
 _MAX_CODE = {"int8": 127.0, "fp8": 448.0}
+SLOT_ALIGN = 16  # bytes an 8-bit cache slot is padded to (csrc/kv_format.h says the same)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +53,9 @@ class KVFormat:
     @property
     def token_bytes(self) -> int:
         if self.quantized:
-            return self.values_per_token + 2 * self.num_kv_heads * 4
+            # Rounded up to 16: a slot's codes then start 16-byte aligned, as a GPU's vector loads
+            # assume (Triton reads 3 KV heads' 408-byte slots at misaligned addresses otherwise).
+            return -(-(self.values_per_token + 2 * self.num_kv_heads * 4) // SLOT_ALIGN) * SLOT_ALIGN
         return self.values_per_token * self.dtype.itemsize
 
     def slot_shape(self) -> tuple[int, ...]:
@@ -74,7 +78,11 @@ class KVFormat:
         else:
             codes = scaled.to(torch.float8_e4m3fn).view(torch.uint8)
         tokens = k.shape[0]
-        return torch.cat([codes.reshape(tokens, -1), scale.contiguous().view(torch.uint8).reshape(tokens, -1)], dim=1)
+        slots = torch.zeros(tokens, self.token_bytes, dtype=torch.uint8, device=k.device)
+        n = self.values_per_token
+        slots[:, :n] = codes.reshape(tokens, -1)
+        slots[:, n : n + 2 * self.num_kv_heads * 4] = scale.contiguous().view(torch.uint8).reshape(tokens, -1)
+        return slots
 
     def decode(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Slot contents (as ``encode`` returns them, any leading shape) -> k, v [..., H, D] in the model dtype."""
@@ -85,7 +93,7 @@ class KVFormat:
         raw = slots.reshape(-1, self.token_bytes)
         codes = raw[:, :n]
         values = (codes.view(torch.int8) if self.cache_dtype == "int8" else codes.view(torch.float8_e4m3fn)).float()
-        scales = raw[:, n:].contiguous().view(torch.float32)  # [N, 2 * H]
+        scales = raw[:, n : n + 2 * self.num_kv_heads * 4].contiguous().view(torch.float32)  # [N, 2 * H]
         kv = values.view(-1, 2, self.num_kv_heads, self.head_dim) * scales.view(-1, 2, self.num_kv_heads, 1)
         kv = kv.to(self.dtype).view(*lead, 2, self.num_kv_heads, self.head_dim)
         return kv[..., 0, :, :], kv[..., 1, :, :]

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from pdserve.engine.parallel.layout import kv_heads_of, kv_heads_per_rank, kv_split_problem
+from pdserve.kernels.kv_format import SLOT_ALIGN
 from pdserve.kvtransfer.integrity import checksum
 from pdserve.kvtransfer.layout import HostBytes, KVCacheView, Slots
 
@@ -33,6 +34,12 @@ def head_fields(stored_as: str, num_heads: int, head_dim: int) -> list[tuple[int
     if stored_as in _QUANTIZED:  # then fp32 scales: K scales, V scales
         fields += [(2 * num_heads * row, 4), (2 * num_heads * row + 4 * num_heads, 4)]
     return fields
+
+
+def slot_bytes(stored_as: str, fields: list[tuple[int, int]], num_heads: int) -> int:
+    """A token slot's bytes: its fields, and for 8-bit caches the padding after them."""
+    used = sum(size for _, size in fields) * num_heads
+    return -(-used // SLOT_ALIGN) * SLOT_ALIGN if stored_as in _QUANTIZED else used
 
 
 def mapping_problem(num_kv_heads: int, src_tp: int, dst_tp: int, stored_as: str) -> str | None:
@@ -84,7 +91,7 @@ class ReshardedView:
         self.num_layers = source.num_layers // src_tp * dst_tp
         src_fields = head_fields(stored_as, kv_heads_per_rank(num_kv_heads, src_tp), head_dim)
         dst_fields = head_fields(stored_as, kv_heads_per_rank(num_kv_heads, dst_tp), head_dim)
-        self.token_bytes = sum(size for _, size in dst_fields) * kv_heads_per_rank(num_kv_heads, dst_tp)
+        self.token_bytes = slot_bytes(stored_as, dst_fields, kv_heads_per_rank(num_kv_heads, dst_tp))
         # Per decode rank: per source rank, the (source offset, destination offset, bytes) column copies.
         self._copies: list[list[tuple[int, list[tuple[int, int, int]]]]] = []
         for d in range(dst_tp):

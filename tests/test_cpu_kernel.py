@@ -88,13 +88,26 @@ def test_decode_attention_refuses_bad_tables(kernel):
         kernel.paged_decode_attention(q, kv, torch.tensor([[0]]), torch.tensor([9]), 0.1, 0, 2)
 
 
+@pytest.mark.parametrize("heads", range(1, 9))
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+def test_8bit_cache_slots_are_16_byte_aligned(heads, head_dim):
+    """A GPU loads a slot's codes with 16-byte vector loads from the slot's start: every slot of
+    an 8-bit cache starts on a 16-byte boundary, padded after its scales."""
+    for cache_dtype in ("int8", "fp8"):
+        fmt = KVFormat(cache_dtype, heads, head_dim, torch.bfloat16)
+        fields = 2 * heads * head_dim + 2 * heads * 4
+        assert fmt.token_bytes % 16 == 0 and 0 <= fmt.token_bytes - fields < 16
+        slots = fmt.encode(torch.randn(4, heads, head_dim), torch.randn(4, heads, head_dim))
+        assert slots.shape == (4, fmt.token_bytes) and not slots[:, fields:].any()
+
+
 @pytest.mark.parametrize("cache_dtype", ["int8", "fp8"])
 def test_8bit_cache_round_trip_is_close(cache_dtype):
     fmt = KVFormat(cache_dtype, 3, 64, torch.float32)
     k, v = torch.randn(50, 3, 64), torch.randn(50, 3, 64) * 5
     slots = fmt.encode(k, v)
     assert slots.dtype == torch.uint8 and slots.shape == (50, fmt.token_bytes)
-    assert fmt.token_bytes == 2 * 3 * 64 + 2 * 3 * 4  # one byte per value plus fp32 scales
+    assert fmt.token_bytes == 416  # one byte per value, fp32 scales (408), padded to 16 (GPU loads)
     k2, v2 = fmt.decode(slots)
     # int8: half a step of max/127; fp8 e4m3: 3 mantissa bits (relative 1/16).
     bound = (

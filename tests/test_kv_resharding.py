@@ -18,7 +18,7 @@ from pdserve.kvtransfer.grants import GrantLedger
 from pdserve.kvtransfer.handshake import HandshakeError, PeerInfo, host_id
 from pdserve.kvtransfer.layout import KVCacheView
 from pdserve.kvtransfer.receiver import KVReceiver
-from pdserve.kvtransfer.resharding import ReshardedView, head_fields, plan
+from pdserve.kvtransfer.resharding import ReshardedView, head_fields, plan, slot_bytes
 from pdserve.kvtransfer.sender import KVConnection
 
 LAYERS, DIM, BLOCK = 2, 8, 4
@@ -43,7 +43,7 @@ def test_head_fields_follow_the_slot_layout(cache_dtype, dtype):
         fields, one = head_fields(stored_as, heads, DIM), head_fields(stored_as, 1, DIM)
         for (base, size), (base1, _) in zip(fields, one):
             assert torch.equal(whole[:, base + h * size : base + (h + 1) * size], alone[:, base1 : base1 + size])
-        assert sum(size for _, size in fields) * heads == whole.shape[1]
+        assert slot_bytes(stored_as, fields, heads) == whole.shape[1]  # the fields, and 8-bit padding
 
 
 @pytest.mark.parametrize(

@@ -99,8 +99,9 @@ def test_8bit_kv_cache_halves_memory_and_keeps_the_text(model_dir, prompt_ids, b
     engine = make_engine(model_dir, kv_cache_dtype=cache_dtype)
     plain = make_engine(model_dir)
     assert engine.kv_cache.tensor.dtype == torch.uint8
-    # 64 values of K and V per head in one byte each plus their fp32 scales, against two bytes each.
-    assert engine.kv_layout.token_bytes / plain.kv_layout.token_bytes == pytest.approx(408 / 768)
+    # 64 values of K and V per head in one byte each plus their fp32 scales (padded to 16 bytes),
+    # against two bytes each.
+    assert engine.kv_layout.token_bytes / plain.kv_layout.token_bytes == pytest.approx(416 / 768)
     assert engine.kv_cache.num_blocks > 1.8 * plain.kv_cache.num_blocks
     outputs = [greedy(engine, ids, 16) for ids in prompt_ids]
     assert [o[0] for o in outputs] == [o[0] for o in bf16_outputs]

@@ -2,7 +2,8 @@
 //
 //   plain (the model dtype): K [heads][dim], V [heads][dim]
 //   int8 / fp8 (e4m3):       K codes [heads][dim], V codes [heads][dim] (1 byte each),
-//                            K scales [heads] fp32, V scales [heads] fp32
+//                            K scales [heads] fp32, V scales [heads] fp32, zero padding to
+//                            a multiple of 16 bytes (GPUs load a slot's rows 16-byte aligned)
 //
 // A token is always one contiguous run of `token_bytes`, so KV transports move 8-bit caches
 // (scales included) exactly like plain ones. Quantization is per token and head:
@@ -24,7 +25,7 @@ struct KVFormat {
 
   KVFormat(Kind kind, int64_t heads, int64_t dim, int64_t elem_bytes)
       : kind(kind), heads(heads), dim(dim), elem_bytes(elem_bytes),
-        token_bytes(kind == kPlain ? 2 * heads * dim * elem_bytes : 2 * heads * dim + 2 * heads * 4) {}
+        token_bytes(kind == kPlain ? 2 * heads * dim * elem_bytes : (2 * heads * dim + 2 * heads * 4 + 15) / 16 * 16) {}
 
   bool quantized() const { return kind != kPlain; }
   float max_code() const { return kind == kInt8 ? 127.f : 448.f; }

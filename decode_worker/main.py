@@ -78,6 +78,7 @@ async def serve(engine_config: EngineConfig, settings: WorkerSettings, security:
     peer = local_peer_info(
         fingerprint,
         engine.kv_layout,
+        weights=engine.weights_id,
         role=role,
         transports=transports,
         extra=pools[0].describe() if pools else {},

@@ -135,6 +135,11 @@ class LLMEngine:
                 self.max_model_len,
             )
 
+    @property
+    def weights_id(self) -> str:
+        """How the weights are computed ("bfloat16/int8"): K/V from two engines mix only when equal."""
+        return f"{str(self.dtype).removeprefix('torch.')}/{self.config.quantization}"
+
     def _swap_space(self, num_blocks: int) -> SwapSpace | None:
         mode = self.config.preemption_mode
         if mode == "recompute" or (mode == "auto" and self.device.type != "cuda") or self.parallel is not None:

@@ -51,6 +51,7 @@ class PeerInfo:
     nonce: str = ""  # hex; fresh for each handshake
     proof: str = ""  # hex; the decode side's answer to the prefill side's nonce
     tp_size: int = 1  # tensor-parallel ranks the KV heads are split over (units are numbered layer * tp_size + rank)
+    weights: str = ""  # how the weights are computed, "dtype/quantization": K/V of other weights differ
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -85,6 +86,11 @@ class PeerInfo:
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
                 raise HandshakeError(f"KV layout mismatch: {name} is {theirs!r} on the peer but {mine!r} here")
+        if self.weights != other.weights:
+            raise HandshakeError(
+                f"model mismatch: the weights are computed as {other.weights!r} on the peer but {self.weights!r} "
+                "here (--dtype/--quantization must agree)"
+            )
         prefill, decode = (self, other) if self.role == "prefill" else (other, self)
         problem = mapping_problem(self.num_kv_heads, prefill.tp_size, decode.tp_size, self.dtype)
         if problem is not None:
@@ -108,13 +114,22 @@ _FIELD_TYPES = {
     "nonce": str,
     "proof": str,
     "tp_size": int,
+    "weights": str,
 }
 
 
 def local_peer_info(
-    fingerprint: str, layout, *, role: str, transports: tuple[str, ...], extra: dict | None = None, tp_size: int = 1
+    fingerprint: str,
+    layout,
+    *,
+    weights: str,
+    role: str,
+    transports: tuple[str, ...],
+    extra: dict | None = None,
+    tp_size: int = 1,
 ) -> PeerInfo:
-    """``layout``: the engine's ``KVLayout`` (the whole model's); ``tp_size``: how its heads are split."""
+    """``layout``: the engine's ``KVLayout`` (the whole model's); ``weights``: its ``weights_id``;
+    ``tp_size``: how its heads are split."""
     return PeerInfo(
         model_fingerprint=fingerprint,
         dtype=layout.stored_as,
@@ -128,6 +143,7 @@ def local_peer_info(
         extra=extra or {},
         token_bytes=layout.token_bytes,
         tp_size=tp_size,
+        weights=weights,
     )
 
 

@@ -46,7 +46,13 @@ async def serve(engine_config: EngineConfig, settings: WorkerSettings, security:
     fingerprint = await asyncio.to_thread(model_fingerprint, engine.model_dir, engine_config.cache_dir)
     shards = handoff_shards(engine)  # every rank's cache (one, at tensor parallel 1)
     peer = local_peer_info(
-        fingerprint, engine.kv_layout, role="prefill", transports=transports, extra=extra, tp_size=shards.tp_size
+        fingerprint,
+        engine.kv_layout,
+        weights=engine.weights_id,
+        role="prefill",
+        transports=transports,
+        extra=extra,
+        tp_size=shards.tp_size,
     )
     cache = KVCacheView(shards.layers, engine.config.block_size, shards.token_bytes)
     security.warn_if_open("prefill", settings.host)

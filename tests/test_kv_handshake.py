@@ -255,3 +255,13 @@ def test_a_process_with_its_own_dev_shm_is_another_host_for_shared_memory():
     assert shared.stdout.strip() == host_id()  # the same memory: the same identity
     assert private and private != host_id()
     assert choose(peer(["shm", "tcp"], 16), replace(peer(["shm", "tcp"], 16), host_id=private)) == "tcp"
+
+
+def test_other_weights_are_refused_even_where_the_slots_agree():
+    """int8-quantized weights (or fp32 ones feeding an 8-bit cache) make K/V of the same shape
+    and format, and a decode worker continuing from them matches neither deployment."""
+    mine = peer(["tcp"], 16, weights="float32/none")
+    for other in ("float32/int8", "bfloat16/none"):
+        with pytest.raises(HandshakeError, match="--dtype/--quantization"):
+            mine.check_compatible(replace(mine, weights=other))
+    mine.check_compatible(replace(mine, weights="float32/none"))

@@ -84,8 +84,11 @@ async def test_no_reachable_worker_is_unavailable_not_a_hang():
     [
         (("--dtype", "float32"), ("--dtype", "bfloat16")),  # another model dtype
         (("--dtype", "bfloat16", "--kv-cache-dtype", "int8"), ("--dtype", "bfloat16")),  # another KV cache format
+        # The same KV slots computed by other weights: int8-quantized, or fp32 into an 8-bit cache.
+        (("--dtype", "float32", "--quantization", "int8"), ("--dtype", "float32")),
+        (("--dtype", "float32", "--kv-cache-dtype", "int8"), ("--dtype", "bfloat16", "--kv-cache-dtype", "int8")),
     ],
-    ids=["dtype", "kv-cache-dtype"],
+    ids=["dtype", "kv-cache-dtype", "quantization", "dtype-into-8-bit-cache"],
 )
 async def test_handshake_mismatch_is_refused_cleanly(prefill_flags, decode_flags):
     """A decode worker whose KV slots hold something else refuses the prefill worker's KV handshake."""
@@ -100,7 +103,8 @@ async def test_handshake_mismatch_is_refused_cleanly(prefill_flags, decode_flags
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await generate(r_info["grpc"], build_request("hello there", max_tokens=4), timeout=60)
         assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION
-        assert "refused the KV handshake" in err.value.details() and "dtype" in err.value.details()
+        assert "refused the KV handshake" in err.value.details()
+        assert ("quantization" if "--quantization" in prefill_flags else "dtype") in err.value.details()
         decode.wait_for(lambda line: "KV handshake" in line and "refused" in line, timeout=60)
 
         async with grpc.aio.insecure_channel(d_info["grpc"]) as channel:

@@ -19,9 +19,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 RETRY_AFTER_KEY = "retry-after-ms"  # trailing metadata on RESOURCE_EXHAUSTED: when to try again
-PEER_FAULT_KEY = (
-    "pdserve-peer-fault"  # trailing metadata: the call failed for its peer (the decode worker's KV endpoint)
-)
+# Trailing metadata of a failed Prefill: "decode", its peer's fault (the decode worker's KV endpoint
+# is unreachable); "pair", the two workers cannot exchange K/V (either may be the odd one out).
+PEER_FAULT_KEY = "pdserve-peer-fault"
 
 
 async def abort_overloaded(context: grpc.aio.ServicerContext, message: str, retry_after_ms: int = 1000) -> None:

@@ -110,9 +110,11 @@ class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
         blame = ((PEER_FAULT_KEY, "decode"),)  # the router then tries another decode worker
         try:
             conn = await asyncio.to_thread(self.sender.connection, target.kv_address)
-        except HandshakeError as e:
+        except HandshakeError as e:  # a mismatch: this worker or the decode worker is the odd one out
             log.warning("request %s (client id %r): %s", rid, request.client_request_id, e)
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e), trailing_metadata=blame)
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, str(e), trailing_metadata=((PEER_FAULT_KEY, "pair"),)
+            )
         except (OSError, ValueError) as e:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,

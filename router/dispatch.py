@@ -39,6 +39,7 @@ from pdserve.wire import sampling_to_proto
 log = logging.getLogger(__name__)
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.ABORTED}
 DEFAULT_MAX_ATTEMPTS = 4
+MISMATCH_MEMORY_S = 30.0  # how long a pair that refused each other's KV handshake is kept apart
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +80,7 @@ class DispatchError(Exception):
         self.code = code
         self.message = message
         self.worker = worker
+        self.also: Worker | None = None  # the other worker of a pair that cannot work together
         self.retry_after_ms = retry_after_ms  # for RESOURCE_EXHAUSTED: when the client may try again
 
     @property
@@ -106,9 +108,21 @@ class Attempt:
 
 
 def _prefill_error(prefill: Worker, decode: Worker, error: grpc.aio.AioRpcError) -> DispatchError:
-    """A failed Prefill call: the prefill worker's fault, or the decode worker's when the
-    prefill worker says its KV endpoint could not be reached or refused the handshake."""
-    if dict(error.trailing_metadata() or ()).get(PEER_FAULT_KEY) == "decode":
+    """A failed Prefill call: the prefill worker's fault, the decode worker's when the prefill
+    worker says its KV endpoint could not be reached, or the pair's when the two refused each
+    other's KV handshake (a mismatch: another pair may match)."""
+    fault = dict(error.trailing_metadata() or ()).get(PEER_FAULT_KEY)
+    if fault == "pair":
+        failure = DispatchError(
+            error.code(),
+            f"prefill worker {prefill.address} and decode worker {decode.address} cannot exchange K/V: "
+            f"{error.details()}",
+            decode,
+            elsewhere=True,
+        )
+        failure.also = prefill
+        return failure
+    if fault == "decode":
         return _worker_error(decode, error, elsewhere=True)
     return _worker_error(prefill, error)
 
@@ -149,6 +163,9 @@ class Dispatcher:
         self.counters: Counter[str] = Counter()
         self.conditional: ConditionalRouter | None = None  # prefill short prompts on the decode worker
         self.observer = None  # planner.online.OnlinePlanner: sees arrivals, first tokens and ends
+        # (prefill, decode) addresses that refused each other's KV handshake -> until when they are
+        # not paired again (a restarted worker may match by then).
+        self.mismatched: dict[tuple[str, str], float] = {}
 
     async def generate(
         self, req: ValidatedRequest, timeout_s: float, prior: list[int] | None = None
@@ -185,9 +202,11 @@ class Dispatcher:
                     e.worker.record_failure(self.failure_threshold, e.message)  # a peer's word is no proof
                 if not e.retryable or attempt == self.max_attempts or time.monotonic() >= deadline:
                     raise
-                if e.worker is not None:
-                    failed.add(e.worker.address)
-                if e.elsewhere and not self._another(e.worker, failed):
+                if e.also is not None:
+                    self.mismatched[(e.also.address, e.worker.address)] = time.monotonic() + MISMATCH_MEMORY_S
+                tried = [w for w in (e.worker, e.also) if w is not None]
+                failed.update(w.address for w in tried)
+                if e.elsewhere and tried and not any(self._another(w, failed) for w in tried):
                     raise  # its words say more than "no worker left" would
 
                 kind = resuming = "migrations" if prior else "retries"
@@ -204,7 +223,9 @@ class Dispatcher:
                     return
                 if e.code is grpc.StatusCode.DATA_LOSS:
                     self.counters["reprefills_after_corruption"] += 1
-                if e.code is not grpc.StatusCode.RESOURCE_EXHAUSTED:  # a full worker answered: no one died
+                if (
+                    e.code is not grpc.StatusCode.RESOURCE_EXHAUSTED and e.also is None
+                ):  # a full or mismatched worker answered: no one died
                     # Back off a little: a worker that just died takes its peers' health checks a moment to notice.
                     await asyncio.sleep(min(0.2 * 2 ** (attempt - 1), 2.0, max(0.0, deadline - time.monotonic())))
 
@@ -214,6 +235,13 @@ class Dispatcher:
         self.counters[kind] += 1
         metrics.MIGRATIONS.labels(kind).inc()
         return int(kind == "migrations")
+
+    def _mismatched_with(self, decode: Worker) -> set[str]:
+        """Prefill workers that recently refused ``decode``'s KV handshake (or it theirs)."""
+        now = time.monotonic()
+        for pair in [pair for pair, until in self.mismatched.items() if until <= now]:
+            del self.mismatched[pair]
+        return {p for p, d in self.mismatched if d == decode.address}
 
     def _another(self, worker: Worker, failed: set[str]) -> bool:
         pool = self.registry.decode if worker.role is Role.DECODE else self.registry.prefill
@@ -235,7 +263,9 @@ class Dispatcher:
             try:
                 decode = self.policy.pick_decode(attempt.request, self.registry.decode, exclude=failed)
                 prefill = (
-                    self.policy.pick_prefill(attempt.request, self.registry.prefill, exclude=failed)
+                    self.policy.pick_prefill(
+                        attempt.request, self.registry.prefill, exclude=failed | self._mismatched_with(decode)
+                    )
                     if self.registry.disaggregated
                     else None
                 )

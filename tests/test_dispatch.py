@@ -23,11 +23,16 @@ PROMPT = list(range(100, 140))
 
 
 def rpc_error(
-    code: grpc.StatusCode, details: str = "injected", retry_after_ms: int | None = None, decode_fault: bool = False
+    code: grpc.StatusCode,
+    details: str = "injected",
+    retry_after_ms: int | None = None,
+    decode_fault: bool = False,
+    pair_fault: bool = False,
 ) -> grpc.aio.AioRpcError:
     trailing = grpc.aio.Metadata(
         *((("retry-after-ms", str(retry_after_ms)),) if retry_after_ms else ()),
         *((("pdserve-peer-fault", "decode"),) if decode_fault else ()),
+        *((("pdserve-peer-fault", "pair"),) if pair_fault else ()),
     )
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details)
 
@@ -417,6 +422,31 @@ async def test_a_decode_worker_whose_kv_endpoint_fails_is_the_one_avoided(code):
     with pytest.raises(DispatchError) as err:
         await collect(alone, request())
     assert err.value.code is code and "refused the KV handshake" in err.value.message
+
+
+async def test_a_pair_that_refuses_each_others_kv_handshake_is_kept_apart():
+    """One prefill worker of two runs other weights than the only decode worker: every request
+    still succeeds (on the other prefill worker), neither worker is blamed or left, the pair is
+    not tried again, and alone the refusal names both workers."""
+    refused = rpc_error(
+        grpc.StatusCode.FAILED_PRECONDITION, "refused the KV handshake: model mismatch", pair_fault=True
+    )
+    odd, fine = FakePrefill([refused]), FakePrefill([5, 5, 5])
+    p1, p2 = prefill_worker("p1", odd), prefill_worker("p2", fine)
+    d1 = decode_worker("d1", FakeDecode([([], None)] + [([[7]], None)] * 3))
+    disp = dispatcher(registry([p1, p2], [d1]))
+    for _ in range(3):
+        assert await collect(disp, request(max_tokens=2)) == ([5, 7], "length")
+    assert len(odd.requests) == 1 and len(fine.requests) == 3  # tried once, then kept apart from d1
+    assert p1.healthy and d1.healthy and p1.consecutive_failures == d1.consecutive_failures == 0
+
+    alone = dispatcher(
+        registry([prefill_worker("p3", FakePrefill([refused]))], [decode_worker("d3", FakeDecode([([], None)]))])
+    )
+    with pytest.raises(DispatchError) as err:
+        await collect(alone, request())
+    assert err.value.code is grpc.StatusCode.FAILED_PRECONDITION
+    assert "prefill worker p3 and decode worker d3 cannot exchange K/V" in err.value.message
 
 
 async def test_a_full_worker_sends_the_request_to_a_sibling_and_alone_it_answers_with_its_hint():

@@ -79,6 +79,24 @@ async def test_no_reachable_worker_is_unavailable_not_a_hang():
         assert router.stop() == 0
 
 
+async def test_a_worker_listed_under_the_wrong_role_is_named_as_such():
+    """A decode worker given as --prefill-workers answers the prefill health check NOT_FOUND
+    with no details: the router says what that means instead of 'NOT_FOUND: '."""
+    ((decode, d_info),) = start_together(("decode", "--port", "0", "--kv-cache-memory", "64MiB", "--num-threads", "1"))
+    router, r_info = start(
+        "router", "--port", "0", "--prefill-workers", d_info["grpc"], "--decode-workers", d_info["grpc"]
+    )
+    try:
+        assert await asyncio.to_thread(router.saw, lambda line: "does not serve pdserve.v1.PrefillWorker" in line)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await generate(r_info["grpc"], build_request("hello", max_tokens=2), timeout=60)
+        assert err.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert "a worker of the other role?" in err.value.details(), err.value.details()
+    finally:
+        for proc in (router, decode):
+            assert proc.stop() == 0
+
+
 @pytest.mark.parametrize(
     "prefill_flags, decode_flags",
     [

@@ -149,4 +149,5 @@ class DecodeService(pdserve_pb2_grpc.DecodeWorkerServicer):
             self.ledger.counters.snapshot(),
             self.engine.config.block_size,
             self.engine.config.max_num_seqs,
+            self.engine.max_model_len,
         )

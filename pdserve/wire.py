@@ -102,6 +102,7 @@ def worker_stats(
     kv_counters: Mapping[str, float] | None = None,
     block_size: int = 0,
     max_num_seqs: int = 0,
+    max_model_len: int = 0,
 ) -> pb.WorkerStats:
     counters = {
         "preemptions": stats.preemptions,
@@ -135,4 +136,5 @@ def worker_stats(
         queued_prefill_tokens=stats.queued_prefill_tokens,
         cached_block_hashes=stats.cached_block_hashes,
         prefill_tokens_per_s=stats.prefill_tokens_per_s,
+        max_model_len=max_model_len,
     )

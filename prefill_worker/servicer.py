@@ -193,6 +193,7 @@ class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
             self.counters.snapshot(),
             self.engine.config.block_size,
             self.engine.config.max_num_seqs,
+            self.engine.max_model_len,
         )
 
 

@@ -67,6 +67,7 @@ async def serve(settings: RouterSettings, security: SecuritySettings) -> None:
     completions = Completions(tokenizer, dispatcher, settings.request_timeout_s, settings.max_inflight_requests)
     service = RouterService(completions)
     monitor = HealthMonitor(registry, settings.worker_failure_threshold)
+    monitor.on_context = tokenizer.hold_to
     await monitor.probe_all()
     monitor.start()
     if planner is not None:

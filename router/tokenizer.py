@@ -33,13 +33,28 @@ def tokenizer_class(model_dir: Path) -> type:
 class RouterTokenizer:
     def __init__(self, model_dir: str | Path, max_model_len: int | None = None) -> None:
         config = ModelConfig.from_folder(model_dir)
-        self.max_model_len = config.context_length(max_model_len)  # refused before the tokenizer loads
+        self.configured_max_model_len = config.context_length(max_model_len)  # refused before the tokenizer loads
+        self.max_model_len = self.configured_max_model_len  # held lower while a worker's context is smaller
         self.hf = tokenizer_class(Path(model_dir)).from_pretrained(str(model_dir))
         self.backend = self.hf.backend_tokenizer
         self.vocab_size = config.vocab_size
         self.model_name = config.name
         self.has_chat_template = bool(getattr(self.hf, "chat_template", None))
         self.sampling_defaults = generation_defaults(Path(model_dir))
+
+    def hold_to(self, worker_context: int | None) -> None:
+        """Holds requests to the smallest context a worker reports (None: none says), so that a
+        defaulted ``max_tokens`` fits where the request runs."""
+        held = min(self.configured_max_model_len, worker_context or self.configured_max_model_len)
+        if held != self.max_model_len:
+            log.warning(
+                "requests are held to a context of %d tokens (this router's: %d, the smallest a worker "
+                "reports: %s); give the router and every worker the same --max-model-len",
+                held,
+                self.configured_max_model_len,
+                worker_context,
+            )
+            self.max_model_len = held
 
     def encode(self, prompt: str) -> list[int]:
         return self.hf(prompt, add_special_tokens=True)["input_ids"]

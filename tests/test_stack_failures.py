@@ -97,6 +97,25 @@ async def test_a_worker_listed_under_the_wrong_role_is_named_as_such():
             assert proc.stop() == 0
 
 
+async def test_a_router_holds_requests_to_the_smallest_context_its_workers_report():
+    """Router at the model's context, worker at --max-model-len 96: a request without max_tokens
+    gets the worker's room (it was refused, naming a max_tokens the client never sent), and the
+    router says why."""
+    worker_flags = ("--colocated", "--port", "0", "--kv-cache-memory", "64MiB", "--num-threads", "1")
+    ((decode, d_info),) = start_together(("decode", *worker_flags, "--max-model-len", "96"))
+    router, r_info = start("router", "--port", "0", "--decode-workers", d_info["grpc"])
+    try:
+        assert await asyncio.to_thread(router.saw, lambda line: "held to a context of 96 tokens" in line)
+        request = build_request("Count from one:", temperature=0.0, ignore_eos=True)
+        messages = await generate(r_info["grpc"], request, timeout=120)
+        prompt_len = messages[-1].usage.prompt_tokens
+        assert messages[-1].finish_reason == "length"
+        assert sum(len(m.token_ids) for m in messages) == 96 - prompt_len
+    finally:
+        for proc in (router, decode):
+            assert proc.stop() == 0
+
+
 @pytest.mark.parametrize(
     "prefill_flags, decode_flags",
     [

@@ -308,7 +308,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("address", "role", "healthy", "blocks_total", "blocks_free", "running", "waiting", "reserved_transfers", "counters", "block_size", "cached_block_hashes", "queued_prefill_tokens", "max_num_seqs", "prefill_tokens_per_s")
+    __slots__ = ("address", "role", "healthy", "blocks_total", "blocks_free", "running", "waiting", "reserved_transfers", "counters", "block_size", "cached_block_hashes", "queued_prefill_tokens", "max_num_seqs", "prefill_tokens_per_s", "max_model_len")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -330,6 +330,7 @@ class WorkerStats(_message.Message):
     QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     address: str
     role: str
     healthy: bool
@@ -344,4 +345,5 @@ class WorkerStats(_message.Message):
     queued_prefill_tokens: int
     max_num_seqs: int
     prefill_tokens_per_s: float
-    def __init__(self, address: _Optional[str] = ..., role: _Optional[str] = ..., healthy: _Optional[bool] = ..., blocks_total: _Optional[int] = ..., blocks_free: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., reserved_transfers: _Optional[int] = ..., counters: _Optional[_Mapping[str, float]] = ..., block_size: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[int]] = ..., queued_prefill_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ...) -> None: ...
+    max_model_len: int
+    def __init__(self, address: _Optional[str] = ..., role: _Optional[str] = ..., healthy: _Optional[bool] = ..., blocks_total: _Optional[int] = ..., blocks_free: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., reserved_transfers: _Optional[int] = ..., counters: _Optional[_Mapping[str, float]] = ..., block_size: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[int]] = ..., queued_prefill_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., max_model_len: _Optional[int] = ...) -> None: ...

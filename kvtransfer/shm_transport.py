@@ -15,10 +15,12 @@ whose tracker would unlink the decode worker's segment when the prefill worker e
 from __future__ import annotations
 
 import errno
+import fcntl
 import mmap
 import os
 import secrets
 import shutil
+import time
 from multiprocessing import shared_memory
 from pathlib import Path
 
@@ -32,6 +34,7 @@ from pdserve.kvtransfer.transport_api import PoolUnavailable, ReceiveContext, Se
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "pdserve-kv-"
+STALE_AFTER_S = 60.0  # a segment younger than this may not be locked by its creator yet
 
 
 def unavailable_reason(device) -> str | None:
@@ -56,8 +59,11 @@ class SharedKVPool:
         nbytes = layout.num_layers * num_blocks * layout.block_bytes
         self.name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
         self._shm = shared_memory.SharedMemory(name=self.name, create=True, size=nbytes)
+        self._alive = None
         try:
             _take_room(self.name, nbytes)
+            self._alive = os.open(SHM_DIR / self.name, os.O_RDONLY)  # held while this process lives
+            fcntl.flock(self._alive, fcntl.LOCK_SH)
         except BaseException:
             self.close()
             raise
@@ -77,6 +83,9 @@ class SharedKVPool:
             self._shm.unlink()
         except FileNotFoundError:
             pass
+        if self._alive is not None:
+            os.close(self._alive)
+            self._alive = None
         try:
             self._shm.close()
         except BufferError:
@@ -131,19 +140,30 @@ class MappedKVPool:
             pass  # a view is still alive; the mapping goes with the process
 
 
-def remove_stale_segments() -> int:
-    """Unlinks segments whose creating process is gone (left by a killed decode worker)."""
+def remove_stale_segments(min_age_s: float = STALE_AFTER_S) -> int:
+    """Unlinks this user's segments whose creator is gone (a killed decode worker). A live
+    creator holds a shared lock on its segment; a pid says nothing across PID namespaces that
+    share /dev/shm (containers with --ipc=host), so locks decide, not /proc."""
     removed = 0
     if not SHM_DIR.is_dir():
         return 0
     for path in SHM_DIR.glob(f"{PREFIX}*"):
         try:
-            pid = int(path.name[len(PREFIX) :].split("-")[0])
-        except ValueError:
+            st = path.lstat()
+            if st.st_uid != os.getuid() or time.time() - st.st_ctime < min_age_s:
+                continue  # another user's (not ours to judge), or still being made (not locked yet)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
             continue
-        if not Path(f"/proc/{pid}").exists():
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # its creator holds it
+        else:
             path.unlink(missing_ok=True)
             removed += 1
+        finally:
+            os.close(fd)
     return removed
 
 

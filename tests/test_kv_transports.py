@@ -751,6 +751,40 @@ def test_a_connection_whose_peer_dies_lets_its_transport_go_at_once(transport, m
         decode.close()
 
 
+def test_stale_segments_are_told_by_their_creators_lock_not_by_pid(monkeypatch):
+    """A decode worker in another PID namespace sharing /dev/shm (a container with --ipc=host)
+    has a pid this process cannot see: its live segment must stay. A segment nobody holds goes,
+    whatever pid its name carries; another user's is not ours to judge (it cannot be unlinked)."""
+    import fcntl
+
+    from kv_sides import layout
+
+    from pdserve.kvtransfer import shm_transport
+
+    prefix = f"pdserve-kv-test{os.getpid()}y-"
+    monkeypatch.setattr(shm_transport, "PREFIX", prefix)
+    live = shm_transport.make_pool(layout(8), 4, torch.device("cpu"))
+    unseen_pid, dead, foreign = (shm_transport.SHM_DIR / f"{prefix}{n}-0" for n in (2**22 + 7, os.getpid(), 1))
+    holder = None
+    try:
+        for path in (unseen_pid, dead, foreign):
+            path.write_bytes(b"x")
+        holder = os.open(unseen_pid, os.O_RDONLY)
+        fcntl.flock(holder, fcntl.LOCK_SH)  # its creator, alive elsewhere
+        as_root = os.geteuid() == 0  # only root can make a file another user owns
+        if as_root:
+            os.chown(foreign, 65534, 65534)
+        assert shm_transport.remove_stale_segments(min_age_s=0) == (1 if as_root else 2)
+        assert not dead.exists() and unseen_pid.exists() and foreign.exists() == as_root
+        assert (shm_transport.SHM_DIR / live.name).exists()
+    finally:
+        if holder is not None:
+            os.close(holder)
+        live.close()
+        for path in (unseen_pid, dead, foreign):
+            path.unlink(missing_ok=True)
+
+
 # A private /dev/shm of 8 MiB, whose room the script's cache and the "other program" share.
 _ROOM_TAKEN_SCRIPT = """
 import os, sys, torch

@@ -25,7 +25,12 @@ from pdserve.kvtransfer.transport_api import IO_TIMEOUT_S, ReceiveContext
 
 log = logging.getLogger(__name__)
 HANDSHAKE_TIMEOUT_S = 10.0  # for the whole handshake, however slowly a peer trickles its bytes
-MAX_HANDSHAKING = 64  # connections still proving their credential; more are dropped at once
+# Connections still proving their credential, in all and from one address. Past either, the
+# oldest of them is dropped for the newcomer: a real peer's handshake takes milliseconds, so
+# connections held open without a word cannot keep it out (nor one address everyone else).
+MAX_HANDSHAKING = 64
+MAX_HANDSHAKING_PER_HOST = 16
+DROP_WARNING_EVERY_S = 10.0
 
 
 class KVReceiver:
@@ -51,7 +56,8 @@ class KVReceiver:
         self.port = self._listener.getsockname()[1]
         self._stopped = threading.Event()
         self._conns: set[socket.socket] = set()
-        self._handshaking: dict[socket.socket, float] = {}  # connections in their handshake: deadlines
+        self._handshaking: dict[socket.socket, tuple[float, str]] = {}  # in their handshake: (deadline, host)
+        self._dropped, self._warned_at = 0, float("-inf")  # dropped handshakes not warned about yet
         self._thread = threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True)
 
     @property
@@ -77,12 +83,8 @@ class KVReceiver:
                 conn, peer = self._listener.accept()
             except (OSError, ValueError):
                 return
-            if len(self._handshaking) >= MAX_HANDSHAKING:
-                log.warning("KV connection from %s dropped: %d others are in their handshake", peer, MAX_HANDSHAKING)
-                self.ledger.counters.add("handshakes_refused")
-                shutdown(conn)
-                continue
-            self._handshaking[conn] = time.monotonic() + HANDSHAKE_TIMEOUT_S
+            self._make_room(peer[0])
+            self._handshaking[conn] = (time.monotonic() + HANDSHAKE_TIMEOUT_S, peer[0])
             try:
                 threading.Thread(target=_Connection(self, conn, peer).serve, name="kv-conn", daemon=True).start()
             except RuntimeError as e:  # no thread for it (a process limit): drop it, keep listening
@@ -90,15 +92,42 @@ class KVReceiver:
                 self._handshaking.pop(conn, None)
                 shutdown(conn)
 
+    def _make_room(self, host: str) -> None:
+        """Drops the oldest handshake from ``host`` (or of all) when a newcomer would pass the caps."""
+        pending = list(self._handshaking.items())
+        mine = [item for item in pending if item[1][1] == host]
+        for crowd, cap in ((mine, MAX_HANDSHAKING_PER_HOST), (pending, MAX_HANDSHAKING)):
+            if len(crowd) >= cap:
+                oldest, (_, from_host) = min(crowd, key=lambda item: item[1][0])
+                self.ledger.counters.add("handshakes_refused")
+                self._end_handshake(oldest)
+                self._dropped += 1
+                now = time.monotonic()
+                if now - self._warned_at >= DROP_WARNING_EVERY_S:
+                    log.warning(
+                        "%d KV connections dropped in their handshake to make room (last from %s): "
+                        "%d in their handshake, at most %d from one address",
+                        self._dropped,
+                        from_host,
+                        MAX_HANDSHAKING,
+                        MAX_HANDSHAKING_PER_HOST,
+                    )
+                    self._dropped, self._warned_at = 0, now
+                return
+
     def _expire_handshakes(self) -> None:
         """Wakes the threads of handshakes past their deadline; each ends its connection."""
         now = time.monotonic()
-        for sock, deadline in list(self._handshaking.items()):
-            if now >= deadline and self._handshaking.pop(sock, None) is not None:
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+        for sock, (deadline, _) in list(self._handshaking.items()):
+            if now >= deadline:
+                self._end_handshake(sock)
+
+    def _end_handshake(self, sock: socket.socket) -> None:
+        if self._handshaking.pop(sock, None) is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # its thread wakes and ends the connection
+            except OSError:
+                pass
 
 
 class _Connection:

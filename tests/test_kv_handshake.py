@@ -167,8 +167,8 @@ def test_the_fingerprint_hashes_weight_content(tmp_path):
 
 def test_peers_that_never_finish_their_handshake_are_dropped_and_cannot_stop_the_listener(monkeypatch):
     """A peer trickling a byte at a time is cut off at the handshake's deadline for the whole
-    handshake; at most MAX_HANDSHAKING wait at once; a thread that cannot start costs only its
-    connection. Through all of it, a proper prefill side still connects."""
+    handshake; past MAX_HANDSHAKING waiting (or MAX_HANDSHAKING_PER_HOST from one address) the
+    oldest makes room; a thread that cannot start costs only its connection. Through all of it, a proper prefill side still connects."""
     import time
 
     from pdserve.kvtransfer import receiver as receiver_module
@@ -193,19 +193,35 @@ def test_peers_that_never_finish_their_handshake_are_dropped_and_cannot_stop_the
                         dropped.add(i)
             time.sleep(0.2)
         assert dropped == {0, 1, 2} and time.monotonic() - started < 8  # the deadline, not never
-        # Three in their handshake: a fourth is dropped at once (not at the deadline), the listener goes on.
+        # Three in their handshake (the cap): a fourth takes the oldest one's place at once.
         monkeypatch.setattr(receiver_module, "HANDSHAKE_TIMEOUT_S", 30.0)  # the three stay in their handshake
         waiting = [socket.create_connection(("127.0.0.1", decode.receiver.port)) for _ in range(3)]
         assert wait_until(lambda: len(decode.receiver._handshaking) == 3)
         refused_before = decode.ledger.counters["handshakes_refused"]
         extra = socket.create_connection(("127.0.0.1", decode.receiver.port))
-        extra.settimeout(5)
+        waiting[0].settimeout(5)
         asked = time.monotonic()
-        assert extra.recv(1) == b"" and time.monotonic() - asked < 5  # closed without a word
+        assert waiting[0].recv(1) == b"" and time.monotonic() - asked < 5  # closed without a word
         assert decode.ledger.counters["handshakes_refused"] == refused_before + 1
-        for sock in waiting:
+        # Peers that hold every slot without a word cannot keep a proper prefill side out...
+        Prefill("tcp", secret=SECRET).connect(decode.address).close()
+        for sock in [*waiting, extra]:
             sock.close()
-        extra.close()
+        assert wait_until(lambda: not decode.receiver._handshaking)
+        # ...nor can one address crowd out another: its own oldest make room for it.
+        monkeypatch.setattr(receiver_module, "MAX_HANDSHAKING_PER_HOST", 2)
+        bystander = socket.create_connection(("127.0.0.1", decode.receiver.port))
+        assert wait_until(lambda: len(decode.receiver._handshaking) == 1)
+        flood = [
+            socket.create_connection(("127.0.0.1", decode.receiver.port), source_address=("127.0.0.2", 0))
+            for _ in range(5)
+        ]
+        assert wait_until(lambda: len(decode.receiver._handshaking) == 3)
+        bystander.settimeout(0.5)
+        with pytest.raises(TimeoutError):
+            bystander.recv(1)  # still waiting in its handshake, not dropped
+        for sock in [bystander, *flood]:
+            sock.close()
         assert wait_until(lambda: not decode.receiver._handshaking)
         # No thread for a connection: that one is dropped, the next is served.
         real_thread = threading.Thread

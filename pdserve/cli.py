@@ -15,7 +15,7 @@ import sys
 from pdserve.client import DEFAULT_ADDRESS
 from pdserve.config import add_arguments, load_file, resolve, unknown_file_keys
 from pdserve.engine.engine_config import EngineConfig
-from pdserve.process import setup_logging
+from pdserve.process import raise_open_file_limit, setup_logging
 from pdserve.security import SECRET_SETTINGS, SecuritySettings, add_client_tls_arguments
 from pdserve.settings import ClusterSettings, RouterSettings, WorkerSettings
 
@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         in_file = file.pop("log_level", None)
         args.log_level = args.log_level or os.environ.get("PDSERVE_LOG_LEVEL") or in_file
         setup_logging(args.log_level)
+        raise_open_file_limit()
         return _run(args, file)
     except (ValueError, OSError, TimeoutError, RuntimeError) as e:  # OSError: a port in use, a missing file
         print(f"pdserve {args.command}: error: {e}", file=sys.stderr)

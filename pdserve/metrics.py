@@ -213,12 +213,18 @@ def scrape_route(registry: CollectorRegistry):
     return Route("/metrics", scrape, methods=["GET"])
 
 
+SCRAPE_IDLE_TIMEOUT_S = 10.0  # a /metrics connection silent this long is closed (each holds a thread)
+
+
 def serve_metrics(host: str, port: int, registry: CollectorRegistry) -> int:
     """Starts the /metrics endpoint; returns the bound port (``port`` 0 picks a free one)."""
     try:
         server, _ = start_http_server(port, addr=host, registry=registry)
     except OSError as e:
         raise OSError(f"--metrics-port: could not bind {join_host_port(host, port)}: {e.strerror or e}") from None
+    # prometheus_client gives every connection a thread and waits on it forever: bound the wait.
+    handler = server.RequestHandlerClass
+    server.RequestHandlerClass = type(handler.__name__, (handler,), {"timeout": SCRAPE_IDLE_TIMEOUT_S})
     return server.server_port
 
 

@@ -31,6 +31,22 @@ def setup_logging(level: str | None = None) -> None:
         logging.getLogger(name).setLevel(level)
 
 
+def raise_open_file_limit() -> None:
+    """Lifts this process's soft limit on open files to the hard one, as servers do: each client
+    connection holds a descriptor, and a default of 1024 lets a few hundred idle connections
+    stop every front end of the process."""
+    try:
+        import resource
+    except ImportError:  # not a POSIX system
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):  # an unlimited hard limit some kernels refuse as a soft one
+            pass
+
+
 def announce_ready(role: str, **addresses: object) -> None:
     """Prints the machine-readable line a launcher waits for (and a human can read)."""
     print(READY_PREFIX + json.dumps({"role": role, **addresses}), flush=True)

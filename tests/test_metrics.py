@@ -103,3 +103,35 @@ def test_prompts_prefilled_is_traffic_not_a_kv_transfer_problem():
     assert samples[("pdserve_kv_transfers_total", (("role", "prefill"), ("transport", "tcp")))] == 2
     events = [labels for name, labels in samples if name == "pdserve_kv_transfer_events_total"]
     assert events == [(("event", "transfer_failed"), ("role", "prefill"))]  # only problems
+
+
+def test_a_silent_scrape_connection_is_closed_and_does_not_hold_a_thread(monkeypatch):
+    """prometheus_client gives each connection a thread that waits for its request forever:
+    connections opened and left silent (or half-sent) must be closed after a while."""
+    import socket
+    import threading
+
+    from prometheus_client import CollectorRegistry, Counter
+
+    from pdserve import metrics
+
+    monkeypatch.setattr(metrics, "SCRAPE_IDLE_TIMEOUT_S", 0.5)
+    registry = CollectorRegistry()
+    Counter("pdserve_test_scrapes", "a series to scrape", registry=registry).inc()
+    port = metrics.serve_metrics("127.0.0.1", 0, registry)
+    threads = threading.active_count()
+    silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(5)]
+    silent[0].sendall(b"GET /metrics HTTP/1.1\r\n")  # half a request
+    try:
+        for sock in silent:
+            sock.settimeout(5)
+            assert sock.recv(1) == b""  # closed by the server
+        deadline = time.monotonic() + 5
+        while threading.active_count() > threads and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert threading.active_count() <= threads
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            assert b"pdserve_test_scrapes_total 1.0" in response.read()
+    finally:
+        for sock in silent:
+            sock.close()

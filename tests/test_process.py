@@ -48,3 +48,25 @@ def test_the_log_level_is_pdserves_and_other_libraries_keep_to_warnings():
     finally:
         for name, level in saved.items():
             logging.getLogger(name).setLevel(level)
+
+
+def test_a_server_lifts_its_open_file_limit_to_the_hard_one():
+    """Each connection holds a descriptor: at a soft limit of 256, a few hundred idle HTTP
+    connections stopped the router's gRPC front end too."""
+    import shutil
+    import subprocess
+    import sys
+
+    import pytest
+
+    if shutil.which("prlimit") is None:
+        pytest.skip("prlimit (util-linux) is not installed")
+    script = (
+        "import resource; from pdserve.process import raise_open_file_limit; raise_open_file_limit(); "
+        "print(*resource.getrlimit(resource.RLIMIT_NOFILE))"
+    )
+    out = subprocess.run(
+        ["prlimit", "--nofile=256:4096", sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["4096", "4096"]

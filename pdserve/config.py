@@ -19,8 +19,13 @@ import yaml
 ENV_PREFIX = "PDSERVE_"
 
 
-def setting(default: Any, help: str, *, choices: tuple | None = None, short: str | None = None) -> Any:
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "short": short})
+def setting(
+    default: Any, help: str, *, choices: tuple | None = None, short: str | None = None, secret: bool = False
+) -> Any:
+    """``secret``: its value is never repeated in a message or printed."""
+    return dataclasses.field(
+        default=default, metadata={"help": help, "choices": choices, "short": short, "secret": secret}
+    )
 
 
 def choices_of(cls: type, name: str) -> tuple:
@@ -62,13 +67,14 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, .
             )
 
 
-def _coerce(kind: type, value: Any, source: str) -> Any:
+def _coerce(kind: type, value: Any, source: str, secret: bool = False) -> Any:
     if (
         value is None or isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
     ):  # YAML's true is no 1
         return value
     if isinstance(value, (list, dict)):
-        raise ValueError(f"{source}: expected one {kind.__name__}, got a YAML {type(value).__name__}: {value!r}")
+        shown = "" if secret else f": {value!r}"
+        raise ValueError(f"{source}: expected one {kind.__name__}, got a YAML {type(value).__name__}{shown}")
     text = str(value).strip()
     try:
         if kind is bool:
@@ -79,7 +85,8 @@ def _coerce(kind: type, value: Any, source: str) -> Any:
             raise ValueError(text)
         return kind(text)
     except ValueError:
-        raise ValueError(f"{source}: {value!r} is not a valid {kind.__name__}") from None
+        shown = "its value" if secret else repr(value)
+        raise ValueError(f"{source}: {shown} is not a valid {kind.__name__}") from None
 
 
 class _TextLoader(yaml.SafeLoader):
@@ -133,12 +140,13 @@ def resolve(
         kind = _base_type(cls, field)
         env_name = ENV_PREFIX + field.name.upper()
         flag_value = getattr(args, field.name, None) if args is not None else None
+        secret = field.metadata.get("secret", False)
         if flag_value is not None:
             values[field.name] = flag_value
         elif env.get(env_name, "") != "":
-            values[field.name] = _coerce(kind, env[env_name], env_name)
+            values[field.name] = _coerce(kind, env[env_name], env_name, secret)
         elif file.get(field.name) is not None:  # YAML's null: not set
-            values[field.name] = _coerce(kind, file[field.name], f"config file key {field.name}")
+            values[field.name] = _coerce(kind, file[field.name], f"config file key {field.name}", secret)
         choices = field.metadata.get("choices")
         if choices and field.name in values and values[field.name] not in choices:
             raise ValueError(f"{field.name} must be one of {', '.join(map(str, choices))}, got {values[field.name]!r}")

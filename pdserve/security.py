@@ -11,6 +11,7 @@ token for its children when none is given.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hmac
 import logging
 import re
@@ -25,7 +26,6 @@ from pdserve.config import resolve, setting
 
 log = logging.getLogger(__name__)
 AUTH_KEY = "authorization"
-SECRET_SETTINGS = ("cluster_token", "api_token")  # never printed
 # What an HTTP/gRPC header value carries as it is: printable ASCII, no space at either end.
 _TOKEN = re.compile(r"([\x21-\x7e]([\x20-\x7e]*[\x21-\x7e])?)?")
 
@@ -38,8 +38,10 @@ class SecuritySettings:
         None, "PEM CA bundle: verifies peers' certificates (and clients' with --tls-client-auth)"
     )
     tls_client_auth: bool = setting(False, "mTLS: require client certificates signed by --tls-ca")
-    cluster_token: str | None = setting(None, "shared secret every internal port requires (worker RPCs, KV transfer)")
-    api_token: str | None = setting(None, "bearer token the public API requires (router)")
+    cluster_token: str | None = setting(
+        None, "shared secret every internal port requires (worker RPCs, KV transfer)", secret=True
+    )
+    api_token: str | None = setting(None, "bearer token the public API requires (router)", secret=True)
 
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -52,7 +54,10 @@ class SecuritySettings:
                 raise ValueError(f"{name}: {path} is not a file")
         self._check_pem()
         for name in SECRET_SETTINGS:  # its value is never repeated in the message
-            if getattr(self, name) is not None and not _TOKEN.fullmatch(getattr(self, name)):
+            value = getattr(self, name)
+            if value == "":  # an empty token would turn the check off: leave the setting out for that
+                raise ValueError(f"{name}: must not be empty (leave it unset for no token)")
+            if value is not None and not _TOKEN.fullmatch(value):
                 raise ValueError(f"{name}: must be printable ASCII, without line breaks or spaces at either end")
 
     def _check_pem(self) -> None:
@@ -138,6 +143,9 @@ def add_client_tls_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-key", default=None, help="its private key (env PDSERVE_TLS_KEY)")
 
 
+SECRET_SETTINGS = tuple(f.name for f in dataclasses.fields(SecuritySettings) if f.metadata["secret"])  # never printed
+
+
 def client_credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
     """Raises ValueError naming a missing file or a certificate without its key."""
     return resolve(SecuritySettings, args).channel_credentials()
@@ -146,9 +154,10 @@ def client_credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | No
 def bearer_ok(expected: str | None, header: str | None) -> bool:
     if not expected:
         return True
-    if not header or not header.startswith("Bearer "):
+    scheme, _, token = (header or "").partition(" ")
+    if scheme.lower() != "bearer":  # a scheme's name is case-insensitive (RFC 9110)
         return False
-    return hmac.compare_digest(header[len("Bearer ") :].encode(), expected.encode())
+    return hmac.compare_digest(token.encode(), expected.encode())
 
 
 class TokenAuth(grpc.aio.ServerInterceptor):

@@ -313,3 +313,30 @@ def test_a_worker_open_to_other_hosts_without_a_cluster_token_says_so(caplog):
     assert not caplog.records
     SecuritySettings().warn_if_open("decode", "0.0.0.0")
     assert "decode worker on 0.0.0.0 without a cluster token" in caplog.text
+
+
+def test_an_empty_token_is_refused_not_taken_as_no_token():
+    """`api_token: ""` in a config file turned authentication off without a word."""
+    from pdserve.config import resolve
+    from pdserve.security import SecuritySettings
+
+    for name in ("cluster_token", "api_token"):
+        with pytest.raises(ValueError, match=f"{name}: must not be empty"):
+            resolve(SecuritySettings, None, env={}, file={name: ""})
+    assert resolve(SecuritySettings, None, env={"PDSERVE_API_TOKEN": ""}, file={}).api_token is None  # unset
+
+
+def test_a_malformed_secret_in_a_file_is_not_repeated_in_the_error():
+    from pdserve.config import resolve
+    from pdserve.security import SecuritySettings
+
+    with pytest.raises(ValueError) as err:
+        resolve(SecuritySettings, None, env={}, file={"api_token": ["sk-very-secret", "x"]})
+    assert "api_token" in str(err.value) and "sk-very-secret" not in str(err.value)
+
+
+def test_the_bearer_scheme_is_case_insensitive():
+    from pdserve.security import bearer_ok
+
+    assert bearer_ok("t0k", "Bearer t0k") and bearer_ok("t0k", "bearer t0k") and bearer_ok("t0k", "BEARER t0k")
+    assert not any(bearer_ok("t0k", h) for h in (None, "", "Bearer", "Bearer t0K", "Basic t0k", "Bearert0k"))

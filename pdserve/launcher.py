@@ -40,9 +40,12 @@ log = logging.getLogger(__name__)
 STOP_GRACE_S = 15.0
 
 
-def _die_with_parent() -> None:
+def _child_setup() -> None:
+    """In a child before it runs: dies with the launcher, and has a process group of its own (a
+    terminal's Ctrl-C reaches the launcher only, which stops the children in order)."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    os.setpgid(0, 0)  # Popen's process_group does this from Python 3.11 only
 
 
 @dataclass
@@ -273,11 +276,7 @@ class Cluster:
     def _spawn(self, name: str, args: list[str], router: bool = False, register: bool = True) -> Child:
         cmd = [sys.executable, "-m", "pdserve.cli", *args]
         env = self.child_env(router)
-        # A process group of its own: a terminal's Ctrl-C reaches the launcher only, which stops
-        # the children in order (stop); PR_SET_PDEATHSIG still ends them if the launcher dies.
-        process = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, text=True, env=env, preexec_fn=_die_with_parent, process_group=0
-        )
+        process = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, preexec_fn=_child_setup)
         child = Child(name, process, queue.Queue(), args, router)
         threading.Thread(target=_pump, args=(child,), name=f"stdout-{name}", daemon=True).start()
         if register:

@@ -202,12 +202,14 @@ class Dispatcher:
                     e.worker.record_failure(self.failure_threshold, e.message)  # a peer's word is no proof
                 if not e.retryable or attempt == self.max_attempts or time.monotonic() >= deadline:
                     raise
-                if e.also is not None:
+                if e.also is not None:  # a mismatched pair: the pair is out, not its workers
                     self.mismatched[(e.also.address, e.worker.address)] = time.monotonic() + MISMATCH_MEMORY_S
-                tried = [w for w in (e.worker, e.also) if w is not None]
-                failed.update(w.address for w in tried)
-                if e.elsewhere and tried and not any(self._another(w, failed) for w in tried):
-                    raise  # its words say more than "no worker left" would
+                    if not self._matching_pairs(failed):
+                        raise  # its words say more than "no worker left" would
+                elif e.worker is not None:
+                    failed.add(e.worker.address)
+                    if e.elsewhere and not self._another(e.worker, failed):
+                        raise
 
                 kind = resuming = "migrations" if prior else "retries"
                 how = "continues" if kind == "migrations" else "is retried"
@@ -236,12 +238,16 @@ class Dispatcher:
         metrics.MIGRATIONS.labels(kind).inc()
         return int(kind == "migrations")
 
-    def _mismatched_with(self, decode: Worker) -> set[str]:
-        """Prefill workers that recently refused ``decode``'s KV handshake (or it theirs)."""
+    def _matching_pairs(self, failed: set[str]) -> set[tuple[str, str]]:
+        """(prefill, decode) addresses of healthy workers, not failed for this request, that have
+        not recently refused each other's KV handshake."""
         now = time.monotonic()
         for pair in [pair for pair, until in self.mismatched.items() if until <= now]:
             del self.mismatched[pair]
-        return {p for p, d in self.mismatched if d == decode.address}
+        up = lambda pool: [w.address for w in pool if w.healthy and w.address not in failed]  # noqa: E731
+        return {
+            (p, d) for p in up(self.registry.prefill) for d in up(self.registry.decode) if (p, d) not in self.mismatched
+        }
 
     def _another(self, worker: Worker, failed: set[str]) -> bool:
         pool = self.registry.decode if worker.role is Role.DECODE else self.registry.prefill
@@ -261,13 +267,18 @@ class Dispatcher:
         give_up = min(deadline, time.monotonic() + self.worker_wait_s)
         while True:
             try:
-                decode = self.policy.pick_decode(attempt.request, self.registry.decode, exclude=failed)
-                prefill = (
-                    self.policy.pick_prefill(
-                        attempt.request, self.registry.prefill, exclude=failed | self._mismatched_with(decode)
-                    )
-                    if self.registry.disaggregated
-                    else None
+                if not self.registry.disaggregated:
+                    return self.policy.pick_decode(attempt.request, self.registry.decode, exclude=failed), None
+                # Among pairs not known to refuse each other's KV handshake; with none such, any
+                # (what the router remembers may be stale: a worker restarted with other settings).
+                pairs = self._matching_pairs(failed)
+                unpaired = {w.address for w in self.registry.decode if not any(d == w.address for _, d in pairs)}
+                decode = self.policy.pick_decode(
+                    attempt.request, self.registry.decode, exclude=failed | (unpaired if pairs else set())
+                )
+                apart = {w.address for w in self.registry.prefill if (w.address, decode.address) not in pairs}
+                prefill = self.policy.pick_prefill(
+                    attempt.request, self.registry.prefill, exclude=failed | (apart if pairs else set())
                 )
                 return decode, prefill
             except NoWorkerAvailable as e:

@@ -449,6 +449,47 @@ async def test_a_pair_that_refuses_each_others_kv_handshake_is_kept_apart():
     assert "prefill worker p3 and decode worker d3 cannot exchange K/V" in err.value.message
 
 
+class MatchingPrefill:
+    """A prefill worker that refuses every decode worker's KV handshake but one's."""
+
+    def __init__(self, match: str) -> None:
+        self.match, self.targets = match, []
+
+    def Prefill(self, request: pb.PrefillRequest, timeout=None, metadata=()) -> FakeUnaryCall:
+        self.targets.append(request.target.kv_address)
+        if request.target.kv_address == self.match:
+            return FakeUnaryCall([pb.PrefillResponse(first_token_id=5)])
+        refused = rpc_error(grpc.StatusCode.FAILED_PRECONDITION, "model mismatch", pair_fault=True)
+        return FakeUnaryCall([refused])
+
+
+class NamedDecode(FakeDecode):
+    """A decode worker whose reservations name its own KV address."""
+
+    def __init__(self, name: str, n: int) -> None:
+        super().__init__([([[7]], None)] * n)
+        self.name = name
+
+    def Decode(self, request, timeout=None, metadata=()):
+        call = super().Decode(request, timeout, metadata)
+        for event in call.events:
+            if isinstance(event, pb.DecodeEvent) and event.HasField("reservation"):
+                event.reservation.target.kv_address = self.name
+        return call
+
+
+async def test_two_deployments_behind_one_router_each_request_finds_a_matching_pair():
+    """(p1, d1) and (p2, d2) match, the cross pairs refuse each other: a refused pair rules out
+    the pair, not its two workers, so no request fails while a matching pair is up."""
+    p1, p2 = prefill_worker("p1", MatchingPrefill("d1")), prefill_worker("p2", MatchingPrefill("d2"))
+    d1, d2 = decode_worker("d1", NamedDecode("d1", 20)), decode_worker("d2", NamedDecode("d2", 20))
+    disp = dispatcher(registry([p2, p1], [d1, d2]))
+    for _ in range(6):
+        assert await collect(disp, request(max_tokens=2)) == ([5, 7], "length")
+    refused = [t for p, stub in (("d1", p1.prefill_stub), ("d2", p2.prefill_stub)) for t in stub.targets if t != p]
+    assert len(refused) <= 2  # each cross pair tried at most once, then kept apart
+
+
 async def test_a_full_worker_sends_the_request_to_a_sibling_and_alone_it_answers_with_its_hint():
     full = rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "decode worker queue is full (2 waiting)", retry_after_ms=1000)
     busy, idle_stub = FakeDecode([([], full)]), FakeDecode([([[1, 2]], None)])

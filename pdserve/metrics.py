@@ -223,9 +223,24 @@ def serve_metrics(host: str, port: int, registry: CollectorRegistry) -> int:
     except OSError as e:
         raise OSError(f"--metrics-port: could not bind {join_host_port(host, port)}: {e.strerror or e}") from None
     # prometheus_client gives every connection a thread and waits on it forever: bound the wait.
-    handler = server.RequestHandlerClass
-    server.RequestHandlerClass = type(handler.__name__, (handler,), {"timeout": SCRAPE_IDLE_TIMEOUT_S})
+    server.RequestHandlerClass = _quiet_on_timeout(server.RequestHandlerClass)
     return server.server_port
+
+
+def _quiet_on_timeout(handler: type) -> type:
+    """``handler`` that closes a connection silent for SCRAPE_IDLE_TIMEOUT_S without a word (the
+    server would print the timeout's traceback to stderr)."""
+
+    class Handler(handler):
+        timeout = SCRAPE_IDLE_TIMEOUT_S
+
+        def handle(self) -> None:
+            try:
+                super().handle()
+            except TimeoutError:
+                self.close_connection = True
+
+    return Handler
 
 
 def start_worker_metrics(port: int | None, host: str, public_host: str, collector: WorkerCollector) -> str | None:

@@ -105,7 +105,7 @@ def test_prompts_prefilled_is_traffic_not_a_kv_transfer_problem():
     assert events == [(("event", "transfer_failed"), ("role", "prefill"))]  # only problems
 
 
-def test_a_silent_scrape_connection_is_closed_and_does_not_hold_a_thread(monkeypatch):
+def test_a_silent_scrape_connection_is_closed_and_does_not_hold_a_thread(monkeypatch, capfd):
     """prometheus_client gives each connection a thread that waits for its request forever:
     connections opened and left silent (or half-sent) must be closed after a while."""
     import socket
@@ -132,6 +132,7 @@ def test_a_silent_scrape_connection_is_closed_and_does_not_hold_a_thread(monkeyp
         assert threading.active_count() <= threads
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
             assert b"pdserve_test_scrapes_total 1.0" in response.read()
+        assert "Traceback" not in capfd.readouterr().err  # closed quietly
     finally:
         for sock in silent:
             sock.close()

@@ -46,15 +46,18 @@ class RouterTokenizer:
         """Holds requests to the smallest context a worker reports (None: none says), so that a
         defaulted ``max_tokens`` fits where the request runs."""
         held = min(self.configured_max_model_len, worker_context or self.configured_max_model_len)
-        if held != self.max_model_len:
+        if held == self.max_model_len:
+            return
+        if held < self.configured_max_model_len:
             log.warning(
-                "requests are held to a context of %d tokens (this router's: %d, the smallest a worker "
-                "reports: %s); give the router and every worker the same --max-model-len",
+                "requests are held to a context of %d tokens, the smallest a worker reports (this "
+                "router's: %d); give the router and every worker the same --max-model-len",
                 held,
                 self.configured_max_model_len,
-                worker_context,
             )
-            self.max_model_len = held
+        else:
+            log.info("requests are held to this router's context of %d tokens again", held)
+        self.max_model_len = held
 
     def encode(self, prompt: str) -> list[int]:
         return self.hf(prompt, add_special_tokens=True)["input_ids"]

@@ -53,3 +53,25 @@ def test_router_modules_and_tokenizer_do_not_import_torch(model_dir):
     )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [], "the router imported torch"
+
+
+def test_the_held_context_warns_only_below_the_routers_own(caplog):
+    """A worker's smaller context is a misconfiguration worth a warning; workers that agree, or
+    none reporting (all down), are not."""
+    import logging
+    from types import SimpleNamespace
+
+    from pdserve.router.tokenizer import RouterTokenizer
+
+    tokenizer = SimpleNamespace(configured_max_model_len=2048, max_model_len=2048)
+    hold = lambda context: RouterTokenizer.hold_to(tokenizer, context)  # noqa: E731
+    with caplog.at_level(logging.INFO, logger="pdserve.router.tokenizer"):
+        for context in (2048, None, 4096):
+            hold(context)
+        assert tokenizer.max_model_len == 2048 and not caplog.records
+        hold(1024)
+        assert tokenizer.max_model_len == 1024 and caplog.records[-1].levelno == logging.WARNING
+        hold(1024)
+        hold(None)  # every worker down: the router's own again, said at INFO
+        assert tokenizer.max_model_len == 2048 and len(caplog.records) == 2
+        assert caplog.records[-1].levelno == logging.INFO

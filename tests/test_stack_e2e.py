@@ -302,27 +302,30 @@ async def test_stopping_the_stack_drains_the_router_before_its_workers_stop():
     """SIGTERM to `pdserve up`: the router drains its streams while the workers still serve them
     (stopped together, the workers' health turned NOT_SERVING under the draining router, which
     marked them failed and moved quiet requests to workers that were going away)."""
+    worker_stopping = re.compile(r"pdserve\.decode_worker\.main\[\d+\]: SIGTERM: shutting down")
     stack = Stack.up("--colocated", *STACK_ARGS)
     try:
-        total, tokens, started = 400, 0, time.monotonic()
+        total, tokens, started = 200, 0, time.monotonic()
         signal_at = signalled = None
         async with grpc.aio.insecure_channel(stack.address) as channel:
             call = pdserve_pb2_grpc.RouterStub(channel).Generate(
-                build_request(PROMPTS[0], max_tokens=total, ignore_eos=True), timeout=120
+                build_request(PROMPTS[0], max_tokens=total, ignore_eos=True), timeout=300
             )
             async for message in call:
                 tokens += len(message.token_ids)
-                if signal_at is None and tokens >= 20:  # about 2 s of tokens left, whatever this hour's speed
-                    signal_at = max(tokens + 1, total - int(2.0 * tokens / (time.monotonic() - started)))
+                if signal_at is None and tokens >= 20:  # about 0.5 s of tokens left, whatever this hour's speed
+                    signal_at = max(tokens + 1, total - int(0.5 * tokens / (time.monotonic() - started)))
                 if signalled is None and signal_at is not None and tokens >= signal_at:
                     signalled = len(stack.proc.output)
                     stack.proc.process.send_signal(signal.SIGTERM)
                 last = message
+            # The stream is over and the router still draining: its worker has not been told to stop.
+            during = "".join(stack.proc.output[signalled:])
         assert tokens == total and last.finish_reason == "length"  # drained to its end
+        assert "pdserve.router.main" in during and not worker_stopping.search(during), during
         stack.down()
     finally:
         stack.proc.stop()
     after = "".join(stack.proc.output[signalled:])
     assert "probe of" not in after and "does not answer" not in after, after
-    router = after.index("pdserve.router.main")  # the router's "SIGTERM: shutting down"
-    assert re.search(r"pdserve\.decode_worker\.main\[\d+\]: SIGTERM: shutting down", after[router:]), after
+    assert worker_stopping.search(after[after.index("pdserve.router.main") :]), after

@@ -60,7 +60,7 @@ def test_a_server_lifts_its_open_file_limit_to_the_hard_one():
     import pytest
 
     if shutil.which("prlimit") is None:
-        pytest.skip("prlimit (util-linux) is not installed")
+        pytest.skip(reason="prlimit (util-linux) is not installed")
     script = (
         "import resource; from pdserve.process import raise_open_file_limit; raise_open_file_limit(); "
         "print(*resource.getrlimit(resource.RLIMIT_NOFILE))"

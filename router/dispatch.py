@@ -73,6 +73,7 @@ class DispatchError(Exception):
         retry_after_ms: int | None = None,
         final: bool = False,
         elsewhere: bool = False,
+        also: Worker | None = None,
     ) -> None:
         super().__init__(message)
         self.final = final  # retrying cannot help (e.g. we already waited for a worker to come back)
@@ -80,7 +81,7 @@ class DispatchError(Exception):
         self.code = code
         self.message = message
         self.worker = worker
-        self.also: Worker | None = None  # the other worker of a pair that cannot work together
+        self.also = also  # the other worker of a pair that cannot work together
         self.retry_after_ms = retry_after_ms  # for RESOURCE_EXHAUSTED: when the client may try again
 
     @property
@@ -113,15 +114,14 @@ def _prefill_error(prefill: Worker, decode: Worker, error: grpc.aio.AioRpcError)
     other's KV handshake (a mismatch: another pair may match)."""
     fault = dict(error.trailing_metadata() or ()).get(PEER_FAULT_KEY)
     if fault == "pair":
-        failure = DispatchError(
+        return DispatchError(
             error.code(),
             f"prefill worker {prefill.address} and decode worker {decode.address} cannot exchange K/V: "
             f"{error.details()}",
             decode,
             elsewhere=True,
+            also=prefill,
         )
-        failure.also = prefill
-        return failure
     if fault == "decode":
         return _worker_error(decode, error, elsewhere=True)
     return _worker_error(prefill, error)
@@ -225,9 +225,8 @@ class Dispatcher:
                     return
                 if e.code is grpc.StatusCode.DATA_LOSS:
                     self.counters["reprefills_after_corruption"] += 1
-                if (
-                    e.code is not grpc.StatusCode.RESOURCE_EXHAUSTED and e.also is None
-                ):  # a full or mismatched worker answered: no one died
+                answered = e.code is grpc.StatusCode.RESOURCE_EXHAUSTED or e.also is not None  # full, or mismatched
+                if not answered:
                     # Back off a little: a worker that just died takes its peers' health checks a moment to notice.
                     await asyncio.sleep(min(0.2 * 2 ** (attempt - 1), 2.0, max(0.0, deadline - time.monotonic())))
 

@@ -179,7 +179,9 @@ class Dispatcher:
         watch = self._watch(req) if self.observer is not None and not prior else None
         moved = 0
         resuming: str | None = None  # "retries"/"migrations": counted once the request runs again
-        for attempt in range(1, self.max_attempts + 1):
+        attempt = 0
+        while True:
+            attempt += 1
             try:
                 # Closed as soon as the request ends, not whenever the generator is collected:
                 # that cancels the worker call and releases its in-flight count at once.
@@ -200,10 +202,12 @@ class Dispatcher:
             except DispatchError as e:
                 if e.worker is not None and e.code is grpc.StatusCode.UNAVAILABLE and not e.elsewhere:
                     e.worker.record_failure(self.failure_threshold, e.message)  # a peer's word is no proof
-                if not e.retryable or attempt == self.max_attempts or time.monotonic() >= deadline:
-                    raise
                 if e.also is not None:  # a mismatched pair: the pair is out, not its workers
                     self.mismatched[(e.also.address, e.worker.address)] = time.monotonic() + MISMATCH_MEMORY_S
+                    attempt -= 1  # not a try of the request's: bounded by the pairs left to rule out
+                if not e.retryable or attempt == self.max_attempts or time.monotonic() >= deadline:
+                    raise
+                if e.also is not None:
                     if not self._matching_pairs(failed):
                         raise  # its words say more than "no worker left" would
                 elif e.worker is not None:

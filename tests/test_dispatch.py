@@ -490,6 +490,18 @@ async def test_two_deployments_behind_one_router_each_request_finds_a_matching_p
     assert len(refused) <= 2  # each cross pair tried at most once, then kept apart
 
 
+async def test_refused_pairs_do_not_use_up_the_requests_tries():
+    """Two odd decode workers (other weights) beside one that matches: without migrations (one
+    try), a request still reaches the matching pair after up to four refusals."""
+    p1, p2 = prefill_worker("p1", MatchingPrefill("d3")), prefill_worker("p2", MatchingPrefill("d3"))
+    decodes = [decode_worker(name, NamedDecode(name, 20)) for name in ("d1", "d2", "d3")]
+    disp = dispatcher(registry([p1, p2], decodes), max_attempts=1)
+    for _ in range(3):
+        assert await collect(disp, request(max_tokens=2)) == ([5, 7], "length")
+    refused = [t for stub in (p1.prefill_stub, p2.prefill_stub) for t in stub.targets if t != "d3"]
+    assert len(refused) == 4  # each odd pair once, then kept apart
+
+
 async def test_a_full_worker_sends_the_request_to_a_sibling_and_alone_it_answers_with_its_hint():
     full = rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "decode worker queue is full (2 waiting)", retry_after_ms=1000)
     busy, idle_stub = FakeDecode([([], full)]), FakeDecode([([[1, 2]], None)])

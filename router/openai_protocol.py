@@ -28,7 +28,8 @@ DONE = b"data: [DONE]\n\n"
 _GRPC_TO_HTTP = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
     grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
-    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    # The cluster's own mismatch (two workers refusing each other's KV handshake), not the request's.
+    grpc.StatusCode.FAILED_PRECONDITION: (503, "service_unavailable_error"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),

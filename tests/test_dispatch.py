@@ -553,3 +553,13 @@ def test_the_prefill_worker_blames_the_decode_worker_only_for_what_is_on_its_sid
     assert decode_side(socket.gaierror(-2, "Name or service not known"))  # its advertised name
     assert not decode_side(OSError(errno.EMFILE, "Too many open files"))
     assert not decode_side(OSError(errno.ENETUNREACH, "Network is unreachable"))
+
+
+def test_a_cluster_mismatch_is_a_503_over_http_not_the_clients_fault():
+    """FAILED_PRECONDITION comes from two workers refusing each other's KV handshake: a 400
+    (invalid_request_error) told the client its request was wrong and not to retry it."""
+    from pdserve.router.openai_protocol import APIError
+
+    refused = DispatchError(grpc.StatusCode.FAILED_PRECONDITION, "prefill worker p and decode worker d cannot ...")
+    api = APIError.from_dispatch(refused)
+    assert api.status == 503 and api.body()["error"]["type"] == "service_unavailable_error"

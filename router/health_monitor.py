@@ -33,7 +33,8 @@ class HealthMonitor:
         self._task: asyncio.Task | None = None
         self._readiness: Callable[[bool], Awaitable[None]] | None = None
         self._ready: bool | None = None
-        self.on_context: Callable[[int | None], None] | None = None  # the smallest context workers report
+        # Told the smallest context healthy workers report (None: none does) and which workers.
+        self.on_context: Callable[[int | None, list[str]], None] | None = None
 
     async def report_readiness(self, to: Callable[[bool], Awaitable[None]]) -> None:
         """Tells ``to`` whether the router can serve (every pool it needs has a healthy worker)
@@ -65,8 +66,13 @@ class HealthMonitor:
             await self.registry.resolve()
         await asyncio.gather(*(self._probe(w) for w in self.registry.all()))
         if self.on_context is not None:
-            contexts = [w.last_stats.max_model_len for w in self.registry.all() if w.healthy and w.last_stats]
-            self.on_context(min((c for c in contexts if c > 0), default=None))
+            contexts = {
+                w.address: w.last_stats.max_model_len
+                for w in self.registry.all()
+                if w.healthy and w.last_stats and w.last_stats.max_model_len > 0
+            }
+            smallest = min(contexts.values(), default=None)
+            self.on_context(smallest, sorted(a for a, c in contexts.items() if c == smallest))
         await self._report()
 
     async def _probe(self, worker: Worker) -> None:

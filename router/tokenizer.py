@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from pdserve.engine.model_config import ModelConfig
 from pdserve.router.text_stream import CONTEXT_TOKENS, TextStream
@@ -42,17 +42,18 @@ class RouterTokenizer:
         self.has_chat_template = bool(getattr(self.hf, "chat_template", None))
         self.sampling_defaults = generation_defaults(Path(model_dir))
 
-    def hold_to(self, worker_context: int | None) -> None:
-        """Holds requests to the smallest context a worker reports (None: none says), so that a
-        defaulted ``max_tokens`` fits where the request runs."""
+    def hold_to(self, worker_context: int | None, workers: Sequence[str] = ()) -> None:
+        """Holds requests to the smallest context a worker reports (None: none says; ``workers``:
+        which report it), so that a defaulted ``max_tokens`` fits where the request runs."""
         held = min(self.configured_max_model_len, worker_context or self.configured_max_model_len)
         if held == self.max_model_len:
             return
         if held < self.configured_max_model_len:
             log.warning(
-                "requests are held to a context of %d tokens, the smallest a worker reports (this "
-                "router's: %d); give the router and every worker the same --max-model-len",
+                "requests are held to a context of %d tokens, what %s report(s) (this router's: %d); give "
+                "the router and every worker the same --max-model-len",
                 held,
+                ", ".join(workers) or "a worker",
                 self.configured_max_model_len,
             )
         else:

@@ -69,8 +69,9 @@ def test_the_held_context_warns_only_below_the_routers_own(caplog):
         for context in (2048, None, 4096):
             hold(context)
         assert tokenizer.max_model_len == 2048 and not caplog.records
-        hold(1024)
+        RouterTokenizer.hold_to(tokenizer, 1024, ["127.0.0.1:9001"])
         assert tokenizer.max_model_len == 1024 and caplog.records[-1].levelno == logging.WARNING
+        assert "what 127.0.0.1:9001 report(s)" in caplog.records[-1].getMessage()  # names the worker
         hold(1024)
         hold(None)  # every worker down: the router's own again, said at INFO
         assert tokenizer.max_model_len == 2048 and len(caplog.records) == 2

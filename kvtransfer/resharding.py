@@ -92,6 +92,7 @@ class ReshardedView:
         src_fields = head_fields(stored_as, kv_heads_per_rank(num_kv_heads, src_tp), head_dim)
         dst_fields = head_fields(stored_as, kv_heads_per_rank(num_kv_heads, dst_tp), head_dim)
         self.token_bytes = slot_bytes(stored_as, dst_fields, kv_heads_per_rank(num_kv_heads, dst_tp))
+        self._used = sum(size for _, size in dst_fields) * kv_heads_per_rank(num_kv_heads, dst_tp)  # then padding
         # Per decode rank: per source rank, the (source offset, destination offset, bytes) column copies.
         self._copies: list[list[tuple[int, list[tuple[int, int, int]]]]] = []
         for d in range(dst_tp):
@@ -122,6 +123,7 @@ class ReshardedView:
             for src_at, dst_at, size in columns:
                 out[:, dst_at : dst_at + size] = rows[:, src_at : src_at + size]
             part.release()
+        out[:, self._used :] = 0  # the staging buffer held another unit's bytes
         return HostBytes(out.reshape(-1), self.host_staging, buffer)
 
     def read_hashed(self, layer: int, slots: Slots, ready=None, num_layers: int = 1) -> tuple[HostBytes, int]:
@@ -133,7 +135,7 @@ class ReshardedView:
     def gather_on_device(self, layer: int, slots: Slots) -> torch.Tensor:
         """The same, assembled where the cache is (device-to-device transports)."""
         first, copies = self._split(layer)
-        out = torch.empty((len(slots), self.token_bytes), dtype=torch.uint8, device=self.device)
+        out = torch.zeros((len(slots), self.token_bytes), dtype=torch.uint8, device=self.device)
         for src, columns in copies:
             rows = self.source.gather_on_device(first + src, slots)
             for src_at, dst_at, size in columns:

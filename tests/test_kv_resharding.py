@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 from kv_sides import Outcomes
@@ -176,3 +177,25 @@ def test_the_handshake_refuses_a_layout_it_cannot_map():
             KVConnection(decode.address, replace(prefill.info, tp_size=0), prefill.cache)
     finally:
         decode.close()
+
+
+def test_a_resharded_8bit_slot_is_padded_with_zeros_not_another_units_bytes():
+    """Units are built in reused staging buffers: the padding after a slot's scales must be zeros
+    (as the format says), not codes of an earlier unit (another request's K/V) sent along."""
+    heads, dim, block_size, num_blocks = 3, 64, 16, 8
+    fmt = KVFormat("int8", heads, dim, torch.bfloat16)
+    layers = [torch.zeros(num_blocks, block_size, fmt.token_bytes, dtype=torch.uint8) for _ in range(2)]
+    for layer in layers:
+        noise = torch.randn(num_blocks * block_size, heads, dim) * 3
+        layer.view(-1, fmt.token_bytes).copy_(fmt.encode(noise, -noise))
+    view = ReshardedView(KVCacheView(layers, block_size, fmt.token_bytes), "int8", heads, dim, 1, 3)
+    fields = 2 * dim + 2 * 4  # one head's codes and scales per decode rank
+    assert view.token_bytes == 144
+    view.read(0, view.slots(list(range(num_blocks)), 0, num_blocks * block_size)).release()  # dirties the buffer
+    slots = view.slots([3, 1], 0, 2 * block_size)
+    for layer in range(3):
+        unit = view.read(layer, slots)
+        rows = np.asarray(unit.data).reshape(len(slots), view.token_bytes)
+        assert not rows[:, fields:].any()
+        unit.release()
+        assert not view.gather_on_device(layer, slots)[:, fields:].any()

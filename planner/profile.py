@@ -164,6 +164,7 @@ class Profile:
     transport: str  # the transport a stack of this kind negotiates
     overheads: Overheads = field(default_factory=Overheads)
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # the KV format kv_bytes_per_token and the transfer times are of
     cores: int | None = None  # devices every worker of a stack shares (a CPU's cores); None: one per degree
     kv_cache_tokens: dict[int, int] = field(default_factory=dict)  # KV capacity of one instance, by degree
     max_model_len: int = 8192

@@ -128,6 +128,7 @@ def write_profile(
         transport=transports[0],
         overheads=overheads,
         dtype=dtype,
+        kv_cache_dtype=config.kv_cache_dtype,
         cores=cores,
         kv_cache_tokens={d: capacity for d in degrees},
         max_model_len=max_len,

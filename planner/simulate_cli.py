@@ -62,6 +62,11 @@ def topology(mode: serve_plan.Mode, plan: serve_plan.Plan) -> Topology:
 def sim_config(plan: serve_plan.Plan, profile: Profile) -> SimConfig:
     """The settings of the stacks ``pdserve bench`` would start with the same flags."""
     e = plan.engine
+    if e.kv_cache_dtype != profile.kv_cache_dtype:  # its KV bytes per token and transfer times are another format's
+        raise ValueError(
+            f"--kv-cache-dtype {e.kv_cache_dtype}: the profile was measured with kv_cache_dtype "
+            f"{profile.kv_cache_dtype}; profile again with --kv-cache-dtype {e.kv_cache_dtype}"
+        )
     nbytes, _ = parse_memory(e.kv_cache_memory) if e.kv_cache_memory != "auto" else (None, None)
     if nbytes is not None and nbytes < profile.kv_bytes_per_token * e.block_size:
         raise ValueError(f"--kv-cache-memory {e.kv_cache_memory} holds no block of {e.block_size} tokens")

@@ -117,6 +117,17 @@ def test_simulate_runs_with_its_own_default_modes(tmp_path, profile_path):
     assert {p.name for p in tmp_path.glob("*.json")} >= {"1p1d-1qps.json", "colocated-1qps.json"}
 
 
+def test_simulate_refuses_a_kv_format_its_profile_was_not_measured_with(tmp_path, profile_path, capsys):
+    """KV bytes per token and transfer times are the profiled format's: an int8 cache simulated
+    from an auto profile held half the tokens it does and moved twice the bytes."""
+    assert Profile.load(profile_path).kv_cache_dtype == "auto"
+    assert (
+        _simulate(tmp_path, profile_path, "--request-rates", "1", "--num-prompts", "3", "--kv-cache-dtype", "int8") == 2
+    )
+    err = capsys.readouterr().err
+    assert "--kv-cache-dtype int8: the profile was measured with kv_cache_dtype auto" in err
+
+
 def test_simulate_reads_jsonl_traces(tmp_path, profile_path):
     trace = tmp_path / "trace.jsonl"
     trace.write_text(

@@ -124,7 +124,7 @@ class LLMEngine:
             self.device,
             num_blocks,
             config.block_size,
-            self.kv_cache.nbytes / 2**20,
+            sum(layer.nbytes for layer in self.kv_shards.layers) / 2**20,  # every rank's, at tensor parallel > 1
             backend_name,
         )
         if num_blocks * config.block_size < self.max_model_len:

@@ -6,6 +6,7 @@ and the worker comes back."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import signal
@@ -93,9 +94,13 @@ def tp1(model_dir, prompt_ids) -> Outcome:
 
 # PP 3 (a middle stage that receives and sends) passes too (`tp, pp = 1, 3`); left out to keep the suite short.
 @pytest.mark.parametrize("tp, pp", [(3, 1), (1, 2)], ids=["tp3", "pp2"])
-def test_parallel_engine_gives_the_tokens_of_tp1_and_transformers(model_dir, prompt_ids, tp1, hf_reference, tp, pp):
+def test_parallel_engine_gives_the_tokens_of_tp1_and_transformers(
+    model_dir, prompt_ids, tp1, hf_reference, tp, pp, caplog
+):
     cores, threads = os.sched_getaffinity(0), torch.get_num_threads()
-    engine = make_engine(model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    with caplog.at_level(logging.INFO, logger="pdserve.engine.llm_engine"):
+        engine = make_engine(model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    assert f"24 KV blocks of 16 tokens ({24 * PER_BLOCK / 2**20:.0f} MiB)" in caplog.text  # every rank's, not one's
     ranks = engine.parallel.supervisor.pids
     try:
         got = serve(engine, prompt_ids)

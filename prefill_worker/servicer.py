@@ -156,11 +156,8 @@ class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
         except TransferFailed as e:
             self.counters.add("transfer_checksum_mismatch" if e.corrupted else "transfer_failed")
             log.warning("request %s: KV transfer failed: %s", request.request_id, e)
-            if e.corrupted:
-                await context.abort(grpc.StatusCode.DATA_LOSS, str(e))
-            # The K/V left this worker: a connection reset, an expired lease or a refusal is the
-            # decode side's (another decode worker may take the request; this one stays in rotation).
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e), trailing_metadata=blame)
+            code = grpc.StatusCode.DATA_LOSS if e.corrupted else grpc.StatusCode.UNAVAILABLE
+            await context.abort(code, str(e))
         except EngineError as e:
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
         finally:

@@ -124,7 +124,7 @@ class LLMEngine:
             self.device,
             num_blocks,
             config.block_size,
-            sum(layer.nbytes for layer in self.kv_shards.layers) / 2**20,  # every rank's, at tensor parallel > 1
+            self._kv_cache_bytes() / 2**20,
             backend_name,
         )
         if num_blocks * config.block_size < self.max_model_len:
@@ -134,6 +134,13 @@ class LLMEngine:
                 num_blocks * config.block_size,
                 self.max_model_len,
             )
+
+    def _kv_cache_bytes(self) -> int:
+        """The KV cache's size: every rank's where the worker maps them all (CPU tensor or pipeline
+        parallel), else this process's (one GPU's of a multi-GPU worker)."""
+        if self.kv_shards is None:
+            return self.kv_cache.nbytes
+        return sum(layer.nbytes for layer in self.kv_shards.layers)
 
     @property
     def weights_id(self) -> str:

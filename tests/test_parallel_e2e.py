@@ -211,3 +211,32 @@ async def test_prefill_tp1_to_decode_tp3_and_a_rank_killed_under_load(hf_referen
         await assert_blocks_all_free(stack.address)
     finally:
         stack.down()
+
+
+def test_a_multi_gpu_worker_whose_ranks_keep_their_own_caches_starts(model_dir, monkeypatch, caplog):
+    """On GPUs each rank holds its own cache and the worker maps none of them (no ``kv_shards``):
+    the engine's start-up log read them all and the engine died of an AttributeError. Faked here
+    with what the driver exposes in that case."""
+    import pdserve.engine.parallel.driver as driver
+    from pdserve.engine.kv_cache import KVCache, KVLayout
+    from pdserve.engine.loader import load_model
+    from pdserve.engine.model_config import ModelConfig
+    from pdserve.kernels import select_backend
+
+    class EachGpuItsOwn:
+        def __init__(self, config, model_dir, device, kv_storage) -> None:
+            layout = KVLayout.for_model(ModelConfig.from_folder(model_dir), config.block_size, torch.float32, "auto")
+            self.model = load_model(
+                model_dir, torch.float32, device, select_backend(device, "auto", layout.format), "none"
+            )
+            self.kv_cache, self.kv_shards, self.pids = KVCache(layout, 8, device), None, []
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(driver, "ParallelDriver", EachGpuItsOwn)
+    with caplog.at_level(logging.INFO, logger="pdserve.engine.llm_engine"):
+        engine = LLMEngine(
+            EngineConfig(dtype="float32", device="cpu", tensor_parallel_size=2), model_dir=str(model_dir)
+        )
+    assert engine.kv_shards is None and "engine loaded" in caplog.text

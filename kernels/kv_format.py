@@ -23,6 +23,13 @@ _MAX_CODE = {"int8": 127.0, "fp8": 448.0}
 SLOT_ALIGN = 16  # bytes an 8-bit cache slot is padded to (csrc/kv_format.h says the same)
 
 
+def padded_slot(nbytes: int) -> int:
+    """An 8-bit slot's size for ``nbytes`` of codes and scales: rounded up to SLOT_ALIGN, so a
+    slot's codes start 16-byte aligned, as a GPU's vector loads assume (Triton read 3 KV heads'
+    408-byte slots at misaligned addresses otherwise)."""
+    return -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
+
+
 @dataclass(frozen=True, slots=True)
 class KVFormat:
     cache_dtype: str  # one of KV_CACHE_DTYPES
@@ -51,11 +58,14 @@ class KVFormat:
         return 2 * self.num_kv_heads * self.head_dim
 
     @property
+    def fields_bytes(self) -> int:
+        """An 8-bit slot's codes and scales (the padding follows)."""
+        return self.values_per_token + 2 * self.num_kv_heads * 4
+
+    @property
     def token_bytes(self) -> int:
         if self.quantized:
-            # Rounded up to 16: a slot's codes then start 16-byte aligned, as a GPU's vector loads
-            # assume (Triton reads 3 KV heads' 408-byte slots at misaligned addresses otherwise).
-            return -(-(self.values_per_token + 2 * self.num_kv_heads * 4) // SLOT_ALIGN) * SLOT_ALIGN
+            return padded_slot(self.fields_bytes)
         return self.values_per_token * self.dtype.itemsize
 
     def slot_shape(self) -> tuple[int, ...]:
@@ -81,7 +91,7 @@ class KVFormat:
         slots = torch.zeros(tokens, self.token_bytes, dtype=torch.uint8, device=k.device)
         n = self.values_per_token
         slots[:, :n] = codes.reshape(tokens, -1)
-        slots[:, n : n + 2 * self.num_kv_heads * 4] = scale.contiguous().view(torch.uint8).reshape(tokens, -1)
+        slots[:, n : self.fields_bytes] = scale.contiguous().view(torch.uint8).reshape(tokens, -1)
         return slots
 
     def decode(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,7 +103,7 @@ class KVFormat:
         raw = slots.reshape(-1, self.token_bytes)
         codes = raw[:, :n]
         values = (codes.view(torch.int8) if self.cache_dtype == "int8" else codes.view(torch.float8_e4m3fn)).float()
-        scales = raw[:, n : n + 2 * self.num_kv_heads * 4].contiguous().view(torch.float32)  # [N, 2 * H]
+        scales = raw[:, n : self.fields_bytes].contiguous().view(torch.float32)  # [N, 2 * H]
         kv = values.view(-1, 2, self.num_kv_heads, self.head_dim) * scales.view(-1, 2, self.num_kv_heads, 1)
         kv = kv.to(self.dtype).view(*lead, 2, self.num_kv_heads, self.head_dim)
         return kv[..., 0, :, :], kv[..., 1, :, :]

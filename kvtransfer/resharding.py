@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from pdserve.engine.parallel.layout import kv_heads_of, kv_heads_per_rank, kv_split_problem
-from pdserve.kernels.kv_format import SLOT_ALIGN
+from pdserve.kernels.kv_format import padded_slot
 from pdserve.kvtransfer.integrity import checksum
 from pdserve.kvtransfer.layout import HostBytes, KVCacheView, Slots
 
@@ -36,10 +36,9 @@ def head_fields(stored_as: str, num_heads: int, head_dim: int) -> list[tuple[int
     return fields
 
 
-def slot_bytes(stored_as: str, fields: list[tuple[int, int]], num_heads: int) -> int:
-    """A token slot's bytes: its fields, and for 8-bit caches the padding after them."""
-    used = sum(size for _, size in fields) * num_heads
-    return -(-used // SLOT_ALIGN) * SLOT_ALIGN if stored_as in _QUANTIZED else used
+def slot_bytes(stored_as: str, fields_bytes: int) -> int:
+    """A token slot's bytes: its fields', and for 8-bit caches the padding after them."""
+    return padded_slot(fields_bytes) if stored_as in _QUANTIZED else fields_bytes
 
 
 def mapping_problem(num_kv_heads: int, src_tp: int, dst_tp: int, stored_as: str) -> str | None:
@@ -91,8 +90,8 @@ class ReshardedView:
         self.num_layers = source.num_layers // src_tp * dst_tp
         src_fields = head_fields(stored_as, kv_heads_per_rank(num_kv_heads, src_tp), head_dim)
         dst_fields = head_fields(stored_as, kv_heads_per_rank(num_kv_heads, dst_tp), head_dim)
-        self.token_bytes = slot_bytes(stored_as, dst_fields, kv_heads_per_rank(num_kv_heads, dst_tp))
         self._used = sum(size for _, size in dst_fields) * kv_heads_per_rank(num_kv_heads, dst_tp)  # then padding
+        self.token_bytes = slot_bytes(stored_as, self._used)
         # Per decode rank: per source rank, the (source offset, destination offset, bytes) column copies.
         self._copies: list[list[tuple[int, list[tuple[int, int, int]]]]] = []
         for d in range(dst_tp):

@@ -308,7 +308,7 @@ def request_id(request: Request, chat: bool) -> str:
     """The client's X-Request-Id as sent (its answer's id and header, the logs' name for it), or
     a fresh one."""
     given = request.headers.get("x-request-id")
-    if given is None:
+    if not given:  # absent, or empty
         return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     try:
         check_request_id(given)

@@ -363,8 +363,9 @@ async def test_the_clients_x_request_id_names_its_request(api):
             await http.post("/v1/completions", json=good, headers={"X-Request-Id": "x" * 500}), 400, "X-Request-Id"
         )
         assert "at most" in error["message"]
-        unnamed = await http.post("/v1/completions", json=good)
-        assert unnamed.json()["id"].startswith("cmpl-") and unnamed.headers["x-request-id"] == unnamed.json()["id"]
+        for headers in ({}, {"X-Request-Id": ""}):  # none, or an empty one: a fresh id
+            unnamed = await http.post("/v1/completions", json=good, headers=headers)
+            assert unnamed.json()["id"].startswith("cmpl-") and unnamed.headers["x-request-id"] == unnamed.json()["id"]
 
 
 # ---------------------------------------------------------------------------------------------

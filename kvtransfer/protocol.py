@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import xxhash
 
 MAGIC = b"PDKV"
-# 6: DONE's checksum covers its tokens; 5: HELD; 4: units of several layers; 3: chunked XXH64 checksums; 2: HMAC challenge-response,
-# token_bytes in the layout check, RENEW
+# 6: DONE's checksum covers its tokens; 5: HELD; 4: units of several layers; 3: chunked XXH64
+# checksums; 2: HMAC challenge-response, token_bytes in the layout check, RENEW
 VERSION = 6
 HEADER = struct.Struct("<4sBBHQIIIqQQ")
 HEADER_SIZE = HEADER.size

@@ -40,7 +40,7 @@ def raise_open_file_limit() -> None:
     except ImportError:  # not a POSIX system
         return
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or soft < hard:
+    if soft != hard:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         except (ValueError, OSError):  # an unlimited hard limit some kernels refuse as a soft one

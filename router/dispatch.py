@@ -275,7 +275,8 @@ class Dispatcher:
                 # Among pairs not known to refuse each other's KV handshake; with none such, any
                 # (what the router remembers may be stale: a worker restarted with other settings).
                 pairs = self._matching_pairs(failed)
-                unpaired = {w.address for w in self.registry.decode if not any(d == w.address for _, d in pairs)}
+                paired = {d for _, d in pairs}
+                unpaired = {w.address for w in self.registry.decode if w.address not in paired}
                 decode = self.policy.pick_decode(
                     attempt.request, self.registry.decode, exclude=failed | (unpaired if pairs else set())
                 )

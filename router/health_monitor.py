@@ -92,13 +92,9 @@ class HealthMonitor:
         except (grpc.aio.AioRpcError, ConnectionError) as e:
             # The details say why (a wrong cluster token, a TLS mismatch), not only the code.
             reason = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else str(e)
-            if (
-                isinstance(e, grpc.aio.AioRpcError) and e.code() is grpc.StatusCode.NOT_FOUND
-            ):  # health knows no such service
-                reason = (
-                    f"it does not serve {service} (a worker of the other role? check --prefill-workers "
-                    "and --decode-workers)"
-                )
+            unknown_service = isinstance(e, grpc.aio.AioRpcError) and e.code() is grpc.StatusCode.NOT_FOUND
+            if unknown_service:  # its health service knows no such role
+                reason = f"it does not serve {service} (a worker of the other role? check --prefill-workers and --decode-workers)"
             if worker.healthy:
                 log.info("probe of %s worker %s failed: %s", worker.role.value, worker.address, reason)
             worker.record_failure(self.failure_threshold, reason)

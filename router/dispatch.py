@@ -32,7 +32,7 @@ from pdserve.router.choice_migration import continue_choices
 from pdserve.router.conditional import ConditionalRouter
 from pdserve.router.policy import NoWorkerAvailable, RoutingPolicy
 from pdserve.router.validation import ValidatedRequest
-from pdserve.router.workers import OpenCall, PromptBlocks, Role, Worker, WorkerRegistry
+from pdserve.router.workers import WRONG_ROLE_HINT, OpenCall, PromptBlocks, Role, Worker, WorkerRegistry
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.wire import sampling_to_proto
 
@@ -134,6 +134,12 @@ def _worker_error(worker: Worker, error: grpc.aio.AioRpcError, elsewhere: bool =
         return DispatchError(code, "request cancelled", worker)
     if code is grpc.StatusCode.INVALID_ARGUMENT:  # the worker's words name the field (a grammar that does not compile)
         return DispatchError(code, error.details(), worker)
+    if code is grpc.StatusCode.UNIMPLEMENTED:  # asked before its health checks showed it serves another role
+        return DispatchError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"{worker.role.value} worker {worker.address} does not serve its role's calls {WRONG_ROLE_HINT}",
+            worker,
+        )
     retry = dict(error.trailing_metadata() or ()).get(RETRY_AFTER_KEY)
     return DispatchError(
         code,

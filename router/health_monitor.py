@@ -16,7 +16,7 @@ from typing import Awaitable, Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdserve.router.workers import Worker, WorkerRegistry
+from pdserve.router.workers import WRONG_ROLE_HINT, Worker, WorkerRegistry
 from pdserve.v1 import pdserve_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -94,10 +94,11 @@ class HealthMonitor:
             reason = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else str(e)
             unknown_service = isinstance(e, grpc.aio.AioRpcError) and e.code() is grpc.StatusCode.NOT_FOUND
             if unknown_service:  # its health service knows no such role
-                reason = f"it does not serve {service} (a worker of the other role? check --prefill-workers and --decode-workers)"
+                reason = f"it does not serve {service} {WRONG_ROLE_HINT}"
             if worker.healthy:
                 log.info("probe of %s worker %s failed: %s", worker.role.value, worker.address, reason)
-            worker.record_failure(self.failure_threshold, reason)
+            # A worker of the other role will not become this one: out at once, not after retries.
+            worker.record_failure(1 if unknown_service else self.failure_threshold, reason)
             if not worker.healthy and (moved := worker.abandon_quiet_calls(QUIET_S)):
                 log.warning(
                     "%s worker %s does not answer: %d of its requests move to other workers",

@@ -31,6 +31,10 @@ class Role(str, enum.Enum):
     DECODE = "decode"
 
 
+# Why a worker answers its role's health check NOT_FOUND or its calls UNIMPLEMENTED.
+WRONG_ROLE_HINT = "(a worker of the other role? check --prefill-workers and --decode-workers)"
+
+
 @dataclass(eq=False)
 class PrefillWork:
     """A prompt bound for a prefill worker, from ``begin_prefill`` until ``end_prefill``."""

@@ -563,3 +563,19 @@ def test_a_cluster_mismatch_is_a_503_over_http_not_the_clients_fault():
     refused = DispatchError(grpc.StatusCode.FAILED_PRECONDITION, "prefill worker p and decode worker d cannot ...")
     api = APIError.from_dispatch(refused)
     assert api.status == 503 and api.body()["error"]["type"] == "service_unavailable_error"
+
+
+async def test_a_worker_of_the_other_role_is_named_and_the_request_goes_elsewhere():
+    """Asked before its health checks showed it serves another role, a worker answers
+    UNIMPLEMENTED ('Method not found!'): a misconfigured worker, not a call the client made wrong."""
+    wrong_role = rpc_error(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+    p1, p2 = prefill_worker("p1", FakePrefill([wrong_role])), prefill_worker("p2", FakePrefill([5]))
+    d1 = decode_worker("d1", FakeDecode([([], None), ([[7]], None)]))
+    assert await collect(dispatcher(registry([p1, p2], [d1])), request(max_tokens=2)) == ([5, 7], "length")
+    assert p1.consecutive_failures == 1 and "a worker of the other role?" in p1.last_error
+
+    alone = prefill_worker("p3", FakePrefill([wrong_role] * 4))
+    disp = dispatcher(registry([alone], [decode_worker("d2", FakeDecode([([], None)] * 4))]))
+    with pytest.raises(DispatchError) as err:
+        await collect(disp, request())
+    assert err.value.code is grpc.StatusCode.UNAVAILABLE and "a worker of the other role?" in err.value.message

@@ -20,7 +20,8 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 RETRY_AFTER_KEY = "retry-after-ms"  # trailing metadata on RESOURCE_EXHAUSTED: when to try again
 # Trailing metadata of a failed Prefill: "decode", its peer's fault (the decode worker's KV endpoint
-# is unreachable); "pair", the two workers cannot exchange K/V (either may be the odd one out).
+# is unreachable); "pair", the two workers cannot exchange K/V (either may be the odd one out);
+# "transfer", the handoff broke after the K/V left (either side's: neither is charged).
 PEER_FAULT_KEY = "pdserve-peer-fault"
 
 

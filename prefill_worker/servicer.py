@@ -156,8 +156,11 @@ class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
         except TransferFailed as e:
             self.counters.add("transfer_checksum_mismatch" if e.corrupted else "transfer_failed")
             log.warning("request %s: KV transfer failed: %s", request.request_id, e)
-            code = grpc.StatusCode.DATA_LOSS if e.corrupted else grpc.StatusCode.UNAVAILABLE
-            await context.abort(code, str(e))
+            if e.corrupted:  # the router prefills it again (its own counter), whoever damaged it
+                await context.abort(grpc.StatusCode.DATA_LOSS, str(e))
+            # The K/V left this worker: a reset, an expired lease or a refusal may be either
+            # side's (a decode worker killed mid-transfer is the common one). Neither is charged.
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e), trailing_metadata=((PEER_FAULT_KEY, "transfer"),))
         except EngineError as e:
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
         finally:

@@ -74,8 +74,10 @@ class DispatchError(Exception):
         final: bool = False,
         elsewhere: bool = False,
         also: Worker | None = None,
+        charged: bool = True,
     ) -> None:
         super().__init__(message)
+        self.charged = charged  # whether an UNAVAILABLE counts against ``worker``'s circuit breaker
         self.final = final  # retrying cannot help (e.g. we already waited for a worker to come back)
         self.elsewhere = elsewhere  # this worker's fault whatever the code: another of its role may do
         self.code = code
@@ -124,6 +126,14 @@ def _prefill_error(prefill: Worker, decode: Worker, error: grpc.aio.AioRpcError)
         )
     if fault == "decode":
         return _worker_error(decode, error, elsewhere=True)
+    if fault == "transfer":  # broke after the K/V left: charge neither; their own calls and probes judge them
+        return DispatchError(
+            error.code(),
+            f"the K/V handoff from prefill worker {prefill.address} to decode worker {decode.address} failed: "
+            f"{error.details()}",
+            decode,
+            charged=False,
+        )
     return _worker_error(prefill, error)
 
 
@@ -206,7 +216,7 @@ class Dispatcher:
                                 return
                 raise DispatchError(grpc.StatusCode.UNAVAILABLE, "the worker stream ended without a finish reason")
             except DispatchError as e:
-                if e.worker is not None and e.code is grpc.StatusCode.UNAVAILABLE and not e.elsewhere:
+                if e.worker is not None and e.code is grpc.StatusCode.UNAVAILABLE and e.charged and not e.elsewhere:
                     e.worker.record_failure(self.failure_threshold, e.message)  # a peer's word is no proof
                 if e.also is not None:  # a mismatched pair: the pair is out, not its workers
                     self.mismatched[(e.also.address, e.worker.address)] = time.monotonic() + MISMATCH_MEMORY_S

@@ -28,11 +28,13 @@ def rpc_error(
     retry_after_ms: int | None = None,
     decode_fault: bool = False,
     pair_fault: bool = False,
+    transfer_fault: bool = False,
 ) -> grpc.aio.AioRpcError:
     trailing = grpc.aio.Metadata(
         *((("retry-after-ms", str(retry_after_ms)),) if retry_after_ms else ()),
         *((("pdserve-peer-fault", "decode"),) if decode_fault else ()),
         *((("pdserve-peer-fault", "pair"),) if pair_fault else ()),
+        *((("pdserve-peer-fault", "transfer"),) if transfer_fault else ()),
     )
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details)
 
@@ -422,6 +424,26 @@ async def test_a_decode_worker_whose_kv_endpoint_fails_is_the_one_avoided(code):
     with pytest.raises(DispatchError) as err:
         await collect(alone, request())
     assert err.value.code is code and "refused the KV handshake" in err.value.message
+
+
+async def test_a_handoff_that_broke_after_the_kv_left_charges_neither_worker():
+    """A decode worker killed mid-transfer: the prefill worker's call fails first, saying the
+    handoff broke. Several such failures took the healthy prefill worker out of rotation; now
+    neither is charged, the request moves to another decode worker, and alone it is tried again
+    on the same pair (a lease that expired on a stalled transfer, a decode worker restarted)."""
+    broken = rpc_error(grpc.StatusCode.UNAVAILABLE, "KV connection lost: Connection reset by peer", transfer_fault=True)
+    p = FakePrefill([broken, 5, broken, 6])
+    p1 = prefill_worker("p1", p)
+    d1, d2 = decode_worker("d1", FakeDecode([([], None)])), decode_worker("d2", FakeDecode([([[7]], None)]))
+    disp = dispatcher(registry([p1], [d1, d2]), failure_threshold=1)
+    assert await collect(disp, request(max_tokens=2)) == ([5, 7], "length")
+    assert len(d2.decode_stub.requests) == 1  # moved to the other decode worker
+    assert (p1.consecutive_failures, d1.consecutive_failures) == (0, 0) and p1.healthy and d1.healthy
+
+    d3 = decode_worker("d3", FakeDecode([([], None), ([[8]], None)]))
+    alone = dispatcher(registry([p1], [d3]), failure_threshold=1)
+    assert await collect(alone, request(max_tokens=2)) == ([6, 8], "length")
+    assert p1.healthy and d3.healthy and alone.counters["retries"] == 1
 
 
 async def test_a_pair_that_refuses_each_others_kv_handshake_is_kept_apart():

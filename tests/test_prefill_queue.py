@@ -20,7 +20,7 @@ class Aborted(Exception):
 
 class Context:
     async def abort(self, code, details="", trailing_metadata=()):
-        raise Aborted(code, details)
+        raise Aborted(code, details, dict(trailing_metadata))
 
 
 class Loop:
@@ -75,3 +75,28 @@ async def test_a_full_queue_is_refused_with_a_retry_hint():
     with pytest.raises(Aborted) as refused:
         await service.Prefill(request("c"), Context())
     assert refused.value.args[0] is grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+@pytest.mark.parametrize("corrupted", [False, True])
+async def test_a_handoff_that_breaks_after_the_kv_left_charges_neither_side(corrupted):
+    """A decode worker killed mid-transfer: this prefill worker says the handoff broke (the
+    router charges neither side; several transfers failing at once took a healthy prefill
+    worker out of rotation)."""
+    from pdserve.engine.request_output import TransferFailed
+    from pdserve.grpc_server import PEER_FAULT_KEY
+
+    class BrokenHandoff(Loop):
+        async def generate(self, rid, start):
+            yield RequestOutput(rid, [7], None, 4, 0)
+            raise TransferFailed("KV connection to kv:1 lost: Connection reset by peer", corrupted=corrupted)
+
+    transfer = SimpleNamespace(close=lambda: None)
+    sender = SimpleNamespace(connection=lambda address: SimpleNamespace(open=lambda *args, **kwargs: transfer))
+    service = PrefillService(BrokenHandoff(), sender, max_queued_requests=1)
+    with pytest.raises(Aborted) as failed:
+        await service.Prefill(request("a"), Context())
+    code, _, trailing = failed.value.args
+    if corrupted:  # the router prefills it again (its own counter), whoever damaged it
+        assert code is grpc.StatusCode.DATA_LOSS and not trailing
+    else:
+        assert code is grpc.StatusCode.UNAVAILABLE and trailing.get(PEER_FAULT_KEY) == "transfer"

@@ -17,7 +17,8 @@ from pdserve.process import announce_ready, wait_for_shutdown_signal
 from pdserve.router.completions import Completions
 from pdserve.router.dispatch import Dispatcher
 from pdserve.router.health_monitor import HealthMonitor
-from pdserve.router.openai_api import create_app, http_port, serve_http
+from pdserve.router.http_server import http_port, serve_http
+from pdserve.router.openai_api import create_app
 from pdserve.router.policy import make_policy
 from pdserve.router.servicer import RouterService, add_router_service
 from pdserve.router.tokenizer import RouterTokenizer

@@ -26,8 +26,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import socket
-import ssl
 import time
 import uuid
 from dataclasses import replace
@@ -36,7 +34,6 @@ from typing import Any, AsyncIterator, Callable, Iterable
 
 import anyio
 import grpc
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -44,7 +41,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute
 from starlette.types import Receive, Scope, Send
 
-from pdserve.addresses import join_host_port
 from pdserve.request_rules import check_request_id
 from pdserve.router.completions import Chunk, Completions
 from pdserve.router.dispatch import DispatchError
@@ -70,7 +66,7 @@ from pdserve.router.openai_protocol import (
 )
 from pdserve.router.request import CompletionRequest
 from pdserve.router.validation import InvalidRequest, ValidatedRequest
-from pdserve.security import SecuritySettings, bearer_ok
+from pdserve.security import bearer_ok
 
 log = logging.getLogger(__name__)
 STREAM_LIMIT_GRACE_S = 1.0
@@ -392,72 +388,3 @@ def create_app(
     for route in extra_routes or ():
         app.router.routes.append(route)
     return app
-
-
-# ---------------------------------------------------------------------------------------------
-# Serving
-# ---------------------------------------------------------------------------------------------
-class _Server(uvicorn.Server):
-    """uvicorn without its signal handlers: the router process owns SIGINT/SIGTERM."""
-
-    @contextlib.contextmanager
-    def capture_signals(self):  # uvicorn >= 0.29
-        yield
-
-    def install_signal_handlers(self) -> None:  # older uvicorn
-        pass
-
-
-def _tls_options(security: SecuritySettings | None) -> dict[str, Any]:
-    """The router's gRPC TLS settings, applied to HTTP: HTTPS with --tls-cert/--tls-key, client
-    certificates signed by --tls-ca required with --tls-client-auth."""
-    if security is None or not security.tls:
-        return {}
-    options: dict[str, Any] = {"ssl_certfile": security.tls_cert, "ssl_keyfile": security.tls_key}
-    if security.tls_client_auth:
-        options.update(ssl_ca_certs=security.tls_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
-    return options
-
-
-async def serve_http(
-    app, host: str, port: int, *, graceful_shutdown_s: float = 5.0, security: SecuritySettings | None = None
-) -> tuple[uvicorn.Server, asyncio.Task]:
-    """Serves ``app`` with uvicorn in the running event loop (HTTPS when ``security`` has TLS);
-    returns once it accepts connections. Binding errors (port in use) raise OSError here. Stop
-    it with ``server.should_exit = True`` and ``await task``; ``http_port(server)`` is the bound
-    port (useful with port 0)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        sock = socket.create_server((host, port), family=family)
-    except OSError as e:
-        raise OSError(f"--http-port: could not bind {join_host_port(host, port)}: {e.strerror or e}") from None
-    config = uvicorn.Config(
-        app,
-        log_level="warning",
-        log_config=None,
-        access_log=False,
-        lifespan="off",
-        timeout_graceful_shutdown=graceful_shutdown_s,
-        **_tls_options(security),
-    )
-    server = _Server(config)
-
-    async def run() -> None:
-        try:
-            await server.serve(sockets=[sock])
-        except SystemExit as e:  # uvicorn exits on startup failures; never let that end the router
-            raise RuntimeError(f"the HTTP server failed to start (exit code {e.code})") from None
-        finally:
-            sock.close()
-
-    task = asyncio.create_task(run(), name=f"http-{host}:{port}")
-    while not server.started:
-        if task.done():
-            task.result()  # raises why it stopped
-            raise RuntimeError("the HTTP server stopped before it started")
-        await asyncio.sleep(0.01)
-    return server, task
-
-
-def http_port(server: uvicorn.Server) -> int:
-    return server.servers[0].sockets[0].getsockname()[1]

@@ -75,7 +75,7 @@ def test_a_worker_address_with_a_port_out_of_range_is_refused_at_start(spec):
 async def test_a_taken_http_port_is_named():
     from fastapi import FastAPI
 
-    from pdserve.router.openai_api import serve_http
+    from pdserve.router.http_server import serve_http
 
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]

@@ -26,7 +26,8 @@ from processes import Stack
 
 from pdserve.router.completions import Completions
 from pdserve.router.dispatch import Dispatcher
-from pdserve.router.openai_api import create_app, http_port, serve_http
+from pdserve.router.http_server import http_port, serve_http
+from pdserve.router.openai_api import create_app
 from pdserve.router.policy import make_policy
 from pdserve.router.tokenizer import RouterTokenizer
 from pdserve.router.workers import WorkerRegistry

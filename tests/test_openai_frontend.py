@@ -29,7 +29,8 @@ from pdserve.client import build_request
 from pdserve.request_rules import Constraint
 from pdserve.router.completions import Completions
 from pdserve.router.dispatch import DispatchError, TokenEvent
-from pdserve.router.openai_api import create_app, http_port, serve_http
+from pdserve.router.http_server import http_port, serve_http
+from pdserve.router.openai_api import create_app
 from pdserve.router.openai_logprobs import CompletionLogprobs, TokenTexts, prompt_logprobs
 from pdserve.router.request import CompletionRequest, SamplingRequest
 from pdserve.router.servicer import RouterService, add_router_service

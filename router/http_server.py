@@ -1,0 +1,126 @@
+"""Serving the router's HTTP app with uvicorn in the router's own event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import ssl
+from typing import Any
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from pdserve.addresses import join_host_port
+from pdserve.security import SecuritySettings
+
+REQUEST_HEAD_TIMEOUT_S = 10.0  # from connecting (or the last response) to a whole request head
+
+
+class _HeadTimedH11(H11Protocol):
+    """uvicorn times out an idle connection only after a response: one that never sends (or
+    dribbles) its request head held a descriptor and its state forever, and a few hundred of
+    them starved the router (slowloris). Such a connection is closed after
+    ``REQUEST_HEAD_TIMEOUT_S``, like nginx's client_header_timeout."""
+
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._await_head()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:  # the head is in: the request's own timeouts rule
+            self._stop_head_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.conn.their_state is h11.IDLE:  # kept alive: the next request's head is awaited
+            self._await_head()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_head_timer()
+        super().connection_lost(exc)
+
+    def _await_head(self) -> None:
+        self._stop_head_timer()
+        self._head_timer = self.loop.call_later(REQUEST_HEAD_TIMEOUT_S, self._head_timed_out)
+
+    def _stop_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handlers: the router process owns SIGINT/SIGTERM."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # uvicorn >= 0.29
+        yield
+
+    def install_signal_handlers(self) -> None:  # older uvicorn
+        pass
+
+
+def _tls_options(security: SecuritySettings | None) -> dict[str, Any]:
+    """The router's gRPC TLS settings, applied to HTTP: HTTPS with --tls-cert/--tls-key, client
+    certificates signed by --tls-ca required with --tls-client-auth."""
+    if security is None or not security.tls:
+        return {}
+    options: dict[str, Any] = {"ssl_certfile": security.tls_cert, "ssl_keyfile": security.tls_key}
+    if security.tls_client_auth:
+        options.update(ssl_ca_certs=security.tls_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    return options
+
+
+async def serve_http(
+    app, host: str, port: int, *, graceful_shutdown_s: float = 5.0, security: SecuritySettings | None = None
+) -> tuple[uvicorn.Server, asyncio.Task]:
+    """Serves ``app`` with uvicorn in the running event loop (HTTPS when ``security`` has TLS);
+    returns once it accepts connections. Binding errors (port in use) raise OSError here. Stop
+    it with ``server.should_exit = True`` and ``await task``; ``http_port(server)`` is the bound
+    port (useful with port 0)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        sock = socket.create_server((host, port), family=family)
+    except OSError as e:
+        raise OSError(f"--http-port: could not bind {join_host_port(host, port)}: {e.strerror or e}") from None
+    config = uvicorn.Config(
+        app,
+        http=_HeadTimedH11,
+        log_level="warning",
+        log_config=None,
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=graceful_shutdown_s,
+        **_tls_options(security),
+    )
+    server = _Server(config)
+
+    async def run() -> None:
+        try:
+            await server.serve(sockets=[sock])
+        except SystemExit as e:  # uvicorn exits on startup failures; never let that end the router
+            raise RuntimeError(f"the HTTP server failed to start (exit code {e.code})") from None
+        finally:
+            sock.close()
+
+    task = asyncio.create_task(run(), name=f"http-{host}:{port}")
+    while not server.started:
+        if task.done():
+            task.result()  # raises why it stopped
+            raise RuntimeError("the HTTP server stopped before it started")
+        await asyncio.sleep(0.01)
+    return server, task
+
+
+def http_port(server: uvicorn.Server) -> int:
+    return server.servers[0].sockets[0].getsockname()[1]

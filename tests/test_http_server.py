@@ -1,0 +1,75 @@
+"""The router's HTTP server on loopback: connections that never send a whole request head are
+closed (slowloris), requests that take longer than that are not cut."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from fastapi import FastAPI
+
+from pdserve.router import http_server
+from pdserve.router.http_server import http_port, serve_http
+
+HEAD_TIMEOUT_S = 0.5
+
+
+@pytest.fixture
+async def server(monkeypatch):
+    monkeypatch.setattr(http_server, "REQUEST_HEAD_TIMEOUT_S", HEAD_TIMEOUT_S)
+    app = FastAPI()
+
+    @app.get("/slow")
+    async def slow():
+        await asyncio.sleep(3 * HEAD_TIMEOUT_S)  # longer than a head may take: the answer still comes
+        return {"ok": True}
+
+    srv, task = await serve_http(app, "127.0.0.1", 0)
+    yield http_port(srv)
+    srv.should_exit = True
+    await task
+
+
+async def closed_after(reader: asyncio.StreamReader, limit_s: float = 10.0) -> float:
+    """Seconds until the server closes the connection (reading whatever it sent)."""
+    start = time.monotonic()
+    while await asyncio.wait_for(reader.read(65536), limit_s):
+        pass
+    return time.monotonic() - start
+
+
+async def test_a_connection_that_sends_nothing_is_closed(server):
+    reader, writer = await asyncio.open_connection("127.0.0.1", server)
+    assert await closed_after(reader) < HEAD_TIMEOUT_S + 2
+    writer.close()
+
+
+async def test_a_request_head_dribbled_byte_by_byte_is_closed(server):
+    reader, writer = await asyncio.open_connection("127.0.0.1", server)
+    writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n")
+    start, closed = time.monotonic(), False
+    for _ in range(50):  # 10 s of a header trickling in, a byte every 0.2 s
+        try:
+            writer.write(b"X")
+            await writer.drain()
+            closed = not await asyncio.wait_for(reader.read(65536), 0.2)
+        except asyncio.TimeoutError:
+            continue
+        except ConnectionError:
+            closed = True
+        if closed:
+            break
+    assert closed and time.monotonic() - start < HEAD_TIMEOUT_S + 2  # closed while it still trickled
+    writer.close()
+
+
+async def test_a_slow_answer_is_not_cut_and_a_kept_alive_connection_is_timed_again(server):
+    reader, writer = await asyncio.open_connection("127.0.0.1", server)
+    for _ in range(2):  # two requests on one connection, each slower than a head may take
+        writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert head.startswith(b"HTTP/1.1 200")
+        assert await asyncio.wait_for(reader.readexactly(11), 10) == b'{"ok":true}'
+    assert await closed_after(reader) < HEAD_TIMEOUT_S + 2  # then idle: the next head is awaited as long
+    writer.close()

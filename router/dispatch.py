@@ -225,7 +225,9 @@ class Dispatcher:
                     raise
                 if e.also is not None:
                     if not self._matching_pairs(failed):
-                        raise  # its words say more than "no worker left" would
+                        if not self._matching_pairs(set()):
+                            raise  # its words say more than "no worker left" would
+                        failed.clear()  # each matching pair holds a worker that failed this request: try again
                 elif e.worker is not None:
                     failed.add(e.worker.address)
                     if e.elsewhere and not self._another(e.worker, failed):

@@ -500,6 +500,17 @@ class NamedDecode(FakeDecode):
         return call
 
 
+async def test_a_refused_pair_sends_the_request_back_to_a_matching_pair_that_failed_it_once():
+    """p2 fails the request once (a restart), p1 then refuses d1's handshake: the only matching
+    pair is p2's, which this request saw fail. It is tried again rather than the request failed."""
+    down = rpc_error(grpc.StatusCode.UNAVAILABLE, "connection reset")
+    p1, p2 = prefill_worker("p1", MatchingPrefill("nowhere")), prefill_worker("p2", FakePrefill([down, 5]))
+    d1 = decode_worker("d1", NamedDecode("d1", 3))
+    disp = dispatcher(registry([p2, p1], [d1]))
+    assert await collect(disp, request(max_tokens=2)) == ([5, 7], "length")
+    assert p1.prefill_stub.targets == ["d1"] and len(p2.prefill_stub.requests) == 2
+
+
 async def test_two_deployments_behind_one_router_each_request_finds_a_matching_pair():
     """(p1, d1) and (p2, d2) match, the cross pairs refuse each other: a refused pair rules out
     the pair, not its two workers, so no request fails while a matching pair is up."""

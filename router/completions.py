@@ -16,10 +16,11 @@ import grpc
 
 from pdserve import metrics
 from pdserve.request_rules import check_message_count, check_prompt_length
-from pdserve.router.dispatch import Dispatcher, DispatchError
+from pdserve.router.dispatch import Dispatcher
 from pdserve.router.request import CompletionRequest
 from pdserve.router.tokenizer import RouterTokenizer
 from pdserve.router.validation import InvalidRequest, ValidatedRequest, validate
+from pdserve.router.worker_errors import DispatchError
 from pdserve.v1 import pdserve_pb2 as pb
 
 log = logging.getLogger(__name__)

@@ -27,17 +27,16 @@ from typing import AsyncIterator, Iterator
 import grpc
 
 from pdserve import metrics
-from pdserve.grpc_server import PEER_FAULT_KEY, RETRY_AFTER_KEY
 from pdserve.router.choice_migration import continue_choices
 from pdserve.router.conditional import ConditionalRouter
 from pdserve.router.policy import NoWorkerAvailable, RoutingPolicy
 from pdserve.router.validation import ValidatedRequest
-from pdserve.router.workers import WRONG_ROLE_HINT, OpenCall, PromptBlocks, Role, Worker, WorkerRegistry
+from pdserve.router.worker_errors import DispatchError, prefill_error, worker_error
+from pdserve.router.workers import OpenCall, PromptBlocks, Role, Worker, WorkerRegistry
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.wire import sampling_to_proto
 
 log = logging.getLogger(__name__)
-RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.ABORTED}
 DEFAULT_MAX_ATTEMPTS = 4
 MISMATCH_MEMORY_S = 30.0  # how long a pair that refused each other's KV handshake is kept apart
 
@@ -64,33 +63,6 @@ class TokenEvent:
         )
 
 
-class DispatchError(Exception):
-    def __init__(
-        self,
-        code: grpc.StatusCode,
-        message: str,
-        worker: Worker | None = None,
-        retry_after_ms: int | None = None,
-        final: bool = False,
-        elsewhere: bool = False,
-        also: Worker | None = None,
-        charged: bool = True,
-    ) -> None:
-        super().__init__(message)
-        self.charged = charged  # whether an UNAVAILABLE counts against ``worker``'s circuit breaker
-        self.final = final  # retrying cannot help (e.g. we already waited for a worker to come back)
-        self.elsewhere = elsewhere  # this worker's fault whatever the code: another of its role may do
-        self.code = code
-        self.message = message
-        self.worker = worker
-        self.also = also  # the other worker of a pair that cannot work together
-        self.retry_after_ms = retry_after_ms  # for RESOURCE_EXHAUSTED: when the client may try again
-
-    @property
-    def retryable(self) -> bool:
-        return not self.final and (self.code in RETRYABLE or self.elsewhere)
-
-
 @dataclass(frozen=True, slots=True)
 class Attempt:
     """What one try sends: the original prompt plus the tokens the client already has.
@@ -108,58 +80,6 @@ class Attempt:
     @property
     def token_ids(self) -> list[int]:
         return self.blocks.token_ids
-
-
-def _prefill_error(prefill: Worker, decode: Worker, error: grpc.aio.AioRpcError) -> DispatchError:
-    """A failed Prefill call: the prefill worker's fault, the decode worker's when the prefill
-    worker says its KV endpoint could not be reached, or the pair's when the two refused each
-    other's KV handshake (a mismatch: another pair may match)."""
-    fault = dict(error.trailing_metadata() or ()).get(PEER_FAULT_KEY)
-    if fault == "pair":
-        return DispatchError(
-            error.code(),
-            f"prefill worker {prefill.address} and decode worker {decode.address} cannot exchange K/V: "
-            f"{error.details()}",
-            decode,
-            elsewhere=True,
-            also=prefill,
-        )
-    if fault == "decode":
-        return _worker_error(decode, error, elsewhere=True)
-    if fault == "transfer":  # broke after the K/V left: charge neither; their own calls and probes judge them
-        return DispatchError(
-            error.code(),
-            f"the K/V handoff from prefill worker {prefill.address} to decode worker {decode.address} failed: "
-            f"{error.details()}",
-            decode,
-            charged=False,
-        )
-    return _worker_error(prefill, error)
-
-
-def _worker_error(worker: Worker, error: grpc.aio.AioRpcError, elsewhere: bool = False) -> DispatchError:
-    """``elsewhere``: this worker's fault whatever the code (another of its role may do)."""
-    code = error.code()
-    if code is grpc.StatusCode.CANCELLED:
-        return DispatchError(code, "request cancelled", worker)
-    if code is grpc.StatusCode.INVALID_ARGUMENT:  # the worker's words name the field (a grammar that does not compile)
-        return DispatchError(code, error.details(), worker)
-    if code is grpc.StatusCode.UNIMPLEMENTED:  # asked before its health checks showed it serves another role
-        return DispatchError(
-            grpc.StatusCode.UNAVAILABLE,
-            f"{worker.role.value} worker {worker.address} does not serve its role's calls {WRONG_ROLE_HINT}",
-            worker,
-        )
-    retry = dict(error.trailing_metadata() or ()).get(RETRY_AFTER_KEY)
-    return DispatchError(
-        code,
-        f"{worker.role.value} worker {worker.address}: {error.details()}",
-        worker,
-        retry_after_ms=int(retry) if retry and str(retry).isdigit() else None,
-        # Its own overload answer (it says when to come back): a sibling may have room. Not
-        # gRPC's message-size refusal, which every worker would repeat.
-        elsewhere=elsewhere or (code is grpc.StatusCode.RESOURCE_EXHAUSTED and retry is not None),
-    )
 
 
 class Dispatcher:
@@ -368,7 +288,7 @@ class Dispatcher:
                     open_call.heard()
                     yield TokenEvent.from_batch(event.tokens)
         except grpc.aio.AioRpcError as e:
-            raise _worker_error(decode, e) from None
+            raise worker_error(decode, e) from None
         finally:
             call.cancel()
             decode.inflight -= 1
@@ -396,7 +316,7 @@ class Dispatcher:
                         open_call.add(prefilled)
                         response = await prefilled
                 except grpc.aio.AioRpcError as e:
-                    raise _prefill_error(prefill, decode, e) from None
+                    raise prefill_error(prefill, decode, e) from None
                 finally:
                     prefill.end_prefill(work)
                 open_call.heard()
@@ -419,7 +339,7 @@ class Dispatcher:
                         open_call.heard()
                         yield TokenEvent.from_batch(event.tokens)
                 except grpc.aio.AioRpcError as e:
-                    raise _worker_error(decode, e) from None
+                    raise worker_error(decode, e) from None
         finally:
             call.cancel()
             decode.inflight -= 1
@@ -464,7 +384,7 @@ async def _reservation(call, decode: Worker) -> pb.KvTarget:
     try:
         first = await call.read()
     except grpc.aio.AioRpcError as e:
-        raise _worker_error(decode, e) from None
+        raise worker_error(decode, e) from None
     if first is grpc.aio.EOF or not first.HasField("reservation"):
         raise DispatchError(grpc.StatusCode.UNAVAILABLE, f"decode worker {decode.address} sent no reservation", decode)
     return first.reservation.target

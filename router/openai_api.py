@@ -43,7 +43,6 @@ from starlette.types import Receive, Scope, Send
 
 from pdserve.request_rules import check_request_id
 from pdserve.router.completions import Chunk, Completions
-from pdserve.router.dispatch import DispatchError
 from pdserve.router.openai_job import Job
 from pdserve.router.openai_logprobs import TokenTexts
 from pdserve.router.openai_params import parity_fields
@@ -66,6 +65,7 @@ from pdserve.router.openai_protocol import (
 )
 from pdserve.router.request import CompletionRequest
 from pdserve.router.validation import InvalidRequest, ValidatedRequest
+from pdserve.router.worker_errors import DispatchError
 from pdserve.security import bearer_ok
 
 log = logging.getLogger(__name__)

@@ -15,9 +15,9 @@ from starlette.responses import JSONResponse
 
 from pdserve.request_rules import InvalidRequest, check_message_count, check_prompt_length
 from pdserve.router.completions import Usage
-from pdserve.router.dispatch import DispatchError
 from pdserve.router.json_text import has_lone_surrogate_escape, lone_surrogate_path
 from pdserve.router.request import ChatMessage, SamplingRequest
+from pdserve.router.worker_errors import DispatchError
 
 INT64 = (-(2**63), 2**63 - 1)  # JSON integers beyond this are refused while parsing
 FINISH_REASONS = ("stop", "length")

@@ -10,9 +10,9 @@ from google.protobuf.message import DecodeError
 
 from pdserve.grpc_server import RETRY_AFTER_KEY
 from pdserve.router.completions import Completions
-from pdserve.router.dispatch import DispatchError
 from pdserve.router.request import CompletionRequest
 from pdserve.router.validation import InvalidRequest
+from pdserve.router.worker_errors import DispatchError
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc
 

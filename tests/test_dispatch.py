@@ -13,9 +13,10 @@ import grpc
 import pytest
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.router.dispatch import Dispatcher, DispatchError
+from pdserve.router.dispatch import Dispatcher
 from pdserve.router.policy import RoundRobin
 from pdserve.router.validation import ValidatedRequest
+from pdserve.router.worker_errors import DispatchError
 from pdserve.router.workers import PromptBlocks, Role, Worker, WorkerRegistry
 from pdserve.v1 import pdserve_pb2 as pb
 

@@ -28,7 +28,7 @@ from pdserve import metrics as pdserve_metrics
 from pdserve.client import build_request
 from pdserve.request_rules import Constraint
 from pdserve.router.completions import Completions
-from pdserve.router.dispatch import DispatchError, TokenEvent
+from pdserve.router.dispatch import TokenEvent
 from pdserve.router.http_server import http_port, serve_http
 from pdserve.router.openai_api import create_app
 from pdserve.router.openai_logprobs import CompletionLogprobs, TokenTexts, prompt_logprobs
@@ -36,6 +36,7 @@ from pdserve.router.request import CompletionRequest, SamplingRequest
 from pdserve.router.servicer import RouterService, add_router_service
 from pdserve.router.tokenizer import RouterTokenizer
 from pdserve.router.validation import InvalidRequest
+from pdserve.router.worker_errors import DispatchError
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc
 

@@ -11,9 +11,9 @@ import pytest
 
 from pdserve.client import build_request
 from pdserve.router.completions import CLIENT_DEADLINE_GRACE_S, Completions
-from pdserve.router.dispatch import DispatchError
 from pdserve.router.servicer import RouterService, add_router_service
 from pdserve.router.tokenizer import RouterTokenizer
+from pdserve.router.worker_errors import DispatchError
 from pdserve.v1 import pdserve_pb2_grpc
 
 # A worker whose clock runs a little ahead answers DEADLINE_EXCEEDED just before its deadline.

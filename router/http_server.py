@@ -34,6 +34,8 @@ class _HeadTimedH11(H11Protocol):
         super().data_received(data)
         if self.conn.their_state is not h11.IDLE:  # the head is in: the request's own timeouts rule
             self._stop_head_timer()
+        elif self._head_timer is None and not self.transport.is_closing():
+            self._await_head()  # a body that came after its response (a 404 before it was read) began a new cycle
 
     def on_response_complete(self) -> None:
         super().on_response_complete()

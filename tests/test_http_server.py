@@ -73,3 +73,16 @@ async def test_a_slow_answer_is_not_cut_and_a_kept_alive_connection_is_timed_aga
         assert await asyncio.wait_for(reader.readexactly(11), 10) == b'{"ok":true}'
     assert await closed_after(reader) < HEAD_TIMEOUT_S + 2  # then idle: the next head is awaited as long
     writer.close()
+
+
+async def test_a_body_sent_after_its_response_leaves_the_connection_timed(server):
+    """Answered before its body was read (a 404), the request's body comes afterwards: the
+    next request's head is awaited as long as any, not for ever."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", server)
+    writer.write(b"POST /nowhere HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\n")
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    assert head.startswith(b"HTTP/1.1 404")
+    await asyncio.sleep(0.1)
+    writer.write(b"hello")
+    assert await closed_after(reader) < HEAD_TIMEOUT_S + 2
+    writer.close()

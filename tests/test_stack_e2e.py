@@ -313,8 +313,8 @@ async def test_stopping_the_stack_drains_the_router_before_its_workers_stop():
             )
             async for message in call:
                 tokens += len(message.token_ids)
-                if signal_at is None and tokens >= 20:  # about 0.5 s of tokens left, whatever this hour's speed
-                    signal_at = max(tokens + 1, total - int(0.5 * tokens / (time.monotonic() - started)))
+                if signal_at is None and tokens >= 20:  # about 1.5 s of tokens left, whatever this hour's speed
+                    signal_at = max(tokens + 1, total - int(1.5 * tokens / (time.monotonic() - started)))
                 if signalled is None and signal_at is not None and tokens >= signal_at:
                     signalled = len(stack.proc.output)
                     stack.proc.process.send_signal(signal.SIGTERM)
@@ -327,5 +327,6 @@ async def test_stopping_the_stack_drains_the_router_before_its_workers_stop():
     finally:
         stack.proc.stop()
     after = "".join(stack.proc.output[signalled:])
-    assert "probe of" not in after and "does not answer" not in after, after
+    # Not one probe saw a worker stopping (a probe slow on a loaded machine is another matter).
+    assert not any(line in after for line in ("NOT_SERVING", "taken out of rotation", "does not answer")), after
     assert worker_stopping.search(after[after.index("pdserve.router.main") :]), after

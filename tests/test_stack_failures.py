@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
 import time
 
 import grpc
@@ -19,7 +20,6 @@ except ImportError:  # newer openai SDKs depend on httpx2 instead
     import httpx2 as httpx
 
 from pdserve.client import build_request
-from pdserve.process import free_port
 from pdserve.v1 import pdserve_pb2 as pb
 from pdserve.v1 import pdserve_pb2_grpc
 
@@ -48,7 +48,9 @@ async def generate(address: str, request: pb.GenerateRequest, timeout: float = 6
 
 
 async def test_no_reachable_worker_is_unavailable_not_a_hang():
-    dead = f"127.0.0.1:{free_port()}"
+    held = socket.socket()  # bound, never listening: connections are refused, and nobody else takes the port
+    held.bind(("127.0.0.1", 0))
+    dead = f"127.0.0.1:{held.getsockname()[1]}"
     router, info = start(
         "router", "--port", "0", "--http-port", "0", "--decode-workers", dead, "--prefill-workers", dead
     )
@@ -76,6 +78,7 @@ async def test_no_reachable_worker_is_unavailable_not_a_hang():
         assert err.value.code() is grpc.StatusCode.UNAVAILABLE
         assert dead in err.value.details()
     finally:
+        held.close()
         assert router.stop() == 0
 
 

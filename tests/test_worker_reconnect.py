@@ -45,7 +45,8 @@ async def test_an_unreachable_worker_is_retried_every_second():
     finally:
         await worker.channel.close()
         listener.close()
-    assert attempts >= 8, f"{attempts} connection attempts in {WATCH_S:.0f} s: the channel backs off"
+    # ~9 expected; 7 still tells them apart from gRPC's 5 on a loaded machine.
+    assert attempts >= 7, f"{attempts} connection attempts in {WATCH_S:.0f} s: the channel backs off"
 
 
 async def test_a_worker_whose_connection_is_slow_to_set_up_is_still_reached():

@@ -111,8 +111,6 @@ def perplexity(args) -> dict:
     sys.path.insert(0, "tests")
     from processes import Stack
 
-    from pdserve.process import free_port
-
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(None)))
     ids = tokenizer(fixed_text()).input_ids[: args.text_tokens]
     stack = Stack.up(
@@ -122,7 +120,7 @@ def perplexity(args) -> dict:
         "--kv-cache-memory",
         "512MiB",
         "--http-port",
-        str(free_port()),
+        "0",
     )
     try:
         http = next(p["http"] for p in stack.processes if p["role"] == "router")

@@ -62,8 +62,8 @@ class Server:
                 # queue concurrent requests (its default cuts the running stream short instead)
                 "--interrupt_requests", "False",
             ]  # fmt: skip
-        grpc_port = str(free_port())  # not the default 50051, which a running stack may hold
-        return [sys.executable, "-m", "pdserve.cli", "up", "--host", "127.0.0.1", "--port", grpc_port,
+        # gRPC on a port of the router's choosing: not the default 50051, which a running stack may hold
+        return [sys.executable, "-m", "pdserve.cli", "up", "--host", "127.0.0.1", "--port", "0",
                 "--http-port", str(port), *self.flags]  # fmt: skip
 
     def extra_body(self, sampled: bool = False) -> dict:

@@ -57,7 +57,6 @@ from pdserve.bench.client_load import (  # noqa: E402
 from pdserve.bench.metrics import cluster_delta, compute  # noqa: E402
 from pdserve.bench.serve_plan import PROG, Mode, Plan, build_parser, make_plan  # noqa: E402
 from pdserve.engine.engine_config import EngineConfig  # noqa: E402
-from pdserve.process import free_port  # noqa: E402
 from pdserve.settings import ClusterSettings, RouterSettings  # noqa: E402
 
 
@@ -122,7 +121,7 @@ def _stack(mode: Mode, plan: Plan) -> Iterator[str]:
         return
     from pdserve.launcher import Cluster
 
-    engine, router, cluster_settings = _stack_config(mode, plan, free_port())
+    engine, router, cluster_settings = _stack_config(mode, plan)  # port 0: the router binds one itself
     # Keep worker logs out of the tables (unless the caller asked for a level).
     quiet = {"PDSERVE_LOG_LEVEL": os.environ.get("PDSERVE_LOG_LEVEL", "WARNING")}
     cluster = Cluster(engine, plan.worker, router, cluster_settings, env=quiet)

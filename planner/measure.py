@@ -33,7 +33,6 @@ from pdserve.engine.engine_config import EngineConfig
 from pdserve.placement import borrowed_threads, shared_prefill_threads
 from pdserve.planner.fit import StepSample
 from pdserve.planner.profile import Overheads, StepCost, StepShape, TransferCost
-from pdserve.process import free_port
 
 PROG = "pdserve profile"
 PARTS = ("engine", "kv", "stack")
@@ -263,7 +262,7 @@ def _stack_samples(engine_config: EngineConfig, colocated: bool, progress: bool)
     cluster = Cluster(
         engine_config,
         WorkerSettings(),
-        RouterSettings(port=free_port()),
+        RouterSettings(port=0),  # bound by the router itself: no port for another program to take meanwhile
         ClusterSettings(prefill=0 if colocated else 1, decode=1, colocated=colocated),
         env={"PDSERVE_LOG_LEVEL": os.environ.get("PDSERVE_LOG_LEVEL", "WARNING")},
     )

@@ -8,9 +8,9 @@ A quantized weight is a matrix of unsigned codes plus scales, ``w = d * q + m``:
 - ``int8g``: per group of 32, symmetric (GGUF's Q8_0, which the default model's embedding is).
 
 On CPU the codes are packed for the C++ kernel (``kernels/csrc/quant_linear_cpu.cpp``), which
-quantizes activations per group of 32 on the fly and computes int8 dot products (AVX512-VNNI).
-Elsewhere (CUDA, or a CPU where the kernel does not build) the layer dequantizes its weight and
-runs a plain matmul: slower, but the same weights.
+quantizes activations per group of 32 on the fly and computes int8 dot products (AVX512-VNNI,
+or AVX2 on CPUs without it). Elsewhere (CUDA, or a CPU where the kernel does not build) the layer
+dequantizes its weight and runs a plain matmul: slower, but the same weights.
 """
 
 from __future__ import annotations
@@ -122,12 +122,15 @@ def quantize(w: torch.Tensor, mode: str) -> QuantizedWeight:
     raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS[1:])}, got {mode!r}")
 
 
+BEST_PATH = -1  # quant_linear's fastest path compiled in here (AVX512-VNNI, else AVX2)
+
+
 def cpu_kernels():
-    """The compiled CPU kernels if they have the fast quantized path here, else None."""
+    """The compiled CPU kernels if they have a vector quantized path here, else None."""
     from pdserve.kernels import cpu_extension
 
     module = cpu_extension.load()
-    return module if module is not None and module.has_vnni() else None
+    return module if module is not None and max(module.quant_paths()) > 0 else None
 
 
 class QuantizedLinear(nn.Module):
@@ -190,7 +193,7 @@ class QuantizedLinear(nn.Module):
                 self.padded_out,
                 self.in_features,
                 int(self.fmt),
-                True,
+                BEST_PATH,
                 self.float_out,
             )
             if self.padded_out != self.out_features:

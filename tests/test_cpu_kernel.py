@@ -149,11 +149,21 @@ def test_quant_linear_matches_dequantized_matmul(kernel, fmt, rows, n, k):
         torch.testing.assert_close(got.float(), expected, atol=tol, rtol=0)
     # The fallback (what CUDA runs) is the plain matmul of the dequantized weight.
     torch.testing.assert_close(fallback(x), expected, atol=1e-4, rtol=1e-4)
-    # The portable path of the kernel computes exactly what the vector path does.
+    # Every path compiled in here (portable, AVX2, AVX512-VNNI) computes the same thing.
+    paths = kernel.quant_paths()
+    assert paths[0] == 0 and len(paths) > 1, paths
     portable = kernel.quant_linear(
-        x, layer.packed, layer.col_scale, layer.bias, layer.padded_out, k, int(fmt), False, False
+        x, layer.packed, layer.col_scale, layer.bias, layer.padded_out, k, int(fmt), 0, False
     )
-    torch.testing.assert_close(portable[:, :n], layer(x), atol=1e-4, rtol=1e-5)
+    for path in paths[1:]:
+        torch.testing.assert_close(
+            kernel.quant_linear(
+                x, layer.packed, layer.col_scale, layer.bias, layer.padded_out, k, int(fmt), path, False
+            ),
+            portable,
+            atol=1e-4,
+            rtol=1e-5,
+        )
     logits = QuantizedLinear(qw, None, torch.device("cpu"), float_out=True)(x.bfloat16())
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, expected - bias, atol=tol, rtol=0)
@@ -292,3 +302,25 @@ def test_a_build_that_cannot_happen_here_fails_make_test_but_only_warns_the_demo
     assert cpu_extension.main([]) == 1
     assert cpu_extension.main(["--optional"]) == 0
     assert "will use its torch fallbacks" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt", [QuantFormat.INT8_CHANNEL, QuantFormat.INT8_GROUP])
+def test_every_quant_path_takes_the_full_code_range(kernel, fmt):
+    """Codes 0 and 255 (int8 -128 and 127): the AVX2 path's sign trick must not flip -128, and
+    no pair of products may saturate its 16-bit sums."""
+    torch.manual_seed(3)
+    n, k, rows = 32, 128, 3
+    codes = torch.randint(0, 256, (n, k), dtype=torch.uint8)
+    codes[:, :64] = torch.tensor([0, 255], dtype=torch.uint8).repeat(n, 32)  # the extremes, side by side
+    scale = torch.rand(n, k // 32) * 0.01 + 0.001 if fmt is QuantFormat.INT8_GROUP else torch.rand(n) * 0.01 + 0.001
+    qw = QuantizedWeight(codes, scale.half().float(), (-128 * scale).half().float(), fmt)
+    layer = QuantizedLinear(qw, None, torch.device("cpu"))
+    x = torch.randn(rows, k) * 3
+    x[:, :64] = torch.tensor([-4.0, 4.0]).repeat(rows, 32)  # full-scale activations of both signs
+    expected = x @ qw.dequantize(torch.float32).T
+    tol = 0.02 * expected.abs().max().item()
+    for path in kernel.quant_paths():
+        got = kernel.quant_linear(
+            x, layer.packed, layer.col_scale, layer.bias, layer.padded_out, k, int(fmt), path, False
+        )
+        torch.testing.assert_close(got[:, :n], expected, atol=tol, rtol=0)

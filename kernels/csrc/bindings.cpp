@@ -9,7 +9,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, py::call_guard<py::gil_scoped_release>(), "x @ W^T + bias with int8/int4 packed weights");
   m.def("has_prefill_attention", &has_prefill_attention, "whether prefill_attention serves this head_dim here");
   m.def("prefill_attention", &prefill_attention, py::call_guard<py::gil_scoped_release>(), "causal prefill attention");
-  m.def("has_vnni", &has_vnni, "whether the AVX512-VNNI path is compiled in");
+  m.def("quant_paths", &quant_paths, "quant_linear's paths compiled in: 0 portable, 1 AVX2, 2 AVX512-VNNI");
   m.def("has_dense_bf16", &has_dense_bf16, "whether the AVX512-BF16 dense path is compiled in");
   m.def("pack_bf16", &pack_bf16, py::call_guard<py::gil_scoped_release>(), "pack a bf16 weight for dense_linear");
   m.def("dense_linear", &dense_linear, py::call_guard<py::gil_scoped_release>(), "x @ W^T + bias, bf16, few rows");

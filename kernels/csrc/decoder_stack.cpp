@@ -17,7 +17,7 @@ using Linear = DecoderStack::Linear;
 torch::Tensor apply(const Linear& l, const torch::Tensor& x) {
   torch::Tensor y;
   if (l.kind == Linear::kQuantized) {
-    y = quant_linear(x, l.packed, l.col_scale, l.bias, l.padded_out, l.in_features, l.format, true, false);
+    y = quant_linear(x, l.packed, l.col_scale, l.bias, l.padded_out, l.in_features, l.format, -1, false);
   } else if (l.kind == Linear::kPackedBF16 && x.size(0) <= l.max_packed_rows) {
     y = dense_linear(x, l.packed, l.bias, l.padded_out, false);
   } else {

@@ -8,8 +8,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv, torch::T
 
 torch::Tensor pack_weights(torch::Tensor q, torch::Tensor d, torch::Tensor m, int64_t format);
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor col_scale, torch::Tensor bias,
-                           int64_t n, int64_t k, int64_t format, bool use_fast_path, bool float_out);
-bool has_vnni();
+                           int64_t n, int64_t k, int64_t format, int64_t path, bool float_out);
+// quant_linear's paths compiled in here: 0 portable, 1 AVX2, 2 AVX512-VNNI (-1 asks for the last).
+std::vector<int64_t> quant_paths();
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);

@@ -31,6 +31,12 @@
 #else
 #define PDSERVE_VNNI 0
 #endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define PDSERVE_AVX2 1
+#else
+#define PDSERVE_AVX2 0
+#endif
 
 namespace {
 
@@ -38,6 +44,7 @@ constexpr int kGroup = 32;   // K values per quantization group
 constexpr int kCols = 16;    // columns per block (one 512-bit register of int32)
 
 enum Format : int64_t { kInt8PerChannel = 0, kInt8Group = 1, kInt4Group = 2 };
+enum Path : int64_t { kBest = -1, kPortable = 0, kAvx2 = 1, kVnni = 2 };
 
 inline int64_t weight_bytes(int64_t format) { return format == kInt4Group ? 256 : 512; }
 inline int64_t cell_bytes(int64_t format) { return weight_bytes(format) + (format == kInt8PerChannel ? 0 : 64); }
@@ -125,6 +132,123 @@ void gemm_portable(const uint8_t* w, const float* col_scale, int64_t format, int
     }
   });
 }
+
+#if PDSERVE_AVX2
+// ---------------------------------------------------------------------------------------------
+// The AVX2 path (CPUs without AVX512-VNNI, most laptops): `vpmaddubsw` multiplies unsigned by
+// signed bytes into saturating 16-bit pair sums, then `vpmaddwd` by ones adds the pairs into
+// one int32 per column. Nibbles (0..15) times int8 cannot saturate. Int8 weights could
+// (255 x 127 x 2), so they are taken as signed (code - 128) with llama.cpp's sign trick:
+// |w| x (x * sign w), at most 128 x 127 x 2. The same packed cells as the VNNI path: a 64-byte
+// step is 16 columns x 4 k, here two 32-byte halves of 8 columns.
+template <int MR, int64_t F>
+inline void avx2_tile(const uint8_t* block, const float* col_scale, int64_t groups, const int8_t* xq, int64_t kp,
+                      const float* xs, const float* xsum, const Output& y, int64_t first_row, int64_t first_col) {
+  constexpr int64_t WB = F == kInt4Group ? 256 : 512;
+  constexpr int64_t CB = WB + (F == kInt8PerChannel ? 0 : 64);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 facc[MR][2];
+  for (int r = 0; r < MR; ++r) facc[r][0] = facc[r][1] = _mm256_setzero_ps();
+
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* cell = block + g * CB;
+    _mm_prefetch(reinterpret_cast<const char*>(cell + 4 * CB), _MM_HINT_T0);
+    const int8_t* xg = xq + g * kGroup;
+    __m256i iacc[MR][2];
+    for (int r = 0; r < MR; ++r) iacc[r][0] = iacc[r][1] = _mm256_setzero_si256();
+    if constexpr (F == kInt4Group) {
+      const __m256i low4 = _mm256_set1_epi8(0x0F);
+      for (int s = 0; s < 4; ++s) {
+        __m256i lo[2], hi[2];
+        for (int h = 0; h < 2; ++h) {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cell + s * 64 + h * 32));
+          lo[h] = _mm256_and_si256(raw, low4);
+          hi[h] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+        }
+        for (int r = 0; r < MR; ++r) {
+          int32_t a, b;
+          std::memcpy(&a, xg + r * kp + (2 * s) * 4, 4);
+          std::memcpy(&b, xg + r * kp + (2 * s + 1) * 4, 4);
+          const __m256i xa = _mm256_set1_epi32(a), xb = _mm256_set1_epi32(b);
+          for (int h = 0; h < 2; ++h) {
+            const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], xa), _mm256_maddubs_epi16(hi[h], xb));
+            iacc[r][h] = _mm256_add_epi32(iacc[r][h], _mm256_madd_epi16(pairs, ones));
+          }
+        }
+      }
+    } else {
+      const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+      for (int s = 0; s < 8; ++s) {
+        __m256i w[2], mag[2];
+        for (int h = 0; h < 2; ++h) {
+          w[h] = _mm256_xor_si256(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cell + s * 64 + h * 32)), flip);  // code - 128
+          mag[h] = _mm256_sign_epi8(w[h], w[h]);  // |w| as unsigned bytes (-128 reads as 128)
+        }
+        for (int r = 0; r < MR; ++r) {
+          int32_t a;
+          std::memcpy(&a, xg + r * kp + s * 4, 4);
+          const __m256i xa = _mm256_set1_epi32(a);
+          for (int h = 0; h < 2; ++h) {
+            const __m256i pairs = _mm256_maddubs_epi16(mag[h], _mm256_sign_epi8(xa, w[h]));
+            iacc[r][h] = _mm256_add_epi32(iacc[r][h], _mm256_madd_epi16(pairs, ones));
+          }
+        }
+      }
+    }
+    if constexpr (F == kInt8PerChannel) {  // w = s * (code - 128): the signed dot is all of it
+      for (int r = 0; r < MR; ++r) {
+        const __m256 sx = _mm256_set1_ps(xs[r * groups + g]);
+        for (int h = 0; h < 2; ++h) facc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r][h]), sx, facc[r][h]);
+      }
+    } else {
+      __m256 d[2], m[2];
+      for (int h = 0; h < 2; ++h) {
+        d[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cell + WB + h * 16)));
+        m[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cell + WB + 32 + h * 16)));
+        // w = d * code + m; the dot was taken with code - 128 for int8: d * 128 * sum(xq) goes to m's term.
+        if constexpr (F == kInt8Group) m[h] = _mm256_fmadd_ps(d[h], _mm256_set1_ps(128.f), m[h]);
+      }
+      for (int r = 0; r < MR; ++r) {
+        const __m256 sx = _mm256_set1_ps(xs[r * groups + g]);
+        const __m256 sxs = _mm256_set1_ps(xsum[r * groups + g]);
+        for (int h = 0; h < 2; ++h) {
+          facc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r][h]), _mm256_mul_ps(d[h], sx), facc[r][h]);
+          facc[r][h] = _mm256_fmadd_ps(m[h], sxs, facc[r][h]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    for (int h = 0; h < 2; ++h) {
+      __m256 out = facc[r][h];
+      if constexpr (F == kInt8PerChannel) out = _mm256_mul_ps(_mm256_loadu_ps(col_scale + first_col + h * 8), out);
+      alignas(32) float v[8];
+      _mm256_store_ps(v, out);
+      for (int c = 0; c < 8; ++c) y.store(first_row + r, first_col + h * 8 + c, v[c]);
+    }
+  }
+}
+
+template <int64_t F>
+void gemm_avx2(const uint8_t* w, const float* cs, int64_t groups, int64_t nblocks, const int8_t* xq, const float* xs,
+               const float* xsum, int64_t rows, int64_t kp, const Output& y) {
+  constexpr int64_t CB = (F == kInt4Group ? 256 : 512) + (F == kInt8PerChannel ? 0 : 64);
+  const int64_t stride = groups * CB;  // bytes per column block
+  // A column block's cells stay in L1/L2 while pairs of rows pass over them (16 ymm registers:
+  // two rows' int32 and fp32 accumulators, the weights and the constants).
+  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* block = w + b * stride;
+      int64_t r = 0;
+      for (; r + 2 <= rows; r += 2)
+        avx2_tile<2, F>(block, cs, groups, xq + r * kp, kp, xs + r * groups, xsum + r * groups, y, r, b * kCols);
+      if (r < rows)
+        avx2_tile<1, F>(block, cs, groups, xq + r * kp, kp, xs + r * groups, xsum + r * groups, y, r, b * kCols);
+    }
+  });
+}
+#endif
 
 #if PDSERVE_VNNI
 // ---------------------------------------------------------------------------------------------
@@ -317,8 +441,19 @@ torch::Tensor pack_weights(torch::Tensor q, torch::Tensor d, torch::Tensor m, in
 
 // y = x @ W^T + bias for packed W ([N, K] logically); x: [M, K] float32 or bfloat16. Returns
 // [M, N] in x's dtype, or float32 with `float_out` (logits).
+std::vector<int64_t> quant_paths() {
+  std::vector<int64_t> paths{kPortable};
+  if (PDSERVE_AVX2) paths.push_back(kAvx2);
+  if (PDSERVE_VNNI) paths.push_back(kVnni);
+  return paths;
+}
+
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor col_scale, torch::Tensor bias,
-                           int64_t n, int64_t k, int64_t format, bool use_fast_path, bool float_out) {
+                           int64_t n, int64_t k, int64_t format, int64_t path, bool float_out) {
+  const auto paths = quant_paths();
+  if (path == kBest) path = paths.back();
+  TORCH_CHECK(std::find(paths.begin(), paths.end(), path) != paths.end(), "quant_linear path ", path,
+              " is not compiled in here");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be [M, K]");
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "packed weights must be contiguous uint8");
   TORCH_CHECK(n % kCols == 0 && k % kGroup == 0, "N % 16 and K % 32 must be 0");
@@ -346,15 +481,21 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor 
   const int8_t* q = xq.data_ptr<int8_t>();
   const float *s = xs.data_ptr<float>(), *ss = xsum.data_ptr<float>();
 #if PDSERVE_VNNI
-  if (use_fast_path) {
+  if (path == kVnni) {
     if (format == kInt4Group) gemm_vnni<kInt4Group>(w, cs, groups, nblocks, q, s, ss, rows, k, out);
     else if (format == kInt8Group) gemm_vnni<kInt8Group>(w, cs, groups, nblocks, q, s, ss, rows, k, out);
     else gemm_vnni<kInt8PerChannel>(w, cs, groups, nblocks, q, s, ss, rows, k, out);
     return y;
   }
 #endif
+#if PDSERVE_AVX2
+  if (path == kAvx2) {
+    if (format == kInt4Group) gemm_avx2<kInt4Group>(w, cs, groups, nblocks, q, s, ss, rows, k, out);
+    else if (format == kInt8Group) gemm_avx2<kInt8Group>(w, cs, groups, nblocks, q, s, ss, rows, k, out);
+    else gemm_avx2<kInt8PerChannel>(w, cs, groups, nblocks, q, s, ss, rows, k, out);
+    return y;
+  }
+#endif
   gemm_portable(w, cs, format, groups, nblocks, q, s, ss, rows, k, out);
   return y;
 }
-
-bool has_vnni() { return PDSERVE_VNNI; }

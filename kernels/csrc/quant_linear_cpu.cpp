@@ -450,7 +450,7 @@ std::vector<int64_t> quant_paths() {
 
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor col_scale, torch::Tensor bias,
                            int64_t n, int64_t k, int64_t format, int64_t path, bool float_out) {
-  const auto paths = quant_paths();
+  static const std::vector<int64_t> paths = quant_paths();  // once: this runs for every linear of every step
   if (path == kBest) path = paths.back();
   TORCH_CHECK(std::find(paths.begin(), paths.end(), path) != paths.end(), "quant_linear path ", path,
               " is not compiled in here");

@@ -14,7 +14,7 @@ from pdserve.engine.quantization import (
 )
 from pdserve.engine.rope import RotaryEmbedding
 from pdserve.kernels import TORCH_LAYER_OPS, KVFormat, reference, rope_then_write, select_backend, select_layer_ops
-from pdserve.kernels.cpu_extension import load
+from pdserve.kernels.cpu_extension import cpu_flags, load
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +51,25 @@ def test_decode_attention_matches_reference(
     tables = torch.randperm(num_blocks)[: batch * max_blocks].view(batch, max_blocks)
     q = torch.randn(batch, num_q_heads, head_dim, dtype=dtype)
     expected = reference.paged_decode_attention(q, kv, tables, lens, head_dim**-0.5, fmt)
-    got = kernel.paged_decode_attention(q, kv, tables, lens, head_dim**-0.5, fmt.kind, num_kv_heads)
-    assert got.dtype == dtype and got.shape == expected.shape
-    torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=0)
+    # The fastest path (the default), and every path compiled in here (portable, AVX2, AVX-512).
+    for path in [-1, *kernel.attention_paths()]:
+        got = kernel.paged_decode_attention(q, kv, tables, lens, head_dim**-0.5, fmt.kind, num_kv_heads, path)
+        assert got.dtype == dtype and got.shape == expected.shape
+        torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=0, msg=f"path {path}")
+
+
+def test_decode_attention_has_a_vector_path_wherever_the_cpu_has_one(kernel):
+    """CPUs without AVX-512 (most laptops) get the AVX2 path, not the portable loops; a path
+    that is not compiled in is refused by name."""
+    flags = set(cpu_flags().split())
+    paths = kernel.attention_paths()
+    assert paths[0] == 0
+    assert (1 in paths) == ({"avx2", "fma", "f16c"} <= flags), paths
+    assert (2 in paths) == ("avx512f" in flags), paths
+    fmt = KVFormat("auto", 1, 64, torch.float32)
+    kv = _filled_cache(fmt, 1, 4, seed=0)
+    with pytest.raises(RuntimeError, match="attention path 7 is not compiled in"):
+        kernel.paged_decode_attention(torch.randn(1, 1, 64), kv, torch.tensor([[0]]), torch.tensor([3]), 0.1, 0, 1, 7)
 
 
 @pytest.mark.parametrize("threads", [1, 3, 8])

@@ -4,7 +4,10 @@
 // The kernels release the GIL: the worker's event loop (gRPC streams, KV transfers) keeps
 // running while the engine thread computes.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, py::call_guard<py::gil_scoped_release>(), "paged decode attention (CPU)");
+  m.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("kv"), py::arg("block_tables"),
+        py::arg("context_lens"), py::arg("scale"), py::arg("kv_format"), py::arg("num_kv_heads"), py::arg("path") = -1,
+        py::call_guard<py::gil_scoped_release>(), "paged decode attention (CPU)");
+  m.def("attention_paths", &attention_paths, "paged_decode_attention's paths compiled in: 0 portable, 1 AVX2, 2 AVX-512");
   m.def("pack_weights", &pack_weights, py::call_guard<py::gil_scoped_release>(), "pack quantized weights into the quant_linear layout");
   m.def("quant_linear", &quant_linear, py::call_guard<py::gil_scoped_release>(), "x @ W^T + bias with int8/int4 packed weights");
   m.def("has_prefill_attention", &has_prefill_attention, "whether prefill_attention serves this head_dim here");

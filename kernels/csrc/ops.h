@@ -2,9 +2,13 @@
 #pragma once
 #include <torch/extension.h>
 
-// kv_format: 0 plain (the model dtype), 1 int8, 2 fp8 e4m3 (see kv_format.h).
+// kv_format: 0 plain (the model dtype), 1 int8, 2 fp8 e4m3 (see kv_format.h). path: 0 portable,
+// 1 AVX2, 2 AVX-512, -1 the fastest compiled in.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor block_tables,
-                                     torch::Tensor context_lens, double scale, int64_t kv_format, int64_t num_kv_heads);
+                                     torch::Tensor context_lens, double scale, int64_t kv_format, int64_t num_kv_heads,
+                                     int64_t path = -1);
+// paged_decode_attention's paths compiled in here, fastest last.
+std::vector<int64_t> attention_paths();
 
 torch::Tensor pack_weights(torch::Tensor q, torch::Tensor d, torch::Tensor m, int64_t format);
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor col_scale, torch::Tensor bias,

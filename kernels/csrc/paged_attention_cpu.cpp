@@ -7,8 +7,10 @@
 // from memory once, as a stream, which is what keeps a large batch near the memory bandwidth;
 // long contexts are split across threads and merged with their softmax statistics
 // (flash-decoding), so one long sequence uses every core. Rows of 8-bit caches are dequantized
-// as they are read (kv_format.h).
+// as they are read (kv_format.h). Paths: portable (any head_dim), AVX2 (paged_attention_avx2.h)
+// and AVX-512 (paged_attention_item.h), each for head_dim 64 and 128.
 #include "ops.h"
+#include "paged_attention_avx2.h"
 #include "paged_attention_item.h"
 
 #include <ATen/Parallel.h>
@@ -19,10 +21,41 @@
 
 namespace {
 
+enum Path : int64_t { kBest = -1, kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
+
+std::vector<int64_t> compiled_paths() {
+  std::vector<int64_t> paths{kPortable};
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  paths.push_back(kAvx2);
+#endif
+#if defined(__AVX512F__)
+  paths.push_back(kAvx512);
+#endif
+  return paths;
+}
+
+// The function for `path` (kBest: the fastest compiled in); a path that does not serve the
+// shape (another head_dim, too many query heads) falls back to the portable one.
+template <typename T>
+AttendFn<T> pick_attend(const KVFormat& fmt, int64_t num_q_heads, int64_t path) {
+  static const std::vector<int64_t> paths = compiled_paths();
+  if (path == kBest) path = paths.back();
+  TORCH_CHECK(std::find(paths.begin(), paths.end(), path) != paths.end(), "attention path ", path,
+              " is not compiled in on this CPU");
+  AttendFn<T> fn = nullptr;
+#if defined(__AVX512F__)
+  if (path == kAvx512) fn = pick_avx512<T>(fmt, num_q_heads);
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  if (path == kAvx2) fn = avx2::pick<T>(fmt, num_q_heads);
+#endif
+  return fn ? fn : &attend_portable<T>;
+}
+
 template <typename T>
 void decode_attention(const T* q, const uint8_t* cache, const int64_t* tables, const int64_t* lens, T* out,
                       int64_t batch, int64_t num_q_heads, int64_t max_blocks, int64_t block_size, float scale,
-                      const KVFormat& fmt) {
+                      const KVFormat& fmt, int64_t path) {
   const int64_t dim = fmt.dim;
   // Work is tokens. A context longer than a thread's fair share is split (flash-decoding: the
   // splits' softmaxes are merged below), never below ~128 tokens per split; then each thread
@@ -39,7 +72,7 @@ void decode_attention(const T* q, const uint8_t* cache, const int64_t* tables, c
   }
   const int64_t items = first[batch];
   std::vector<float> maxes(items * num_q_heads), sums(items * num_q_heads), accs(items * num_q_heads * dim);
-  const AttendFn<T> attend = pick_attend<T>(fmt, num_q_heads);
+  const AttendFn<T> attend = pick_attend<T>(fmt, num_q_heads, path);
   // Each item's token range, and where each thread's run of items starts (an item goes to the
   // thread whose share of the tokens holds its middle).
   std::vector<int64_t> begin(items), end(items), owner_start(threads + 1, items);
@@ -93,8 +126,11 @@ void decode_attention(const T* q, const uint8_t* cache, const int64_t* tables, c
 
 }  // namespace
 
+std::vector<int64_t> attention_paths() { return compiled_paths(); }
+
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor block_tables,
-                                     torch::Tensor context_lens, double scale, int64_t kv_format, int64_t num_kv_heads) {
+                                     torch::Tensor context_lens, double scale, int64_t kv_format, int64_t num_kv_heads,
+                                     int64_t path) {
   TORCH_CHECK(q.dim() == 3, "q must be [B, Hq, D]");
   TORCH_CHECK(kv.is_contiguous(), "kv must be contiguous");
   auto qc = q.contiguous();
@@ -123,7 +159,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv, torch::T
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, qc.scalar_type(), "paged_decode_attention", [&] {
     decode_attention<scalar_t>(qc.data_ptr<scalar_t>(), static_cast<const uint8_t*>(kv.data_ptr()),
                                tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), batch,
-                               num_q_heads, max_blocks, block_size, static_cast<float>(scale), fmt);
+                               num_q_heads, max_blocks, block_size, static_cast<float>(scale), fmt, path);
   });
   return out;
 }

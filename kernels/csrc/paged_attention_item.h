@@ -2,7 +2,8 @@
 // a range of its tokens, read in place from the paged cache through the block table, giving each
 // query head's softmax statistics and unnormalized output (`Partial`), which the caller merges
 // across a long context's splits. A portable path for any head_dim, and an AVX-512 path for
-// head_dim 64 and 128, one instantiation per cache format.
+// head_dim 64 and 128, one instantiation per cache format (the AVX2 path has its own file,
+// paged_attention_avx2.h).
 #pragma once
 
 #include "kv_format.h"
@@ -82,13 +83,10 @@ void attend_portable(const float* q, int64_t num_q_heads, const uint8_t* cache, 
   }
 }
 
-#if defined(__AVX512F__)
 // ---------------------------------------------------------------------------------------------
-// The AVX-512 path for head_dim 64 or 128 (NV = head_dim / 16 vectors), one instantiation per
-// cache format. Tokens go 16 at a time (one vector of scores per query head).
-constexpr int64_t kChunk = 16;  // sum16 reduces exactly one vector of scores
-static_assert(kChunk == 16);
-constexpr int64_t kMaxQHeads = 64;
+// Walking the paged cache a chunk of tokens at a time, shared by the vector paths.
+
+constexpr int64_t kMaxQHeads = 64;  // query heads of one sequence (the vector paths' scratch is sized by it)
 
 // The token read one chunk later (usually in another block) is prefetched while this chunk is
 // computed, a few lines per step so that the requests spread over the whole chunk: its K half
@@ -115,12 +113,13 @@ struct PrefetchShares {
   }
 };
 
-// Where tokens c0 .. c0 + n - 1 sit in the paged cache, and the tokens one chunk later (null
-// past t1), walked block by block: two divisions per chunk, not four per token.
+// Where tokens c0 .. c0 + n - 1 sit in the paged cache, and the tokens one chunk (CHUNK tokens)
+// later (null past t1), walked block by block: two divisions per chunk, not four per token.
+template <int64_t CHUNK>
 inline void chunk_tokens(const uint8_t* cache, const int64_t* table, int64_t block_size, int64_t tb, int64_t c0,
                          int64_t n, int64_t t1, const uint8_t** tokens, const uint8_t** later) {
   for (int pass = 0; pass < 2; ++pass) {
-    const int64_t first = c0 + pass * kChunk, count = pass ? std::max<int64_t>(0, std::min(n, t1 - first)) : n;
+    const int64_t first = c0 + pass * CHUNK, count = pass ? std::max<int64_t>(0, std::min(n, t1 - first)) : n;
     const uint8_t** out = pass ? later : tokens;
     int64_t block = first / block_size, offset = first % block_size;
     for (int64_t j = 0; j < count; ++j) {
@@ -134,6 +133,12 @@ inline void chunk_tokens(const uint8_t* cache, const int64_t* table, int64_t blo
   }
 }
 
+#if defined(__AVX512F__)
+// ---------------------------------------------------------------------------------------------
+// The AVX-512 path for head_dim 64 or 128 (NV = head_dim / 16 vectors), one instantiation per
+// cache format. Tokens go 16 at a time (one vector of scores per query head).
+constexpr int64_t kChunk = 16;  // sum16 reduces exactly one vector of scores
+static_assert(kChunk == 16);
 // One K or V row of head h as fp32 vectors, unscaled; returns the row's scale (1 for plain rows).
 template <typename T, int KIND, int NV>
 inline float load_vecs(const uint8_t* token, const KVFormat& fmt, int kv, int64_t h, __m512* out) {
@@ -280,7 +285,7 @@ void attend_avx512(const float* q, int64_t num_q_heads, const uint8_t* cache, co
   for (int64_t c0 = t0; c0 < t1; c0 += kChunk) {
     const int64_t n = std::min(kChunk, t1 - c0);
     const __mmask16 valid = n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
-    chunk_tokens(cache, table, block_size, tb, c0, n, t1, tokens, later);
+    chunk_tokens<kChunk>(cache, table, block_size, tb, c0, n, t1, tokens, later);
     // Scores of every query head for these tokens.
     for (int64_t h = 0; h < heads; ++h) {
       if constexpr (kBf16Dots) {
@@ -400,31 +405,30 @@ void attend_avx512(const float* q, int64_t num_q_heads, const uint8_t* cache, co
 #endif
   }
 }
-
-template <typename T, int NV>
-auto pick_kind(const KVFormat& fmt) {
-  switch (fmt.kind) {
-    case KVFormat::kPlain: return &attend_avx512<T, KVFormat::kPlain, NV>;
-    case KVFormat::kInt8: return &attend_avx512<T, KVFormat::kInt8, NV>;
-    default: return &attend_avx512<T, KVFormat::kFp8, NV>;
-  }
-}
 #endif
 
 template <typename T>
 using AttendFn = void (*)(const float*, int64_t, const uint8_t*, const int64_t*, int64_t, int64_t, int64_t,
                           const KVFormat&, float, Partial);
 
-template <typename T>
-AttendFn<T> pick_attend(const KVFormat& fmt, int64_t num_q_heads) {
 #if defined(__AVX512F__)
-  if (num_q_heads <= kMaxQHeads) {
-    if (fmt.dim == 64) return pick_kind<T, 4>(fmt);
-    if (fmt.dim == 128) return pick_kind<T, 8>(fmt);
+template <typename T, int NV>
+AttendFn<T> pick_kind(const KVFormat& fmt) {
+  switch (fmt.kind) {
+    case KVFormat::kPlain: return &attend_avx512<T, KVFormat::kPlain, NV>;
+    case KVFormat::kInt8: return &attend_avx512<T, KVFormat::kInt8, NV>;
+    default: return &attend_avx512<T, KVFormat::kFp8, NV>;
   }
-#endif
-  (void)num_q_heads;
-  return &attend_portable<T>;
 }
+
+// The AVX-512 path's function for the shape, or null where it does not serve it.
+template <typename T>
+AttendFn<T> pick_avx512(const KVFormat& fmt, int64_t num_q_heads) {
+  if (num_q_heads > kMaxQHeads) return nullptr;
+  if (fmt.dim == 64) return pick_kind<T, 4>(fmt);
+  if (fmt.dim == 128) return pick_kind<T, 8>(fmt);
+  return nullptr;
+}
+#endif
 
 }  // namespace

@@ -1,6 +1,53 @@
 // Vector math shared by the CPU kernels: exp, log, horizontal sums, bf16 conversions.
 #pragma once
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+namespace {
+
+// e^x for softmax arguments, 8 lanes (AVX2): exp_neg's method below for x <= 0 (below -87 it
+// gives e^-87), with 2^n built in the exponent bits since AVX2 has no scalef.
+inline __m256 exp_neg(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, n);
+  __m256 p = _mm256_set1_ps(1.5252734e-5f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530e-4f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504109e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022651e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+// The horizontal sums of 8 vectors at once: lane j of the result is the sum of v[j]'s lanes.
+inline __m256 sum8(const __m256* v) {
+  const __m256 q0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 q1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  // q0 holds v0..v3's sums over lanes 0-3 in its low half and over lanes 4-7 in its high half.
+  return _mm256_add_ps(_mm256_permute2f128_ps(q0, q1, 0x20), _mm256_permute2f128_ps(q0, q1, 0x31));
+}
+
+inline float reduce_add(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+inline float reduce_max(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+
+}  // namespace
+#endif
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 

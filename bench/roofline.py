@@ -20,7 +20,7 @@ from torch import nn
 
 from pdserve.engine.host_memory import host_zeros
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.packed_linear import PackedBF16Linear
+from pdserve.engine.packed_linear import PackedLinear
 from pdserve.engine.quantization import QuantizedLinear
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -33,7 +33,7 @@ def streamed_bytes(layer: nn.Module) -> int:
     """Bytes of weights one forward through ``layer`` reads for a decode-sized input."""
     if isinstance(layer, QuantizedLinear):
         return layer.nbytes
-    if isinstance(layer, PackedBF16Linear):
+    if isinstance(layer, PackedLinear):
         return layer.packed.numel() * layer.packed.element_size()
     return layer.weight.numel() * layer.weight.element_size()
 

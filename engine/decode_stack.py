@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pdserve.engine.packed_linear import MAX_KERNEL_ROWS, PackedBF16Linear
+from pdserve.engine.packed_linear import PackedLinear
 from pdserve.engine.quantization import QuantizedLinear
 
 
@@ -29,9 +29,9 @@ def _linear(module, layer: nn.Module):
             int(layer.fmt),
         )
     bias = layer.bias.detach() if layer.bias is not None else torch.empty(0)
-    if isinstance(layer, PackedBF16Linear):
-        return module.StackLinear.packed_bf16(
-            layer.packed, layer.kernel_bias, layer.weight, bias, layer.padded_out, MAX_KERNEL_ROWS
+    if isinstance(layer, PackedLinear):
+        return module.StackLinear.packed(
+            layer.packed, layer.kernel_bias, layer.weight, bias, layer.padded_out, layer.max_kernel_rows
         )
     return module.StackLinear.dense(layer.weight.detach(), bias)
 

@@ -13,7 +13,7 @@ from pdserve.engine.host_memory import host_arena, trim_heap
 from pdserve.engine.model import CausalLM
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_store import NATIVE_CODES
-from pdserve.engine.packed_linear import PackedBF16Linear
+from pdserve.engine.packed_linear import PackedLinear, packable
 from pdserve.engine.quantization import QuantFormat, QuantizedLinear, QuantizedWeight, load_codes, quantize
 from pdserve.kernels import AttentionBackend, select_layer_ops
 
@@ -146,8 +146,8 @@ def load_model(
     if quantization != "none":
         # A GGUF's own blocks hold whole tensors: a shard quantizes its slices instead.
         quantize_model(model, quantization, {} if shard else load_codes(folder / NATIVE_CODES), device)
-    elif dtype == torch.bfloat16 and backend.cpu_kernels is not None and backend.cpu_kernels.has_dense_bf16():
-        pack_bf16_model(model, backend.cpu_kernels)
+    elif device.type == "cpu" and packable(backend.cpu_kernels, dtype):
+        pack_dense_model(model, backend.cpu_kernels)
     if device.type == "cpu":
         packed_onto_huge_pages(model)
     if shard is None and backend.cpu_kernels is not None and model.ops.name == "cpu" and backend.kv_format is not None:
@@ -201,12 +201,12 @@ def packed_onto_huge_pages(model: CausalLM) -> None:
     trim_heap()  # the packed copies just freed
 
 
-def pack_bf16_model(model: CausalLM, kernels) -> None:
-    """Gives every decoder linear layer and the lm_head the packed bf16 decode kernel, in place."""
+def pack_dense_model(model: CausalLM, kernels) -> None:
+    """Gives every decoder linear layer and the lm_head the packed decode kernel, in place."""
     for layer in model.model.layers:
         for path in _LINEARS:
             owner_name, attr = path.split(".")
             owner = getattr(layer, owner_name)
-            setattr(owner, attr, PackedBF16Linear(getattr(owner, attr), kernels))
+            setattr(owner, attr, PackedLinear(getattr(owner, attr), kernels))
     if model.lm_head is not None:
-        model.lm_head = PackedBF16Linear(model.lm_head, kernels, float_out=True)
+        model.lm_head = PackedLinear(model.lm_head, kernels, float_out=True)

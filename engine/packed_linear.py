@@ -1,10 +1,10 @@
-"""bf16 linear layers for CPUs with AVX512-BF16: decode-sized inputs through a packed kernel.
+"""Dense linear layers for decode-sized inputs on CPUs: a packed kernel for few rows.
 
-oneDNN's bf16 GEMM is the right tool for prefill (hundreds of rows) but streams a weight at a
-fraction of the memory bandwidth for the one to a few dozen rows of a decode step, which is
-memory-bound. The layer keeps the weight as loaded for oneDNN and a column-interleaved copy for
-``kernels/csrc/dense_linear_cpu.cpp``; each call picks by row count: the packed kernel up to
-``MAX_KERNEL_ROWS`` rows, oneDNN above.
+oneDNN's and MKL's GEMMs are the right tool for prefill (hundreds of rows) but stream a weight
+at a fraction of the memory bandwidth for the one to a few dozen rows of a decode step, which is
+memory-bound. The layer keeps the weight as loaded for them and a column-interleaved copy for
+``kernels/csrc/dense_linear_cpu.cpp`` (bf16 on AVX512-BF16, fp32 on AVX2); each call picks by
+row count: the packed kernel up to ``MAX_KERNEL_ROWS[dtype]`` rows, the library above.
 """
 
 from __future__ import annotations
@@ -15,24 +15,31 @@ from torch import nn
 
 from pdserve.engine.quantization import COLUMN_BLOCK
 
-MAX_KERNEL_ROWS = 32
+# Rows up to which the packed kernel beats the library GEMM (measured: bench/RESULTS.md).
+MAX_KERNEL_ROWS = {torch.bfloat16: 32, torch.float32: 16}
 
 
-class PackedBF16Linear(nn.Module):
+def packable(kernels, dtype: torch.dtype) -> bool:
+    """Whether ``kernels`` (the compiled CPU kernels, or None) have a packed kernel for ``dtype``."""
+    return kernels is not None and str(dtype).removeprefix("torch.") in kernels.dense_dtypes()
+
+
+class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear, kernels, float_out: bool = False) -> None:
         """``float_out``: return fp32 (the lm_head's logits)."""
         super().__init__()
         weight = linear.weight.detach()
-        if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
-            raise ValueError("PackedBF16Linear packs CPU bfloat16 weights")
+        if weight.device.type != "cpu" or not packable(kernels, weight.dtype):
+            raise ValueError(f"no packed kernel for {weight.dtype} weights on {weight.device} here")
         self.out_features, self.in_features = weight.shape
         self.kernels, self.float_out = kernels, float_out
+        self.max_kernel_rows = MAX_KERNEL_ROWS[weight.dtype]
         self.padded_out = -(-self.out_features // COLUMN_BLOCK) * COLUMN_BLOCK
         self.register_buffer("weight", weight)
         self.register_buffer("bias", linear.bias.detach() if linear.bias is not None else None)
         pad = self.padded_out - self.out_features
         padded = F.pad(weight, (0, 0, 0, pad)) if pad else weight.contiguous()  # F.pad copies even by 0
-        self.register_buffer("packed", kernels.pack_bf16(padded))
+        self.register_buffer("packed", kernels.pack_dense(padded))
         bias = self.bias.float() if self.bias is not None else torch.zeros(0)
         self.register_buffer(
             "kernel_bias", F.pad(bias, (0, self.padded_out - self.out_features)) if bias.numel() else bias
@@ -40,7 +47,7 @@ class PackedBF16Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0] <= MAX_KERNEL_ROWS and x2.dtype == torch.bfloat16:
+        if x2.shape[0] <= self.max_kernel_rows and x2.dtype == self.weight.dtype:
             y = self.kernels.dense_linear(x2, self.packed, self.kernel_bias, self.padded_out, self.float_out)
             if self.padded_out != self.out_features:
                 y = y[:, : self.out_features]
@@ -50,4 +57,7 @@ class PackedBF16Linear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, bf16 packed (<= {MAX_KERNEL_ROWS} rows) / oneDNN"
+        return (
+            f"in={self.in_features}, out={self.out_features}, {self.weight.dtype} packed "
+            f"(<= {self.max_kernel_rows} rows) / library GEMM"
+        )

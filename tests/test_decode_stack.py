@@ -1,4 +1,4 @@
-"""The C++ decode loop and the packed bf16 kernel give exactly what the Python model gives."""
+"""The C++ decode loop gives exactly what the Python model gives; the packed dense kernels match the library GEMM."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.packed_linear import MAX_KERNEL_ROWS, PackedBF16Linear
+from pdserve.engine.packed_linear import MAX_KERNEL_ROWS, PackedLinear, packable
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kernels.cpu_extension import cpu_flags, load
 
@@ -62,21 +62,30 @@ def test_decode_stack_is_bitwise_the_python_model(model_dir, dtype, quantization
     assert torch.equal(written_by_stack, engine.kv_cache.tensor)  # the same K/V landed in the cache
 
 
-@pytest.mark.skipif(
-    "avx512_bf16" not in cpu_flags(), reason="this CPU has no AVX512-BF16 (the packed kernel is not compiled in)"
-)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, MAX_KERNEL_ROWS, MAX_KERNEL_ROWS + 1])
-def test_packed_bf16_linear_matches_onednn(rows):
+# The CPU flags each packed kernel needs (it is compiled in wherever they are).
+_PACKED_NEEDS = {torch.bfloat16: {"avx512_bf16", "avx512bw"}, torch.float32: {"avx2", "fma"}}
+_PACKED_CASES = [(dtype, rows) for dtype in _PACKED_NEEDS for rows in (1, 2, 3, 5, 7)] + [
+    (dtype, MAX_KERNEL_ROWS[dtype] + extra) for dtype in _PACKED_NEEDS for extra in (0, 1)
+]
+
+
+@pytest.mark.parametrize("dtype, rows", _PACKED_CASES)
+def test_packed_linear_matches_the_library_gemm(dtype, rows):
     kernels = load()
-    assert kernels.has_dense_bf16(), "the CPU has AVX512-BF16: the packed kernel must be compiled in"
+    if not _PACKED_NEEDS[dtype] <= set(cpu_flags().split()):
+        assert not packable(kernels, dtype), "a packed kernel compiled in where the CPU lacks its instructions"
+        pytest.skip(f"this CPU lacks {sorted(_PACKED_NEEDS[dtype])}: no packed {dtype} kernel")
+    assert packable(kernels, dtype), f"the CPU has {sorted(_PACKED_NEEDS[dtype])}: the kernel must be compiled in"
     torch.manual_seed(rows)
-    dense = torch.nn.Linear(96, 72, bias=True).to(torch.bfloat16)  # 72 columns: padded to 80 inside
-    packed = PackedBF16Linear(dense, kernels)
-    logits = PackedBF16Linear(dense, kernels, float_out=True)
-    x = torch.randn(rows, 96).bfloat16()
-    expected = x.float() @ dense.weight.float().T + dense.bias.float()
+    dense = torch.nn.Linear(96, 72, bias=True).to(dtype)  # 72 columns: padded to 80 inside
+    packed = PackedLinear(dense, kernels)
+    logits = PackedLinear(dense, kernels, float_out=True)
+    x = torch.randn(rows, 96).to(dtype)
+    expected = x.double() @ dense.weight.double().T + dense.bias.double()
     got = packed(x)
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, 72)
-    torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=1e-2)
+    assert got.dtype == dtype and got.shape == (rows, 72)
+    atol, rtol = (2e-2, 1e-2) if dtype == torch.bfloat16 else (1e-5, 1e-5)
+    torch.testing.assert_close(got.double(), expected, atol=atol, rtol=rtol)
     assert logits(x).dtype == torch.float32
-    torch.testing.assert_close(logits(x), expected, atol=2e-2 if rows > MAX_KERNEL_ROWS else 1e-4, rtol=1e-2)
+    exact = rows <= MAX_KERNEL_ROWS[dtype] or dtype == torch.float32  # the kernel sums bf16 products in fp32
+    torch.testing.assert_close(logits(x).double(), expected, atol=1e-4 if exact else 2e-2, rtol=1e-5 if exact else 1e-2)

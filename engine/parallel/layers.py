@@ -1,5 +1,5 @@
 """The parallel layers a sharded model runs: each wraps the plain layer holding this rank's slice
-(``nn.Linear``, ``PackedBF16Linear`` or ``QuantizedLinear`` alike) and adds the communication.
+(``nn.Linear``, ``PackedLinear`` or ``QuantizedLinear`` alike) and adds the communication.
 
 - ``RowParallel`` (o_proj, down_proj): partial outputs from this rank's input columns, summed
   over the stage's TP ranks by one all-reduce.

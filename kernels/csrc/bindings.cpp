@@ -13,9 +13,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_prefill_attention", &has_prefill_attention, "whether prefill_attention serves this head_dim here");
   m.def("prefill_attention", &prefill_attention, py::call_guard<py::gil_scoped_release>(), "causal prefill attention");
   m.def("quant_paths", &quant_paths, "quant_linear's paths compiled in: 0 portable, 1 AVX2, 2 AVX512-VNNI");
-  m.def("has_dense_bf16", &has_dense_bf16, "whether the AVX512-BF16 dense path is compiled in");
-  m.def("pack_bf16", &pack_bf16, py::call_guard<py::gil_scoped_release>(), "pack a bf16 weight for dense_linear");
-  m.def("dense_linear", &dense_linear, py::call_guard<py::gil_scoped_release>(), "x @ W^T + bias, bf16, few rows");
+  m.def("dense_dtypes", &dense_dtypes, "dense_linear's weight dtypes compiled in here");
+  m.def("pack_dense", &pack_dense, py::call_guard<py::gil_scoped_release>(), "pack a bf16 or fp32 weight for dense_linear");
+  m.def("dense_linear", &dense_linear, py::call_guard<py::gil_scoped_release>(), "x @ W^T + bias, bf16 or fp32, few rows");
   m.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>(), "RMSNorm");
   m.def("add_rms_norm", &add_rms_norm, py::call_guard<py::gil_scoped_release>(), "residual += x, then RMSNorm of the residual");
   m.def("silu_mul", &silu_mul, py::call_guard<py::gil_scoped_release>(), "silu(gate) * up");
@@ -28,7 +28,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using Stack = DecoderStack;
   py::class_<Stack::Linear>(m, "StackLinear")
       .def_static("quantized", &Stack::Linear::quantized)
-      .def_static("packed_bf16", &Stack::Linear::packed_bf16)
+      .def_static("packed", &Stack::Linear::packed_dense)
       .def_static("dense", &Stack::Linear::dense);
   py::class_<Stack::Layer>(m, "StackLayer")
       .def(py::init<torch::Tensor, Stack::Linear, Stack::Linear, torch::Tensor, Stack::Linear, Stack::Linear>());

@@ -18,7 +18,7 @@ torch::Tensor apply(const Linear& l, const torch::Tensor& x) {
   torch::Tensor y;
   if (l.kind == Linear::kQuantized) {
     y = quant_linear(x, l.packed, l.col_scale, l.bias, l.padded_out, l.in_features, l.format, -1, false);
-  } else if (l.kind == Linear::kPackedBF16 && x.size(0) <= l.max_packed_rows) {
+  } else if (l.kind == Linear::kPacked && x.size(0) <= l.max_packed_rows) {
     y = dense_linear(x, l.packed, l.bias, l.padded_out, false);
   } else {
     return l.dense_bias.defined() && l.dense_bias.numel() > 0 ? at::linear(x, l.weight, l.dense_bias)

@@ -6,10 +6,11 @@
 
 class DecoderStack {
  public:
-  // A linear layer: packed quantized weights (quant_linear), packed bf16 weights (dense_linear
-  // for few rows, else at::linear on the plain weight), or a plain weight (at::linear).
+  // A linear layer: packed quantized weights (quant_linear), packed bf16 or fp32 weights
+  // (dense_linear for few rows, else at::linear on the plain weight), or a plain weight
+  // (at::linear).
   struct Linear {
-    enum Kind { kQuantized, kPackedBF16, kDense };
+    enum Kind { kQuantized, kPacked, kDense };
     Kind kind = kDense;
     torch::Tensor packed, col_scale, bias, weight, dense_bias;
     int64_t padded_out = 0, in_features = 0, out_features = 0, format = 0, max_packed_rows = 0;
@@ -22,10 +23,10 @@ class DecoderStack {
       l.padded_out = padded_out, l.in_features = in_features, l.out_features = out_features, l.format = format;
       return l;
     }
-    static Linear packed_bf16(torch::Tensor packed, torch::Tensor kernel_bias, torch::Tensor weight,
-                              torch::Tensor bias, int64_t padded_out, int64_t max_packed_rows) {
+    static Linear packed_dense(torch::Tensor packed, torch::Tensor kernel_bias, torch::Tensor weight,
+                               torch::Tensor bias, int64_t padded_out, int64_t max_packed_rows) {
       Linear l = dense(std::move(weight), std::move(bias));
-      l.kind = kPackedBF16;
+      l.kind = kPacked;
       l.packed = std::move(packed), l.bias = std::move(kernel_bias);
       l.padded_out = padded_out, l.max_packed_rows = max_packed_rows;
       return l;

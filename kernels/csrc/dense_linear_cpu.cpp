@@ -1,11 +1,14 @@
-// bf16 linear layers for few rows (decode): y = x W^T with W packed for AVX512-BF16.
+// Dense linear layers for few rows (decode): y = x W^T with W packed column-interleaved.
 //
-// oneDNN's bf16 GEMM is excellent for many rows (prefill) but streams a weight matrix at a
-// fraction of the memory bandwidth when x has one or a few rows, which is what a decode step
-// is. This kernel stores W column-interleaved like the quantized kernel (blocks of 16 columns,
-// K in steps of 2): one 64-byte load holds 2 consecutive k of 16 columns, and `vdpbf16ps`
-// multiplies it by a broadcast pair of x values, accumulating 16 columns in fp32. A tile of up
-// to 4 rows x 2 column blocks reuses every weight register for all its rows.
+// oneDNN's and MKL's GEMMs are excellent for many rows (prefill) but stream a weight matrix at
+// a fraction of the memory bandwidth when x has one or a few rows, which is what a decode step
+// is (MKL's fp32 GEMV reads 11-14 GB/s on a 30 GB/s AMD CPU). This kernel stores W in blocks of
+// columns, like the quantized kernel, so that one vector load holds one k step of a block's
+// columns and an FMA multiplies it by a broadcast x value, accumulating the block's columns in
+// fp32. A tile of up to 4 rows x 2 (or 1-2 rows x 4) column blocks reuses every weight register
+// for all its rows. Two element types:
+//   bf16 (AVX512-BF16): blocks of 16 columns, K in steps of 2; `vdpbf16ps` takes a pair of k.
+//   fp32 (AVX2 + FMA):  blocks of 8 columns, K in steps of 1.
 #include "linear_output.h"
 #include "ops.h"
 
@@ -18,102 +21,173 @@
 #else
 #define PDSERVE_DENSE_BF16 0
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define PDSERVE_DENSE_F32 1
+#else
+#define PDSERVE_DENSE_F32 0
+#endif
 
 namespace {
 
-constexpr int64_t kCols = 16;
-constexpr int64_t kStep = 2;  // k values per 32-bit lane (one bf16 pair)
-
 #if PDSERVE_DENSE_BF16
-template <int MR, int NB>
-inline void tile(const uint16_t* w, int64_t block_stride, int64_t k, const uint16_t* x, const Output& y,
-                 int64_t first_row, int64_t first_col) {
-  __m512 acc[MR][NB];
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
-  for (int64_t s = 0; s < k / kStep; ++s) {
-    __m512i wv[NB];
-    for (int j = 0; j < NB; ++j) {
-      const uint16_t* p = w + j * block_stride + s * kCols * kStep;
-      // Into L2: an L1 prefetch would hold one of L1's few miss slots until its line lands.
-      _mm_prefetch(reinterpret_cast<const char*>(p + 16 * kCols * kStep), _MM_HINT_T1);
-      wv[j] = _mm512_loadu_si512(p);
-    }
-    for (int r = 0; r < MR; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, x + r * k + s * kStep, 4);
-      const __m512bh xb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
-      for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], reinterpret_cast<__m512bh>(wv[j]), xb);
-    }
-  }
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NB; ++j) store16(y, first_row + r, first_col + j * kCols, acc[r][j]);
-}
+struct Bf16Tiles {
+  using Elem = uint16_t;
+  static constexpr int64_t kCols = 16;
+  static constexpr int64_t kStep = 2;  // k values per 32-bit lane (one bf16 pair)
 
-template <int NB>
-void rows_of(const uint16_t* w, int64_t stride, int64_t k, const uint16_t* x, int64_t rows, const Output& y,
-             int64_t col) {
-  constexpr int MR = NB >= 4 ? 2 : 4;
-  int64_t r = 0;
-  for (; r + MR <= rows; r += MR) tile<MR, NB>(w, stride, k, x + r * k, y, r, col);
-  const int64_t left = rows - r;
-  if constexpr (MR > 3) {
-    if (left == 3) tile<3, NB>(w, stride, k, x + r * k, y, r, col);
-  }
-  if constexpr (MR > 2) {
-    if (left == 2) tile<2, NB>(w, stride, k, x + r * k, y, r, col);
-  }
-  if (left == 1) tile<1, NB>(w, stride, k, x + r * k, y, r, col);
-}
-
-template <int NB>
-void gemm(const uint16_t* w, int64_t nblocks, int64_t k, const uint16_t* x, int64_t rows, const Output& y) {
-  const int64_t stride = k * kCols;  // elements per column block
-  const int64_t tasks = (nblocks + NB - 1) / NB;
-  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t * NB;
-      if (b + NB <= nblocks) {
-        rows_of<NB>(w + b * stride, stride, k, x, rows, y, b * kCols);
-      } else {
-        for (int64_t bb = b; bb < nblocks; ++bb) rows_of<1>(w + bb * stride, stride, k, x, rows, y, bb * kCols);
+  template <int MR, int NB>
+  static void tile(const uint16_t* w, int64_t block_stride, int64_t k, const uint16_t* x, const Output& y,
+                   int64_t first_row, int64_t first_col) {
+    __m512 acc[MR][NB];
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < k / kStep; ++s) {
+      __m512i wv[NB];
+      for (int j = 0; j < NB; ++j) {
+        const uint16_t* p = w + j * block_stride + s * kCols * kStep;
+        // Into L2: an L1 prefetch would hold one of L1's few miss slots until its line lands.
+        _mm_prefetch(reinterpret_cast<const char*>(p + 16 * kCols * kStep), _MM_HINT_T1);
+        wv[j] = _mm512_loadu_si512(p);
+      }
+      for (int r = 0; r < MR; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, x + r * k + s * kStep, 4);
+        const __m512bh xb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+        for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], reinterpret_cast<__m512bh>(wv[j]), xb);
       }
     }
-  });
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < NB; ++j) store16(y, first_row + r, first_col + j * kCols, acc[r][j]);
+  }
+};
+#endif
+
+#if PDSERVE_DENSE_F32
+struct F32Tiles {
+  using Elem = float;
+  static constexpr int64_t kCols = 8;
+  static constexpr int64_t kStep = 1;
+
+  template <int MR, int NB>
+  static void tile(const float* w, int64_t block_stride, int64_t k, const float* x, const Output& y,
+                   int64_t first_row, int64_t first_col) {
+    __m256 acc[MR][NB];
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < NB; ++j) acc[r][j] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < k; ++s) {
+      __m256 wv[NB];
+      for (int j = 0; j < NB; ++j) {
+        const float* p = w + j * block_stride + s * kCols;
+        if ((s & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(p + 32 * kCols), _MM_HINT_T1);  // one per line
+        wv[j] = _mm256_loadu_ps(p);
+      }
+      for (int r = 0; r < MR; ++r) {
+        const __m256 xb = _mm256_broadcast_ss(x + r * k + s);
+        for (int j = 0; j < NB; ++j) acc[r][j] = _mm256_fmadd_ps(wv[j], xb, acc[r][j]);
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      float* out = static_cast<float*>(y.data) + (first_row + r) * y.ld;
+      for (int j = 0; j < NB; ++j) {
+        const int64_t col = first_col + j * kCols;
+        const __m256 v = y.bias ? _mm256_add_ps(acc[r][j], _mm256_loadu_ps(y.bias + col)) : acc[r][j];
+        _mm256_storeu_ps(out + col, v);
+      }
+    }
+  }
+};
+#endif
+
+#if PDSERVE_DENSE_BF16 || PDSERVE_DENSE_F32
+template <typename Tiles, int NB>
+void rows_of(const typename Tiles::Elem* w, int64_t stride, int64_t k, const typename Tiles::Elem* x, int64_t rows,
+             const Output& y, int64_t col) {
+  constexpr int MR = NB >= 4 ? 2 : 4;
+  int64_t r = 0;
+  for (; r + MR <= rows; r += MR) Tiles::template tile<MR, NB>(w, stride, k, x + r * k, y, r, col);
+  const int64_t left = rows - r;
+  if constexpr (MR > 3) {
+    if (left == 3) Tiles::template tile<3, NB>(w, stride, k, x + r * k, y, r, col);
+  }
+  if constexpr (MR > 2) {
+    if (left == 2) Tiles::template tile<2, NB>(w, stride, k, x + r * k, y, r, col);
+  }
+  if (left == 1) Tiles::template tile<1, NB>(w, stride, k, x + r * k, y, r, col);
+}
+
+template <typename Tiles>
+void gemm(const typename Tiles::Elem* w, int64_t nblocks, int64_t k, const typename Tiles::Elem* x, int64_t rows,
+          const Output& y) {
+  const auto run = [&](auto nb) {
+    constexpr int NB = decltype(nb)::value;
+    const int64_t stride = k * Tiles::kCols;  // elements per column block
+    const int64_t tasks = (nblocks + NB - 1) / NB;
+    at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t b = t * NB;
+        if (b + NB <= nblocks) {
+          rows_of<Tiles, NB>(w + b * stride, stride, k, x, rows, y, b * Tiles::kCols);
+        } else {
+          for (int64_t bb = b; bb < nblocks; ++bb) rows_of<Tiles, 1>(w + bb * stride, stride, k, x, rows, y, bb * Tiles::kCols);
+        }
+      }
+    });
+  };
+  if (rows <= 2) run(std::integral_constant<int, 4>{});
+  else run(std::integral_constant<int, 2>{});
 }
 #endif
+
+// The element type's block width and k step (bf16 or fp32), whether or not its kernel is built.
+std::pair<int64_t, int64_t> layout_of(torch::ScalarType dtype) {
+  TORCH_CHECK(dtype == torch::kBFloat16 || dtype == torch::kFloat32, "dense_linear: bfloat16 or float32 weights");
+  return dtype == torch::kBFloat16 ? std::pair<int64_t, int64_t>{16, 2} : std::pair<int64_t, int64_t>{8, 1};
+}
 
 }  // namespace
 
-bool has_dense_bf16() { return PDSERVE_DENSE_BF16; }
+std::vector<std::string> dense_dtypes() {
+  std::vector<std::string> dtypes;
+  if (PDSERVE_DENSE_BF16) dtypes.emplace_back("bfloat16");
+  if (PDSERVE_DENSE_F32) dtypes.emplace_back("float32");
+  return dtypes;
+}
 
-// W [N, K] bf16 (N % 16 == 0, K % 2 == 0) -> the kernel's layout: per block of 16 columns, for
-// each pair of k, the 16 columns' two values.
-torch::Tensor pack_bf16(torch::Tensor w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16, "pack_bf16: a 2-D bfloat16 weight");
+// W [N, K] (N a multiple of the block width, K of the k step) -> the kernel's layout: per block
+// of columns, for each k step, the block's columns' values.
+torch::Tensor pack_dense(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2, "pack_dense: a 2-D weight");
+  const auto [cols, step] = layout_of(w.scalar_type());
   const int64_t n = w.size(0), k = w.size(1);
-  TORCH_CHECK(n % kCols == 0 && k % kStep == 0, "pack_bf16 needs N % 16 == 0 and K even");
-  // [N/16, 16, K/2, 2] -> [N/16, K/2, 16, 2]
-  return w.contiguous().view({n / kCols, kCols, k / kStep, kStep}).permute({0, 2, 1, 3}).contiguous().view({n, k});
+  TORCH_CHECK(n % cols == 0 && k % step == 0, "pack_dense needs N % ", cols, " == 0 and K % ", step, " == 0");
+  // [N/cols, cols, K/step, step] -> [N/cols, K/step, cols, step]
+  return w.contiguous().view({n / cols, cols, k / step, step}).permute({0, 2, 1, 3}).contiguous().view({n, k});
 }
 
 torch::Tensor dense_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, int64_t n, bool float_out) {
-  TORCH_CHECK(PDSERVE_DENSE_BF16, "dense_linear needs AVX512-BF16");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "dense_linear: x must be a 2-D bfloat16");
+  const auto dtype = packed.scalar_type();
+  const auto [cols, step] = layout_of(dtype);
+  TORCH_CHECK(dtype == torch::kBFloat16 ? PDSERVE_DENSE_BF16 : PDSERVE_DENSE_F32, "dense_linear: no ",
+              c10::toString(dtype), " kernel on this CPU");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == dtype, "dense_linear: x must be a 2-D ", c10::toString(dtype));
   const int64_t rows = x.size(0), k = x.size(1);
-  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.is_contiguous() && packed.numel() == n * k,
-              "dense_linear: packed weights do not match N and K");
-  TORCH_CHECK(n % kCols == 0 && k % kStep == 0, "dense_linear: N % 16 and K % 2 must be 0");
+  TORCH_CHECK(packed.is_contiguous() && packed.numel() == n * k, "dense_linear: packed weights do not match N and K");
+  TORCH_CHECK(n % cols == 0 && k % step == 0, "dense_linear: N % ", cols, " and K % ", step, " must be 0");
   TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == torch::kFloat32 && bias.numel() == n && bias.is_contiguous()),
               "bias must be empty or a contiguous float32 [N]");
   auto xc = x.contiguous();
-  auto y = torch::empty({rows, n}, float_out ? torch::kFloat32 : torch::kBFloat16);
+  const bool bf16_out = dtype == torch::kBFloat16 && !float_out;
+  auto y = torch::empty({rows, n}, bf16_out ? torch::kBFloat16 : torch::kFloat32);
+  const Output out{y.data_ptr(), n, bf16_out, bias.numel() ? bias.data_ptr<float>() : nullptr};
 #if PDSERVE_DENSE_BF16
-  const Output out{y.data_ptr(), n, !float_out, bias.numel() ? bias.data_ptr<float>() : nullptr};
-  const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
-  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
-  if (rows <= 2) gemm<4>(w, n / kCols, k, xp, rows, out);
-  else gemm<2>(w, n / kCols, k, xp, rows, out);
+  if (dtype == torch::kBFloat16) {
+    gemm<Bf16Tiles>(reinterpret_cast<const uint16_t*>(packed.data_ptr()), n / cols, k,
+                    reinterpret_cast<const uint16_t*>(xc.data_ptr()), rows, out);
+  }
 #endif
+#if PDSERVE_DENSE_F32
+  if (dtype == torch::kFloat32) gemm<F32Tiles>(packed.data_ptr<float>(), n / cols, k, xc.data_ptr<float>(), rows, out);
+#endif
+  (void)out;
   return y;
 }

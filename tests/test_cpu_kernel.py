@@ -323,19 +323,24 @@ def test_a_build_that_cannot_happen_here_fails_make_test_but_only_warns_the_demo
     assert "will use its torch fallbacks" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("fmt", [QuantFormat.INT8_CHANNEL, QuantFormat.INT8_GROUP])
+@pytest.mark.parametrize("fmt", [QuantFormat.INT8_CHANNEL, QuantFormat.INT8_GROUP, QuantFormat.INT4_GROUP])
 def test_every_quant_path_takes_the_full_code_range(kernel, fmt):
-    """Codes 0 and 255 (int8 -128 and 127): the AVX2 path's sign trick must not flip -128, and
-    no pair of products may saturate its 16-bit sums."""
+    """The extreme codes (int8 -128 and 127, int4 0 and 15) against full-scale activations: the
+    AVX2 path's sign trick must not flip -128, and no 16-bit pair sum may saturate."""
     torch.manual_seed(3)
     n, k, rows = 32, 128, 3
-    codes = torch.randint(0, 256, (n, k), dtype=torch.uint8)
-    codes[:, :64] = torch.tensor([0, 255], dtype=torch.uint8).repeat(n, 32)  # the extremes, side by side
-    scale = torch.rand(n, k // 32) * 0.01 + 0.001 if fmt is QuantFormat.INT8_GROUP else torch.rand(n) * 0.01 + 0.001
-    qw = QuantizedWeight(codes, scale.half().float(), (-128 * scale).half().float(), fmt)
+    top = 15 if fmt is QuantFormat.INT4_GROUP else 255
+    codes = torch.randint(0, top + 1, (n, k), dtype=torch.uint8)
+    codes[:, :32] = top  # one whole group at the largest code ...
+    codes[:, 32:96] = torch.tensor([0, top], dtype=torch.uint8).repeat(n, 32)  # ... and the extremes, side by side
+    grouped = fmt is not QuantFormat.INT8_CHANNEL
+    scale = torch.rand(n, k // 32) * 0.01 + 0.001 if grouped else torch.rand(n) * 0.01 + 0.001
+    zero = -(top + 1) // 2 * scale
+    qw = QuantizedWeight(codes, scale.half().float(), zero.half().float(), fmt)
     layer = QuantizedLinear(qw, None, torch.device("cpu"))
     x = torch.randn(rows, k) * 3
-    x[:, :64] = torch.tensor([-4.0, 4.0]).repeat(rows, 32)  # full-scale activations of both signs
+    x[:, :32] = 4.0  # ... times full-scale activations of one sign
+    x[:, 32:96] = torch.tensor([-4.0, 4.0]).repeat(rows, 32)  # and of both signs
     expected = x @ qw.dequantize(torch.float32).T
     tol = 0.02 * expected.abs().max().item()
     for path in kernel.quant_paths():

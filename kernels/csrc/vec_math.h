@@ -1,6 +1,14 @@
 // Vector math shared by the CPU kernels: exp, log, horizontal sums, bf16 conversions.
 #pragma once
 
+namespace {
+
+// 2^f for f in [-0.5, 0.5]: a degree-6 polynomial (relative error ~2e-7), highest term first.
+constexpr float kExp2Poly[] = {1.5252734e-5f, 1.5403530e-4f, 1.3333558e-3f, 9.6181291e-3f,
+                               5.5504109e-2f, 2.4022651e-1f, 6.9314718e-1f, 1.f};
+
+}  // namespace
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
@@ -13,14 +21,9 @@ inline __m256 exp_neg(__m256 x) {
   const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504f));
   const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(t, n);
-  __m256 p = _mm256_set1_ps(1.5252734e-5f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530e-4f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504109e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022651e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  __m256 p = _mm256_set1_ps(kExp2Poly[0]);
+#pragma GCC unroll 8
+  for (int i = 1; i < 8; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Poly[i]));
   const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
 }
@@ -54,21 +57,15 @@ inline float reduce_max(__m256 v) {
 namespace {
 
 // e^x for softmax arguments (x <= 0; below -87 it gives e^-87), and as well for positive x up to
-// ~88 (beyond, +inf): 2^(x log2 e) split into 2^n * 2^f, f in [-0.5, 0.5], with a degree-6
-// polynomial for 2^f (relative error ~2e-7).
+// ~88 (beyond, +inf): 2^(x log2 e) split into 2^n * 2^f, f in [-0.5, 0.5], with kExp2Poly for 2^f.
 inline __m512 exp_neg(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.5252734e-5f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530e-4f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  __m512 p = _mm512_set1_ps(kExp2Poly[0]);
+#pragma GCC unroll 8
+  for (int i = 1; i < 8; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[i]));
   return _mm512_scalef_ps(p, n);
 }
 

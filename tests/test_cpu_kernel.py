@@ -58,6 +58,19 @@ def test_decode_attention_matches_reference(
         torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=0, msg=f"path {path}")
 
 
+@pytest.mark.parametrize("cache_dtype", ["auto", "int8"])
+def test_decode_attention_of_doubles_matches_reference_on_every_path(kernel, cache_dtype):
+    """The vector paths read fp32 or bf16 rows: a plain cache of doubles goes to the portable one."""
+    fmt = KVFormat(cache_dtype, 2, 64, torch.float64)
+    kv = _filled_cache(fmt, 8, 4, seed=1)
+    tables, lens = torch.arange(8).view(1, 8), torch.tensor([29])
+    q = torch.randn(1, 4, 64, dtype=torch.float64)
+    expected = reference.paged_decode_attention(q, kv, tables, lens, 0.125, fmt)
+    for path in [-1, *kernel.attention_paths()]:
+        got = kernel.paged_decode_attention(q, kv, tables, lens, 0.125, fmt.kind, 2, path)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0, msg=f"path {path}")
+
+
 def test_decode_attention_has_a_vector_path_wherever_the_cpu_has_one(kernel):
     """CPUs without AVX-512 (most laptops) get the AVX2 path, not the portable loops; a path
     that is not compiled in is refused by name."""

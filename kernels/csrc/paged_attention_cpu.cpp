@@ -35,13 +35,16 @@ std::vector<int64_t> compiled_paths() {
 }
 
 // The function for `path` (kBest: the fastest compiled in); a path that does not serve the
-// shape (another head_dim, too many query heads) falls back to the portable one.
+// shape (another head_dim, too many query heads, a plain cache of doubles) falls back to the
+// portable one.
 template <typename T>
 AttendFn<T> pick_attend(const KVFormat& fmt, int64_t num_q_heads, int64_t path) {
   static const std::vector<int64_t> paths = compiled_paths();
   if (path == kBest) path = paths.back();
   TORCH_CHECK(std::find(paths.begin(), paths.end(), path) != paths.end(), "attention path ", path,
               " is not compiled in on this CPU");
+  constexpr bool kVectorRows = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+  if (!kVectorRows && fmt.kind == KVFormat::kPlain) return &attend_portable<T>;  // they read fp32 or bf16 rows
   AttendFn<T> fn = nullptr;
 #if defined(__AVX512F__)
   if (path == kAvx512) fn = pick_avx512<T>(fmt, num_q_heads);

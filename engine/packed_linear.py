@@ -16,7 +16,7 @@ from torch import nn
 from pdserve.engine.quantization import COLUMN_BLOCK
 
 # Rows up to which the packed kernel beats the library GEMM (measured: bench/RESULTS.md).
-MAX_KERNEL_ROWS = {torch.bfloat16: 32, torch.float32: 16}
+MAX_KERNEL_ROWS = {torch.bfloat16: 32, torch.float32: 64}
 
 
 def packable(kernels, dtype: torch.dtype) -> bool:

@@ -74,7 +74,7 @@ def test_packed_linear_matches_the_library_gemm(dtype, rows):
     kernels = load()
     if not _PACKED_NEEDS[dtype] <= set(cpu_flags().split()):
         assert not packable(kernels, dtype), "a packed kernel compiled in where the CPU lacks its instructions"
-        pytest.skip(f"this CPU lacks {sorted(_PACKED_NEEDS[dtype])}: no packed {dtype} kernel")
+        pytest.skip(reason=f"this CPU lacks {sorted(_PACKED_NEEDS[dtype])}: no packed {dtype} kernel")
     assert packable(kernels, dtype), f"the CPU has {sorted(_PACKED_NEEDS[dtype])}: the kernel must be compiled in"
     torch.manual_seed(rows)
     dense = torch.nn.Linear(96, 72, bias=True).to(dtype)  # 72 columns: padded to 80 inside

@@ -4,10 +4,13 @@ oneDNN's and MKL's GEMMs are the right tool for prefill (hundreds of rows) but s
 at a fraction of the memory bandwidth for the one to a few dozen rows of a decode step, which is
 memory-bound. The layer keeps the weight as loaded for them and a column-interleaved copy for
 ``kernels/csrc/dense_linear_cpu.cpp`` (bf16 on AVX512-BF16, fp32 on AVX2); each call picks by
-row count: the packed kernel up to ``MAX_KERNEL_ROWS[dtype]`` rows, the library above.
+row count: the packed kernel up to ``MAX_KERNEL_ROWS[dtype]`` rows (for fp32, every count), the
+library above.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -15,8 +18,9 @@ from torch import nn
 
 from pdserve.engine.quantization import COLUMN_BLOCK
 
-# Rows up to which the packed kernel beats the library GEMM (measured: bench/RESULTS.md).
-MAX_KERNEL_ROWS = {torch.bfloat16: 32, torch.float32: 64}
+# Rows up to which the packed kernel beats the library GEMM (measured: bench/RESULTS.md). fp32:
+# every row count measured (1-512 rows; prefill too).
+MAX_KERNEL_ROWS = {torch.bfloat16: 32, torch.float32: sys.maxsize}
 
 
 def packable(kernels, dtype: torch.dtype) -> bool:
@@ -57,7 +61,5 @@ class PackedLinear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return (
-            f"in={self.in_features}, out={self.out_features}, {self.weight.dtype} packed "
-            f"(<= {self.max_kernel_rows} rows) / library GEMM"
-        )
+        rows = "all rows" if self.max_kernel_rows == sys.maxsize else f"<= {self.max_kernel_rows} rows"
+        return f"in={self.in_features}, out={self.out_features}, {self.weight.dtype} packed ({rows}) / library GEMM"

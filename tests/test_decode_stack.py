@@ -64,8 +64,9 @@ def test_decode_stack_is_bitwise_the_python_model(model_dir, dtype, quantization
 
 # The CPU flags each packed kernel needs (it is compiled in wherever they are).
 _PACKED_NEEDS = {torch.bfloat16: {"avx512_bf16", "avx512bw"}, torch.float32: {"avx2", "fma"}}
-_PACKED_CASES = [(dtype, rows) for dtype in _PACKED_NEEDS for rows in (1, 2, 3, 5, 6, 7, 13)] + [
-    (dtype, MAX_KERNEL_ROWS[dtype] + extra) for dtype in _PACKED_NEEDS for extra in (0, 1)
+# Decode-sized row counts (tile tails included), a prefill-sized one, and bf16's limit.
+_PACKED_CASES = [(dtype, rows) for dtype in _PACKED_NEEDS for rows in (1, 2, 3, 5, 6, 7, 13, 300)] + [
+    (torch.bfloat16, MAX_KERNEL_ROWS[torch.bfloat16] + extra) for extra in (0, 1)
 ]
 
 

@@ -37,14 +37,6 @@ inline __m256 load8(const uint8_t* row, int i) {
   }
 }
 
-// The factor a row's codes are multiplied by: its scale for 8-bit caches, 1 for plain ones.
-template <int KIND>
-inline float row_scale(const uint8_t* token, const KVFormat& fmt, int kv, int64_t h) {
-  if constexpr (KIND == KVFormat::kPlain) return 1.f;
-  const float s = fmt.scale(token, kv, h);
-  return KIND == KVFormat::kFp8 ? s * pdserve::kFp8ViaHalfFactor : s;
-}
-
 // The tokens of one chunk, those of the next (prefetched meanwhile, null past the item), and
 // the prefetcher's shares of their lines.
 struct Chunk {

@@ -113,6 +113,15 @@ struct PrefetchShares {
   }
 };
 
+// The factor a row's codes are multiplied by: its scale for 8-bit caches (fp8's with the factor
+// its widening through fp16 leaves out), 1 for plain ones.
+template <int KIND>
+inline float row_scale(const uint8_t* token, const KVFormat& fmt, int kv, int64_t h) {
+  if constexpr (KIND == KVFormat::kPlain) return 1.f;
+  const float s = fmt.scale(token, kv, h);
+  return KIND == KVFormat::kFp8 ? s * pdserve::kFp8ViaHalfFactor : s;
+}
+
 // Where tokens c0 .. c0 + n - 1 sit in the paged cache, and the tokens one chunk (CHUNK tokens)
 // later (null past t1), walked block by block: two divisions per chunk, not four per token.
 template <int64_t CHUNK>
@@ -153,13 +162,11 @@ inline float load_vecs(const uint8_t* token, const KVFormat& fmt, int kv, int64_
 #pragma GCC unroll 8
       for (int i = 0; i < NV; ++i) out[i] = _mm512_loadu_ps(reinterpret_cast<const float*>(src) + 16 * i);
     }
-    return 1.f;
   } else if constexpr (KIND == KVFormat::kInt8) {
 #pragma GCC unroll 8
     for (int i = 0; i < NV; ++i) {
       out[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src) + i)));
     }
-    return fmt.scale(token, kv, h);
   } else {
     // fp8 e4m3 -> fp16 bits (see kv_format.h) -> fp32.
     const __m256i sign = _mm256_set1_epi16(static_cast<short>(0x8000)), rest = _mm256_set1_epi16(0x7F);
@@ -169,8 +176,8 @@ inline float load_vecs(const uint8_t* token, const KVFormat& fmt, int kv, int64_
       out[i] = _mm512_cvtph_ps(_mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(b, 8), sign),
                                                _mm256_slli_epi16(_mm256_and_si256(b, rest), 7)));
     }
-    return fmt.scale(token, kv, h) * pdserve::kFp8ViaHalfFactor;
   }
+  return row_scale<KIND>(token, fmt, kv, h);
 }
 
 #if defined(__AVX512BF16__)

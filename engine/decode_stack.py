@@ -31,7 +31,12 @@ def _linear(module, layer: nn.Module):
     bias = layer.bias.detach() if layer.bias is not None else torch.empty(0)
     if isinstance(layer, PackedLinear):
         return module.StackLinear.packed(
-            layer.packed, layer.kernel_bias, layer.weight, bias, layer.padded_out, layer.max_kernel_rows
+            layer.packed,
+            layer.kernel_bias,
+            layer.weight if layer.weight is not None else torch.empty(0),  # the library GEMM's, if it has one
+            bias,
+            layer.out_features,
+            layer.max_kernel_rows,
         )
     return module.StackLinear.dense(layer.weight.detach(), bias)
 

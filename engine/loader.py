@@ -90,7 +90,9 @@ def load_state_dict(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
                     if not name.endswith(_IGNORED_SUFFIXES):
-                        state[name] = f.get_tensor(name).to(dtype)
+                        # Copied even in the file's dtype: such a tensor views the file's mapping,
+                        # which would stay mapped and resident while any one of its weights lives.
+                        state[name] = f.get_tensor(name).to(dtype, copy=True)
         except (OSError, MemoryError):
             raise
         except Exception as e:  # safetensors' own error is no ValueError: name the file it is about
@@ -140,6 +142,7 @@ def load_model(
             f"weights in {folder} do not fit {config.architecture}: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
         )
     model.load_state_dict(state, strict=False, assign=True)
+    del state  # the model holds the weights now: packing may free the plain ones
     if config.tie_word_embeddings and model.lm_head is not None:
         model.lm_head.weight = model.model.embed_tokens.weight
     model = model.to(device).eval()
@@ -209,4 +212,5 @@ def pack_dense_model(model: CausalLM, kernels) -> None:
             owner = getattr(layer, owner_name)
             setattr(owner, attr, PackedLinear(getattr(owner, attr), kernels))
     if model.lm_head is not None:
-        model.lm_head = PackedLinear(model.lm_head, kernels, float_out=True)
+        tied = model.lm_head.weight is model.model.embed_tokens.weight
+        model.lm_head = PackedLinear(model.lm_head, kernels, float_out=True, keep_weight=tied)

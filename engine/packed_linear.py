@@ -2,10 +2,11 @@
 
 oneDNN's and MKL's GEMMs are the right tool for prefill (hundreds of rows) but stream a weight
 at a fraction of the memory bandwidth for the one to a few dozen rows of a decode step, which is
-memory-bound. The layer keeps the weight as loaded for them and a column-interleaved copy for
-``kernels/csrc/dense_linear_cpu.cpp`` (bf16 on AVX512-BF16, fp32 on AVX2); each call picks by
-row count: the packed kernel up to ``MAX_KERNEL_ROWS[dtype]`` rows (for fp32, every count), the
-library above.
+memory-bound. The layer keeps a column-interleaved copy for ``kernels/csrc/dense_linear_cpu.cpp``
+(bf16 on AVX512-BF16, fp32 on AVX2); each call picks by row count: the packed kernel up to
+``MAX_KERNEL_ROWS[dtype]`` rows, the library above, which needs the weight as loaded too. fp32's
+kernel serves every row count, so there the layer holds the packed copy only (its
+``state_dict`` still gives the weight as loaded).
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ def packable(kernels, dtype: torch.dtype) -> bool:
 
 
 class PackedLinear(nn.Module):
-    def __init__(self, linear: nn.Linear, kernels, float_out: bool = False) -> None:
-        """``float_out``: return fp32 (the lm_head's logits)."""
+    def __init__(self, linear: nn.Linear, kernels, float_out: bool = False, keep_weight: bool = False) -> None:
+        """``float_out``: return fp32 (the lm_head's logits). ``keep_weight``: hold the weight as
+        loaded even where the kernel serves every row count (a tied lm_head's weight is the
+        embedding's, so holding it costs nothing)."""
         super().__init__()
         weight = linear.weight.detach()
         if weight.device.type != "cpu" or not packable(kernels, weight.dtype):
@@ -39,7 +42,8 @@ class PackedLinear(nn.Module):
         self.kernels, self.float_out = kernels, float_out
         self.max_kernel_rows = MAX_KERNEL_ROWS[weight.dtype]
         self.padded_out = -(-self.out_features // COLUMN_BLOCK) * COLUMN_BLOCK
-        self.register_buffer("weight", weight)
+        library_rows = self.max_kernel_rows < sys.maxsize
+        self.register_buffer("weight", weight if keep_weight or library_rows else None)
         self.register_buffer("bias", linear.bias.detach() if linear.bias is not None else None)
         pad = self.padded_out - self.out_features
         padded = F.pad(weight, (0, 0, 0, pad)) if pad else weight.contiguous()  # F.pad copies even by 0
@@ -49,9 +53,20 @@ class PackedLinear(nn.Module):
             "kernel_bias", F.pad(bias, (0, self.padded_out - self.out_features)) if bias.numel() else bias
         )
 
+    def loaded_weight(self) -> torch.Tensor:
+        """The [out, in] weight as loaded: held, or unpacked from the kernel's copy."""
+        if self.weight is not None:
+            return self.weight
+        return self.kernels.unpack_dense(self.packed)[: self.out_features]
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.weight is None:
+            destination[prefix + "weight"] = self.loaded_weight()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0] <= self.max_kernel_rows and x2.dtype == self.weight.dtype:
+        if self.weight is None or (x2.shape[0] <= self.max_kernel_rows and x2.dtype == self.weight.dtype):
             y = self.kernels.dense_linear(x2, self.packed, self.kernel_bias, self.padded_out, self.float_out)
             if self.padded_out != self.out_features:
                 y = y[:, : self.out_features]
@@ -62,4 +77,4 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         rows = "all rows" if self.max_kernel_rows == sys.maxsize else f"<= {self.max_kernel_rows} rows"
-        return f"in={self.in_features}, out={self.out_features}, {self.weight.dtype} packed ({rows}) / library GEMM"
+        return f"in={self.in_features}, out={self.out_features}, {self.packed.dtype} packed ({rows}) / library GEMM"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -90,3 +92,33 @@ def test_packed_linear_matches_the_library_gemm(dtype, rows):
     assert logits(x).dtype == torch.float32
     exact = rows <= MAX_KERNEL_ROWS[dtype] or dtype == torch.float32  # the kernel sums bf16 products in fp32
     torch.testing.assert_close(logits(x).double(), expected, atol=1e-4 if exact else 2e-2, rtol=1e-5 if exact else 1e-2)
+    # Where the kernel takes every row count (fp32), the layer holds only its packed copy; its
+    # state_dict still gives the weight as loaded, bit for bit. A kept weight is the loaded one.
+    assert (packed.weight is None) == (MAX_KERNEL_ROWS[dtype] == sys.maxsize)
+    assert torch.equal(packed.state_dict()["weight"], dense.weight.detach())
+    kept = PackedLinear(dense, kernels, keep_weight=True)
+    assert kept.weight.data_ptr() == dense.weight.data_ptr() and torch.equal(kept(x), got)
+
+
+def test_an_fp32_model_holds_each_weight_once_and_none_in_the_files_mapping(model_dir):
+    """Where fp32's packed kernel is compiled in, a decoder linear holds its packed copy only (the
+    tied lm_head's plain weight is the embedding), and no weight views the safetensors file's
+    mapping, which would keep every page of the file resident for as long as that weight lives."""
+    engine = LLMEngine(
+        EngineConfig(device="cpu", dtype="float32", kv_cache_memory="64MiB", num_threads=2), model_dir=str(model_dir)
+    )
+    weights_file = str((model_dir / "model.safetensors").resolve())
+    mapped = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if line.rstrip().endswith(weights_file):
+                low, high = line.split()[0].split("-")
+                mapped.append((int(low, 16), int(high, 16)))
+    tensors = [*engine.model.parameters(), *engine.model.buffers()]
+    assert tensors and not [t for t in tensors if any(lo <= t.data_ptr() < hi for lo, hi in mapped)]
+    if not packable(load(), torch.float32):
+        return  # no packed fp32 kernel on this CPU: plain layers, each weight held once anyway
+    linears = [m for m in engine.model.modules() if isinstance(m, PackedLinear)]
+    assert len(linears) == 4 * engine.model_config.num_layers + 1
+    assert all(m.weight is None for m in linears if m is not engine.model.lm_head)
+    assert engine.model.lm_head.weight.data_ptr() == engine.model.model.embed_tokens.weight.data_ptr()

@@ -2,13 +2,14 @@
 #pragma once
 #include "ops.h"
 
+#include <limits>
 #include <vector>
 
 class DecoderStack {
  public:
   // A linear layer: packed quantized weights (quant_linear), packed bf16 or fp32 weights
-  // (dense_linear for few rows, else at::linear on the plain weight), or a plain weight
-  // (at::linear).
+  // (dense_linear up to max_packed_rows, else at::linear on the plain weight, which a layer
+  // whose kernel serves every row count does not hold), or a plain weight (at::linear).
   struct Linear {
     enum Kind { kQuantized, kPacked, kDense };
     Kind kind = kDense;
@@ -24,11 +25,15 @@ class DecoderStack {
       return l;
     }
     static Linear packed_dense(torch::Tensor packed, torch::Tensor kernel_bias, torch::Tensor weight,
-                               torch::Tensor bias, int64_t padded_out, int64_t max_packed_rows) {
-      Linear l = dense(std::move(weight), std::move(bias));
+                               torch::Tensor bias, int64_t out_features, int64_t max_packed_rows) {
+      TORCH_CHECK(weight.numel() > 0 || max_packed_rows == std::numeric_limits<int64_t>::max(),
+                  "a packed layer without its plain weight must take every row count");
+      Linear l;
       l.kind = kPacked;
       l.packed = std::move(packed), l.bias = std::move(kernel_bias);
-      l.padded_out = padded_out, l.max_packed_rows = max_packed_rows;
+      l.weight = std::move(weight), l.dense_bias = std::move(bias);
+      l.padded_out = l.packed.size(0), l.in_features = l.packed.size(1), l.out_features = out_features;
+      l.max_packed_rows = max_packed_rows;
       return l;
     }
     static Linear dense(torch::Tensor weight, torch::Tensor bias) {

@@ -181,6 +181,15 @@ torch::Tensor pack_dense(torch::Tensor w) {
   return w.contiguous().view({n / cols, cols, k / step, step}).permute({0, 2, 1, 3}).contiguous().view({n, k});
 }
 
+// The inverse of pack_dense: the [N, K] weight as loaded.
+torch::Tensor unpack_dense(torch::Tensor packed) {
+  TORCH_CHECK(packed.dim() == 2, "unpack_dense: a 2-D packed weight");
+  const auto [cols, step] = layout_of(packed.scalar_type());
+  const int64_t n = packed.size(0), k = packed.size(1);
+  TORCH_CHECK(n % cols == 0 && k % step == 0, "unpack_dense needs N % ", cols, " == 0 and K % ", step, " == 0");
+  return packed.contiguous().view({n / cols, k / step, cols, step}).permute({0, 2, 1, 3}).contiguous().view({n, k});
+}
+
 torch::Tensor dense_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, int64_t n, bool float_out) {
   const auto dtype = packed.scalar_type();
   const auto [cols, step] = layout_of(dtype);

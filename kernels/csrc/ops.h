@@ -26,6 +26,7 @@ void rope_write_kv(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos
 // dense_linear's element types compiled in here ("bfloat16": AVX512-BF16, "float32": AVX2).
 std::vector<std::string> dense_dtypes();
 torch::Tensor pack_dense(torch::Tensor w);
+torch::Tensor unpack_dense(torch::Tensor packed);
 torch::Tensor dense_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, int64_t n, bool float_out);
 
 bool has_prefill_attention(int64_t head_dim);

@@ -13,7 +13,7 @@ from pdserve.engine.host_memory import host_arena, trim_heap
 from pdserve.engine.model import CausalLM
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_store import NATIVE_CODES
-from pdserve.engine.packed_linear import PackedLinear, packable
+from pdserve.engine.packed_linear import PackedLinear, packable, packed_only
 from pdserve.engine.quantization import QuantFormat, QuantizedLinear, QuantizedWeight, load_codes, quantize
 from pdserve.kernels import AttentionBackend, select_layer_ops
 
@@ -83,16 +83,17 @@ def _weight_files(folder: Path) -> list[Path]:
     return files
 
 
-def load_state_dict(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def load_state_dict(folder: Path, dtype: torch.dtype, copy: bool = False) -> dict[str, torch.Tensor]:
+    """``copy``: copy tensors of the file's own dtype too. Uncopied, they view the file's mapping,
+    which then stays mapped and resident while any one of them lives: right when the model keeps
+    them all, a second copy of the file when most are replaced (packed or quantized)."""
     state = {}
     for path in _weight_files(folder):
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
                     if not name.endswith(_IGNORED_SUFFIXES):
-                        # Copied even in the file's dtype: such a tensor views the file's mapping,
-                        # which would stay mapped and resident while any one of its weights lives.
-                        state[name] = f.get_tensor(name).to(dtype, copy=True)
+                        state[name] = f.get_tensor(name).to(dtype, copy=copy)
         except (OSError, MemoryError):
             raise
         except Exception as e:  # safetensors' own error is no ValueError: name the file it is about
@@ -130,7 +131,9 @@ def load_model(
         model = CausalLM(shard.local_config() if shard else config, backend, select_layer_ops(device))
         if shard:
             shard.prune(model)
-    state = stack_checkpoint(load_state_dict(folder, dtype))
+    kernels = backend.cpu_kernels
+    replaced = device.type == "cpu" and (quantization != "none" or packed_only(kernels, dtype))
+    state = stack_checkpoint(load_state_dict(folder, dtype, copy=replaced))
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     if shard:

@@ -29,6 +29,12 @@ def packable(kernels, dtype: torch.dtype) -> bool:
     return kernels is not None and str(dtype).removeprefix("torch.") in kernels.dense_dtypes()
 
 
+def packed_only(kernels, dtype: torch.dtype) -> bool:
+    """Whether a packed layer of ``dtype`` holds its packed copy only: its kernel serves every row
+    count, so no library GEMM needs the weight as loaded."""
+    return packable(kernels, dtype) and MAX_KERNEL_ROWS[dtype] == sys.maxsize
+
+
 class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear, kernels, float_out: bool = False, keep_weight: bool = False) -> None:
         """``float_out``: return fp32 (the lm_head's logits). ``keep_weight``: hold the weight as
@@ -42,8 +48,7 @@ class PackedLinear(nn.Module):
         self.kernels, self.float_out = kernels, float_out
         self.max_kernel_rows = MAX_KERNEL_ROWS[weight.dtype]
         self.padded_out = -(-self.out_features // COLUMN_BLOCK) * COLUMN_BLOCK
-        library_rows = self.max_kernel_rows < sys.maxsize
-        self.register_buffer("weight", weight if keep_weight or library_rows else None)
+        self.register_buffer("weight", weight if keep_weight or not packed_only(kernels, weight.dtype) else None)
         self.register_buffer("bias", linear.bias.detach() if linear.bias is not None else None)
         pad = self.padded_out - self.out_features
         padded = F.pad(weight, (0, 0, 0, pad)) if pad else weight.contiguous()  # F.pad copies even by 0
@@ -69,7 +74,7 @@ class PackedLinear(nn.Module):
         if self.weight is None or (x2.shape[0] <= self.max_kernel_rows and x2.dtype == self.weight.dtype):
             y = self.kernels.dense_linear(x2, self.packed, self.kernel_bias, self.padded_out, self.float_out)
             if self.padded_out != self.out_features:
-                y = y[:, : self.out_features]
+                y = y[:, : self.out_features].contiguous()  # the fused norms take contiguous rows
         else:
             y = F.linear(x2, self.weight, self.bias)
             y = y.float() if self.float_out else y

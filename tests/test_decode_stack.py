@@ -9,6 +9,7 @@ import torch
 
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.loader import load_state_dict
 from pdserve.engine.packed_linear import MAX_KERNEL_ROWS, PackedLinear, packable
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kernels.cpu_extension import cpu_flags, load
@@ -86,7 +87,7 @@ def test_packed_linear_matches_the_library_gemm(dtype, rows):
     x = torch.randn(rows, 96).to(dtype)
     expected = x.double() @ dense.weight.double().T + dense.bias.double()
     got = packed(x)
-    assert got.dtype == dtype and got.shape == (rows, 72)
+    assert got.dtype == dtype and got.shape == (rows, 72) and got.is_contiguous()  # 72 of 80 padded columns
     atol, rtol = (2e-2, 1e-2) if dtype == torch.bfloat16 else (1e-5, 1e-5)
     torch.testing.assert_close(got.double(), expected, atol=atol, rtol=rtol)
     assert logits(x).dtype == torch.float32
@@ -100,24 +101,39 @@ def test_packed_linear_matches_the_library_gemm(dtype, rows):
     assert kept.weight.data_ptr() == dense.weight.data_ptr() and torch.equal(kept(x), got)
 
 
+def in_mapping_of(path, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Those of ``tensors`` whose data lies in a mapping of the file ``path``."""
+    target, ranges = str(path.resolve()), []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if line.rstrip().endswith(target):
+                low, high = line.split()[0].split("-")
+                ranges.append((int(low, 16), int(high, 16)))
+    return [t for t in tensors if any(low <= t.data_ptr() < high for low, high in ranges)]
+
+
+def test_weights_view_the_files_mapping_unless_copied(model_dir):
+    """A model that keeps its weights as read uses the file's pages (no second copy while loading);
+    one whose weights get packed or quantized copies them out, so they do not pin the file."""
+    weights_file = model_dir / "model.safetensors"
+    viewed = load_state_dict(model_dir, torch.float32)  # the file's own dtype
+    assert len(in_mapping_of(weights_file, list(viewed.values()))) == len(viewed)
+    copied = load_state_dict(model_dir, torch.float32, copy=True)
+    assert not in_mapping_of(weights_file, list(copied.values()))
+    assert all(torch.equal(copied[name], tensor) for name, tensor in viewed.items())
+
+
 def test_an_fp32_model_holds_each_weight_once_and_none_in_the_files_mapping(model_dir):
     """Where fp32's packed kernel is compiled in, a decoder linear holds its packed copy only (the
     tied lm_head's plain weight is the embedding), and no weight views the safetensors file's
     mapping, which would keep every page of the file resident for as long as that weight lives."""
+    if not packable(load(), torch.float32):
+        pytest.skip(reason="no packed fp32 kernel on this CPU: the model keeps its weights as the file maps them")
     engine = LLMEngine(
         EngineConfig(device="cpu", dtype="float32", kv_cache_memory="64MiB", num_threads=2), model_dir=str(model_dir)
     )
-    weights_file = str((model_dir / "model.safetensors").resolve())
-    mapped = []
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            if line.rstrip().endswith(weights_file):
-                low, high = line.split()[0].split("-")
-                mapped.append((int(low, 16), int(high, 16)))
     tensors = [*engine.model.parameters(), *engine.model.buffers()]
-    assert tensors and not [t for t in tensors if any(lo <= t.data_ptr() < hi for lo, hi in mapped)]
-    if not packable(load(), torch.float32):
-        return  # no packed fp32 kernel on this CPU: plain layers, each weight held once anyway
+    assert tensors and not in_mapping_of(model_dir / "model.safetensors", tensors)
     linears = [m for m in engine.model.modules() if isinstance(m, PackedLinear)]
     assert len(linears) == 4 * engine.model_config.num_layers + 1
     assert all(m.weight is None for m in linears if m is not engine.model.lm_head)

@@ -131,8 +131,7 @@ def load_model(
         model = CausalLM(shard.local_config() if shard else config, backend, select_layer_ops(device))
         if shard:
             shard.prune(model)
-    kernels = backend.cpu_kernels
-    replaced = device.type == "cpu" and (quantization != "none" or packed_only(kernels, dtype))
+    replaced = device.type == "cpu" and (quantization != "none" or packed_only(backend.cpu_kernels, dtype))
     state = stack_checkpoint(load_state_dict(folder, dtype, copy=replaced))
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)

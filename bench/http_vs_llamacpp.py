@@ -136,15 +136,23 @@ async def _one(
             temperature=temperature,
             top_p=top_p,
             stream=True,
+            stream_options={"include_usage": True},
             extra_body=extra,
         )
+        reported = None
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].text:  # a server streams one token per chunk
                 timeline.chunk_times.append(time.perf_counter())
                 timeline.chunk_tokens.append(1)
+            if getattr(chunk, "usage", None) is not None:
+                reported = chunk.usage.completion_tokens
     except Exception as e:  # noqa: BLE001 - recorded as a failed request, never dropped
         timeline.error = f"{type(e).__name__}: {e}"
         return timeline
+    if reported is not None and timeline.chunk_tokens and reported > timeline.output_tokens:
+        # A sampled token with no text of its own (half of a multi-byte character) streams no chunk;
+        # the server's count is the truth. Its text came in a later chunk: count it with the last.
+        timeline.chunk_tokens[-1] += reported - timeline.output_tokens
     if timeline.chunk_times:
         timeline.end_time = timeline.chunk_times[-1]  # TPOT runs from the first token to the last
     if timeline.output_tokens != output_len:

@@ -48,10 +48,12 @@ def test_each_server_is_asked_for_exact_lengths_its_own_way():
     assert "--n_threads" in llama.command(8000, 2)
 
 
-def _fake_client(texts: list[str]):
+def _fake_client(texts: list[str], usage: int | None = None):
     async def stream():
         for text in texts:
-            yield types.SimpleNamespace(choices=[types.SimpleNamespace(text=text)])
+            yield types.SimpleNamespace(choices=[types.SimpleNamespace(text=text)], usage=None)
+        if usage is not None:  # the final chunk of stream_options.include_usage
+            yield types.SimpleNamespace(choices=[], usage=types.SimpleNamespace(completion_tokens=usage))
 
     async def create(**request):
         return stream()
@@ -65,6 +67,13 @@ def test_a_short_answer_or_an_error_is_a_failed_request_not_a_faster_figure():
     assert timeline.end_time == timeline.chunk_times[-1] and timeline.tpot >= 0
     short = asyncio.run(bench._one(_fake_client(["a", "b", "c"]), "m", "p", 4, {}))
     assert not short.success and short.error == "asked for 4 tokens, 3 streamed"
+
+
+def test_tokens_that_streamed_no_text_are_counted_from_the_servers_usage():
+    timeline = asyncio.run(bench._one(_fake_client(["a", "b", "c"], usage=4), "m", "p", 4, {}))
+    assert timeline.success and timeline.chunk_tokens == [1, 1, 2]
+    short = asyncio.run(bench._one(_fake_client(["a", "b"], usage=3), "m", "p", 4, {}))
+    assert short.error == "asked for 4 tokens, 3 streamed"
 
     async def refused(**request):
         raise ConnectionError("server went away")

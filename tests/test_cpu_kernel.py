@@ -361,3 +361,24 @@ def test_every_quant_path_takes_the_full_code_range(kernel, fmt):
             x, layer.packed, layer.col_scale, layer.bias, layer.padded_out, k, int(fmt), path, False
         )
         torch.testing.assert_close(got[:, :n], expected, atol=tol, rtol=0)
+
+
+def test_fp32_activations_quantize_exactly_as_the_scalar_loop_does(kernel):
+    """fp32 activations take a vector quantizer, other dtypes the scalar loop; a float64 copy of
+    the same values (exact) must give bit-identical outputs, across every group and a ragged tail
+    of zeros, ties and sign flips."""
+    torch.manual_seed(5)
+    n, k, rows = 32, 256, 7
+    qw = quantize_int4_group(torch.randn(n, k) * 0.05)
+    layer = QuantizedLinear(qw, None, torch.device("cpu"))
+    x = torch.randn(rows, k) * torch.logspace(-3, 3, rows)[:, None]
+    x[0, :32] = 0.0  # an all-zero group: scale 0
+    x[1, :32] = torch.arange(32) - 15.5  # scale 127 / 127 = 1: every value a round-to-even tie ...
+    x[1, 0] = 127.0  # ... under this group maximum
+    x[2, 32:64] = -x[2, 32:64].abs()  # one sign only
+    for path in kernel.quant_paths():
+        as_fp32, as_fp64 = (
+            kernel.quant_linear(v, layer.packed, layer.col_scale, layer.bias, layer.padded_out, k, 2, path, True)
+            for v in (x, x.double())
+        )
+        assert torch.equal(as_fp32, as_fp64), (path, (as_fp32 - as_fp64).abs().max())

@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -58,6 +59,36 @@ inline float load_float(const T* p, int64_t i) { return static_cast<float>(p[i])
 // ---------------------------------------------------------------------------------------------
 // Activation quantization: per row, per group of 32: xq = round(x / sx), sx = max|x| / 127.
 // xsum[r, g] = sx * sum(xq) (what the m term multiplies).
+#if PDSERVE_AVX2
+// One whole group of fp32 values, 8 lanes at a time, with the scalar loop's arithmetic exactly
+// (the same scale and reciprocal, one multiply, rounding to nearest even): 5-10% of a prefill GEMM.
+inline void quantize_group_avx2(const float* x, int8_t* out, float* scale, float* scaled_sum) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 v[4], top = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    top = _mm256_max_ps(top, _mm256_and_ps(v[i], magnitude));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float amax = _mm_cvtss_f32(m4);
+  const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  __m256i q[4];
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+  // The two packs interleave 128-bit lanes: bytes come out as dwords 0 4 1 5 2 6 3 7.
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  const __m256i sum8 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+  *scale = amax / 127.f;
+  *scaled_sum = *scale * static_cast<float>(_mm_cvtsi128_si32(s4));
+}
+#endif
+
 template <typename T>
 void quantize_rows(const T* x, int64_t rows, int64_t k, int64_t kp, int8_t* xq, float* xs, float* xsum) {
   const int64_t groups = kp / kGroup;
@@ -66,6 +97,14 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, int64_t kp, int8_t* xq, 
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * k;
       for (int64_t g = 0; g < groups; ++g) {
+#if PDSERVE_AVX2
+        if constexpr (std::is_same_v<T, float>) {
+          if ((g + 1) * kGroup <= k) {
+            quantize_group_avx2(xr + g * kGroup, xq + r * kp + g * kGroup, xs + r * groups + g, xsum + r * groups + g);
+            continue;
+          }
+        }
+#endif
         float amax = 0.f;
         for (int i = 0; i < kGroup; ++i) {
           const int64_t c = g * kGroup + i;

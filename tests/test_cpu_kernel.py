@@ -270,7 +270,7 @@ def test_auto_backend_on_cpu_uses_it(kernel):
 @pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim", [(9, 3, 64), (4, 4, 128), (8, 1, 128)])
 def test_prefill_attention_matches_reference(kernel, dtype, atol, tokens, prior, num_q_heads, num_kv_heads, head_dim):
     if not kernel.has_prefill_attention(head_dim):
-        pytest.skip(reason="the prefill attention kernel is built for AVX-512 only; elsewhere the backend runs SDPA")
+        pytest.skip(reason="the prefill attention kernel needs AVX2 + FMA or AVX-512; elsewhere the backend runs SDPA")
     torch.manual_seed(tokens + prior)
     # q as a strided view into a fused qkv tensor, as the model passes it.
     qkv = torch.randn(tokens, (num_q_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)
@@ -288,7 +288,7 @@ def test_prefill_attention_matches_reference(kernel, dtype, atol, tokens, prior,
 
 def test_prefill_attention_refuses_what_it_cannot_do(kernel):
     q, k = torch.randn(4, 2, 64), torch.randn(3, 2, 64)
-    # Without AVX-512 the kernel is not built for any head_dim: that refusal comes first.
+    # Without AVX2 the kernel is not built for any head_dim: that refusal comes first.
     with pytest.raises(RuntimeError, match="last positions" if kernel.has_prefill_attention(64) else "head_dim"):
         kernel.prefill_attention(q, k, k, 0.1, 0)
     with pytest.raises(RuntimeError, match="head_dim"):

@@ -6,8 +6,10 @@
 // queries of every head sharing that KV head (GQA) form the rows; keys are visited in blocks of
 // 16, packed once per head so a score tile is 8 rows x 16 keys in registers (fp32 FMAs, or
 // AVX512-BF16 dot products on a bf16 model), with an online softmax, and the output accumulates
-// in a small per-item buffer. Masked key blocks are never computed.
+// in a small per-item buffer. Masked key blocks are never computed. CPUs with AVX2 but not
+// AVX-512 run the same method in 8-lane vectors (prefill_attention_avx2.h).
 #include "ops.h"
+#include "prefill_attention_avx2.h"
 #include "vec_math.h"
 
 #include <ATen/Parallel.h>
@@ -21,34 +23,44 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#define PDSERVE_PREFILL_ATTENTION 1
+constexpr int64_t kKeyBlock = 16;  // keys per block: one vector of scores
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PDSERVE_PREFILL_ATTENTION 1
+constexpr int64_t kKeyBlock = kAvx2Keys;
+#else
+#define PDSERVE_PREFILL_ATTENTION 0
 #endif
 
 namespace {
 
-constexpr int64_t kKeys = 16;     // keys per block (one vector of scores)
 constexpr int64_t kRows = 8;      // rows per score tile
 constexpr int64_t kQueries = 16;  // query positions per work item
 
-#if defined(__AVX512F__)
+#if PDSERVE_PREFILL_ATTENTION
 template <typename T>
 inline float ld(const T* p) { return static_cast<float>(*p); }
 
-// fp32 operands: K of one head transposed per block of 16 keys ([block][d][16]) and V as fp32
-// rows, the tail padded with zeros. Done once per head, shared by every query block.
+// fp32 operands: K of one head transposed per block of kKeyBlock keys ([block][d][kKeyBlock]) and
+// V as fp32 rows, the tail padded with zeros. Done once per head, shared by every query block.
 template <typename T>
 void pack_head(const T* k, int64_t k_stride, const T* v, int64_t v_stride, int64_t h, int64_t d_size,
                int64_t num_keys, float* kt, float* vf) {
-  const int64_t blocks = (num_keys + kKeys - 1) / kKeys;
-  std::fill(kt, kt + blocks * d_size * kKeys, 0.f);
-  std::fill(vf, vf + blocks * kKeys * d_size, 0.f);
+  const int64_t blocks = (num_keys + kKeyBlock - 1) / kKeyBlock;
+  std::fill(kt, kt + blocks * d_size * kKeyBlock, 0.f);
+  std::fill(vf, vf + blocks * kKeyBlock * d_size, 0.f);
   for (int64_t j = 0; j < num_keys; ++j) {
-    float* kb = kt + (j / kKeys) * d_size * kKeys + j % kKeys;
+    float* kb = kt + (j / kKeyBlock) * d_size * kKeyBlock + j % kKeyBlock;
     const T* kr = k + j * k_stride + h * d_size;
-    for (int64_t d = 0; d < d_size; ++d) kb[d * kKeys] = ld(kr + d);
+    for (int64_t d = 0; d < d_size; ++d) kb[d * kKeyBlock] = ld(kr + d);
     const T* vr = v + j * v_stride + h * d_size;
     for (int64_t d = 0; d < d_size; ++d) vf[j * d_size + d] = ld(vr + d);
   }
 }
+#endif
+
+#if defined(__AVX512F__)
+constexpr int64_t kKeys = kKeyBlock;
 
 // bf16 operands, for AVX512-BF16 dot products (two products per fp32 lane): per block of 16
 // keys, K as pairs of dimensions ([d / 2][16 keys][2]) and V as pairs of keys ([8][d][2]), so a
@@ -216,7 +228,7 @@ void attend_block(const T* q, int64_t q_stride, const void* kt, const void* vt, 
 }  // namespace
 
 bool has_prefill_attention(int64_t head_dim) {
-#if defined(__AVX512F__)
+#if PDSERVE_PREFILL_ATTENTION
   return head_dim == 64 || head_dim == 128;
 #else
   (void)head_dim;
@@ -229,7 +241,7 @@ bool has_prefill_attention(int64_t head_dim) {
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale, int64_t q_offset) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [T, H, D]");
   const int64_t tq = q.size(0), hq = q.size(1), d = q.size(2), tk = k.size(0), hkv = k.size(1);
-  TORCH_CHECK(has_prefill_attention(d), "prefill_attention supports head_dim 64 and 128 on AVX-512 CPUs");
+  TORCH_CHECK(has_prefill_attention(d), "prefill_attention supports head_dim 64 and 128 on AVX2 and AVX-512 CPUs");
   TORCH_CHECK(hq > 0 && hkv > 0, "q, k and v need at least one head");
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(2) == d && hq % hkv == 0, "q, k, v shapes do not fit");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "q, k, v must share a dtype");
@@ -240,7 +252,7 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
   auto out = torch::empty({tq, hq, d}, q.options());
   const int64_t group = hq / hkv;
   const int64_t qblocks = (tq + kQueries - 1) / kQueries;
-#if defined(__AVX512F__)
+#if PDSERVE_PREFILL_ATTENTION
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "prefill_attention", [&] {
 #if defined(__AVX512BF16__)
     constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
@@ -251,19 +263,21 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
     const auto* kp = k.data_ptr<scalar_t>();
     const auto* vp = v.data_ptr<scalar_t>();
     auto* op = out.data_ptr<scalar_t>();
-    const int64_t per_head = (tk + kKeys - 1) / kKeys * kKeys * d;  // elements of K (or V) per head
+    const int64_t per_head = (tk + kKeyBlock - 1) / kKeyBlock * kKeyBlock * d;  // elements of K (or V) per head
     // The packed operands of every head: fp32, or bf16 bits (then half the bytes).
     std::vector<float> kt(hkv * per_head / (kBf16 ? 2 : 1)), vt(hkv * per_head / (kBf16 ? 2 : 1));
     at::parallel_for(0, hkv, 1, [&](int64_t h0, int64_t h1) {
       for (int64_t h = h0; h < h1; ++h) {
+#if defined(__AVX512F__)
         if constexpr (kBf16) {
           auto* kh = reinterpret_cast<uint16_t*>(kt.data()) + h * per_head;
           auto* vh = reinterpret_cast<uint16_t*>(vt.data()) + h * per_head;
           pack_head_bf16(reinterpret_cast<const uint16_t*>(kp), k.stride(0), reinterpret_cast<const uint16_t*>(vp),
                          v.stride(0), h, d, tk, kh, vh);
-        } else {
-          pack_head(kp, k.stride(0), vp, v.stride(0), h, d, tk, kt.data() + h * per_head, vt.data() + h * per_head);
+          continue;
         }
+#endif
+        pack_head(kp, k.stride(0), vp, v.stride(0), h, d, tk, kt.data() + h * per_head, vt.data() + h * per_head);
       }
     });
     // Later query blocks see more keys: they go first, dealt round-robin to the threads (a
@@ -279,11 +293,19 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
           const float* kh = kt.data() + offset;
           const float* vh = vt.data() + offset;
           const float sc = static_cast<float>(scale);
+#if defined(__AVX512F__)
           if (d == 64) {
             attend_block<4, kBf16>(qp, q.stride(0), kh, vh, op, hq * d, group, h, q0, q1, q_offset, sc, qf, of);
           } else {
             attend_block<8, kBf16>(qp, q.stride(0), kh, vh, op, hq * d, group, h, q0, q1, q_offset, sc, qf, of);
           }
+#else
+          if (d == 64) {
+            attend_block_avx2<8>(qp, q.stride(0), kh, vh, op, hq * d, group, h, q0, q1, q_offset, sc, qf, of);
+          } else {
+            attend_block_avx2<16>(qp, q.stride(0), kh, vh, op, hq * d, group, h, q0, q1, q_offset, sc, qf, of);
+          }
+#endif
         }
       }
     });

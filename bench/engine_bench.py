@@ -59,6 +59,11 @@ def make_engine(dtype: str, threads: int, **overrides) -> LLMEngine:
     return LLMEngine(EngineConfig(**settings), model_dir=str(resolve_model(None)))
 
 
+def dtype_name(engine: LLMEngine) -> str:
+    """The dtype an engine runs in (what ``--dtype auto`` resolved to)."""
+    return str(engine.dtype).removeprefix("torch.")
+
+
 def engine_from_args(args: argparse.Namespace, **overrides) -> LLMEngine:
     settings = dict(quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     settings.update(overrides)
@@ -119,7 +124,7 @@ def throughput(args: argparse.Namespace) -> dict:
     engine_tps, hf_tps = engine_tokens / engine_s, hf_tokens / hf_s
     return {
         "bench": "throughput",
-        "dtype": args.dtype,
+        "dtype": dtype_name(engine),
         "quantization": args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype,
         "requests": len(jobs),
@@ -155,7 +160,7 @@ def overhead(args: argparse.Namespace) -> dict:
             "forward_ms": round(statistics.median(forwards) * 1e3, 2),
             "ratio": round(statistics.median(steps) / statistics.median(forwards), 3),
         }
-    return {"bench": "overhead", "dtype": args.dtype, "quantization": args.quantization, "by_batch": rows}
+    return {"bench": "overhead", "dtype": dtype_name(engine), "quantization": args.quantization, "by_batch": rows}
 
 
 # The settings users send most: greedy, the OpenAI default, a nucleus, a top-k, a seeded request.
@@ -193,7 +198,7 @@ def sampling(args: argparse.Namespace) -> dict:
                 "step_ms": round(statistics.median(steps) * 1e3, 2),
                 "sampler_ms": round(statistics.median(alone) * 1e3, 3),
             }
-    return {"bench": "sampling", "dtype": args.dtype, "quantization": args.quantization, "by_batch": rows}
+    return {"bench": "sampling", "dtype": dtype_name(engine), "quantization": args.quantization, "by_batch": rows}
 
 
 def timed(fn) -> float:
@@ -208,7 +213,12 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("bench", choices=("throughput", "overhead", "sampling", "roofline", "quality", "llamacpp"))
-    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16"),
+        help="auto: the engine's pick (bfloat16 where the CPU has bf16 instructions, else float32)",
+    )
     parser.add_argument("--quantization", default="none", choices=QUANTIZATIONS)
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())

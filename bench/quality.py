@@ -103,7 +103,7 @@ PROMPTS = (
 )
 # (label, quantization, kv_cache_dtype, allowed perplexity increase over the unquantized model)
 CONFIGS = (
-    ("bf16", "none", "auto", 0.0),
+    ("unquantized", "none", "auto", 0.0),
     ("int8", "int8", "auto", 0.02),
     ("int4", "int4", "auto", 0.08),
     ("kv-int8", "none", "int8", 0.01),
@@ -125,7 +125,7 @@ def quality(args) -> dict:
     unquantized model on the prompts above, and the gates, for every quantization."""
     from transformers import AutoTokenizer
 
-    from pdserve.bench.engine_bench import make_engine
+    from pdserve.bench.engine_bench import dtype_name, make_engine
     from pdserve.engine.model_store import resolve_model
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(None)))
@@ -159,7 +159,7 @@ def quality(args) -> dict:
         }
     return {
         "bench": "quality",
-        "dtype": args.dtype,
+        "dtype": dtype_name(ref_engine),
         "reference": reference,
         "text": "pydoc_data.topics",
         "configs": rows,

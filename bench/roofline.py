@@ -135,7 +135,7 @@ def decode_attention_s(
 
 
 def run(args: argparse.Namespace) -> dict:
-    from pdserve.bench.engine_bench import engine_from_args
+    from pdserve.bench.engine_bench import dtype_name, engine_from_args
 
     engine = engine_from_args(args)
     weight_bytes = sum(map(streamed_bytes, decoder_linears(engine))) + streamed_bytes(engine.model.lm_head)
@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> dict:
     flops = prefill_flops(engine, PROMPT_TOKENS)
     return {
         "bench": "roofline",
-        "dtype": args.dtype,
+        "dtype": dtype_name(engine),
         "quantization": args.quantization,
         "threads": args.threads,
         "streamed_weight_mb": round(weight_bytes / 1e6, 1),

@@ -93,7 +93,7 @@ def text_ids(tokens: int) -> list[int]:
     return AutoTokenizer.from_pretrained(str(resolve_model(None))).encode(fixed_text())[:tokens]
 
 
-def measure(system: str, what: str, threads: int, repeats: int, tokens: int) -> dict:
+def measure(system: str, what: str, threads: int, repeats: int, tokens: int, dtype: str = "auto") -> dict:
     """One system's figures, in this (fresh) process."""
     prompt = prompt_ids()
     if system == "llama.cpp":
@@ -105,15 +105,16 @@ def measure(system: str, what: str, threads: int, repeats: int, tokens: int) -> 
             "decode_s": llama.decode_s(prompt[:DECODE_CONTEXT], DECODE_TOKENS),
             "prefill_s": statistics.median(llama.prefill_s(prompt) for _ in range(repeats)),
         }
-    from pdserve.bench.engine_bench import make_engine
+    from pdserve.bench.engine_bench import dtype_name, make_engine
     from pdserve.bench.quality import perplexity
     from pdserve.bench.roofline import batch1_decode_s, prefill_s
 
-    engine = make_engine("bfloat16", threads, quantization=system, kv_cache_memory="512MiB")
+    engine = make_engine(dtype, threads, quantization=system, kv_cache_memory="512MiB")
     if what == "perplexity":
         return {"perplexity": perplexity(engine, text_ids(tokens)).ppl}
     prefill_s(engine, 1, 32)  # warm-up
     return {
+        "dtype": dtype_name(engine),
         "decode_s": batch1_decode_s(engine, DECODE_TOKENS, context=DECODE_CONTEXT),
         "prefill_s": prefill_s(engine, repeats, PROMPT_TOKENS),
     }
@@ -134,6 +135,8 @@ def _in_subprocess(system: str, what: str, args: argparse.Namespace) -> dict:
         str(max(3, args.repeats // 5)),
         "--text-tokens",
         str(args.text_tokens),
+        "--dtype",
+        args.dtype,
     ]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:  # its own words (a missing llama-cpp-python, a failed load), not a traceback of ours
@@ -162,6 +165,7 @@ def run(args: argparse.Namespace) -> dict:
             "prefill_tok_s": round(PROMPT_TOKENS / p, 1),
             "prefill_vs_llamacpp": round(ref_p / p, 2),
             "perplexity": round(quality[system], 3),
+            **({"dtype": speed[system][0]["dtype"]} if system != "llama.cpp" else {}),
         }
     return {
         "bench": "llamacpp",
@@ -179,5 +183,6 @@ if __name__ == "__main__":
     parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--text-tokens", type=int, default=20480)
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
     a = parser.parse_args()
-    print(json.dumps(measure(a.system, a.what, a.threads, a.repeats, a.text_tokens)))
+    print(json.dumps(measure(a.system, a.what, a.threads, a.repeats, a.text_tokens, a.dtype)))

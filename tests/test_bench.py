@@ -670,6 +670,8 @@ def test_sampling_bench_times_each_setting_on_the_real_model(capsys):
     rows = report["by_batch"]["2"]
     assert set(rows) == set(engine_bench.SAMPLING_SETTINGS)
     assert all(row["step_ms"] > 0 and row["sampler_ms"] > 0 for row in rows.values())
+    # --dtype auto (the default) is reported as what the engine resolved it to.
+    assert report["dtype"] in ("float32", "bfloat16")
 
 
 @pytest.mark.parametrize(

@@ -365,8 +365,8 @@ def test_every_quant_path_takes_the_full_code_range(kernel, fmt):
 
 def test_fp32_activations_quantize_exactly_as_the_scalar_loop_does(kernel):
     """fp32 activations take a vector quantizer, other dtypes the scalar loop; a float64 copy of
-    the same values (exact) must give bit-identical outputs, across every group and a ragged tail
-    of zeros, ties and sign flips."""
+    the same values (exact) must give bit-identical outputs, with groups of zeros, ties, one sign
+    and values too small to scale."""
     torch.manual_seed(5)
     n, k, rows = 32, 256, 7
     qw = quantize_int4_group(torch.randn(n, k) * 0.05)
@@ -376,9 +376,15 @@ def test_fp32_activations_quantize_exactly_as_the_scalar_loop_does(kernel):
     x[1, :32] = torch.arange(32) - 15.5  # scale 127 / 127 = 1: every value a round-to-even tie ...
     x[1, 0] = 127.0  # ... under this group maximum
     x[2, 32:64] = -x[2, 32:64].abs()  # one sign only
+    x[3, 64:96] = torch.randn(32) * 1e-38  # 127 / max|x| overflows: zeros, not -128s
     for path in kernel.quant_paths():
         as_fp32, as_fp64 = (
             kernel.quant_linear(v, layer.packed, layer.col_scale, layer.bias, layer.padded_out, k, 2, path, True)
             for v in (x, x.double())
         )
         assert torch.equal(as_fp32, as_fp64), (path, (as_fp32 - as_fp64).abs().max())
+    # The tiny group adds nothing: row 3 equals row 3 with that group zeroed.
+    cleared = x.clone()
+    cleared[3, 64:96] = 0.0
+    zeroed = kernel.quant_linear(cleared, layer.packed, layer.col_scale, layer.bias, layer.padded_out, k, 2, -1, True)
+    assert torch.equal(as_fp32[3], zeroed[3])

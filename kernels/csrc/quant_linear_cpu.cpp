@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -58,7 +59,9 @@ inline float load_float(const T* p, int64_t i) { return static_cast<float>(p[i])
 
 // ---------------------------------------------------------------------------------------------
 // Activation quantization: per row, per group of 32: xq = round(x / sx), sx = max|x| / 127.
-// xsum[r, g] = sx * sum(xq) (what the m term multiplies).
+// xsum[r, g] = sx * sum(xq) (what the m term multiplies). A group whose max|x| is so small that
+// 127 / max|x| overflows (< ~4e-37) quantizes to zeros, as an all-zero group does.
+constexpr float kTinyAmax = 127.f / std::numeric_limits<float>::max();
 #if PDSERVE_AVX2
 // One whole group of fp32 values, 8 lanes at a time, with the scalar loop's arithmetic exactly
 // (the same scale and reciprocal, one multiply, rounding to nearest even): 5-10% of a prefill GEMM.
@@ -73,7 +76,7 @@ inline void quantize_group_avx2(const float* x, int8_t* out, float* scale, float
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
   m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
   const float amax = _mm_cvtss_f32(m4);
-  const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  const __m256 inv = _mm256_set1_ps(amax > kTinyAmax ? 127.f / amax : 0.f);
   __m256i q[4];
   for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
   // The two packs interleave 128-bit lanes: bytes come out as dwords 0 4 1 5 2 6 3 7.
@@ -112,7 +115,7 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, int64_t kp, int8_t* xq, 
           amax = std::max(amax, std::fabs(buf[i]));
         }
         const float scale = amax / 127.f;
-        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        const float inv = amax > kTinyAmax ? 127.f / amax : 0.f;
         int sum = 0;
         int8_t* out = xq + r * kp + g * kGroup;
         for (int i = 0; i < kGroup; ++i) {

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import signal
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.bench.metrics import Timeline, compute
@@ -108,15 +110,26 @@ def _stop(process: subprocess.Popen) -> None:
             process.wait()
 
 
+@functools.cache
+def _tokenizer():
+    from transformers import AutoTokenizer
+
+    from pdserve.engine.model_store import resolve_model
+
+    return AutoTokenizer.from_pretrained(str(resolve_model(None)))
+
+
+def count_tokens(text: str) -> int:
+    """Tokens of an answer's text, for a server that reports no usage (vLLM's benchmark does the same)."""
+    return len(_tokenizer().encode(text, add_special_tokens=False))
+
+
 def prompts(count: int, length: int) -> list[str]:
     """``count`` distinct texts of ``length`` tokens (the model's tokenizer), cut from the fixed
     quality text, so no server reuses a cached prefix between requests."""
-    from transformers import AutoTokenizer
-
     from pdserve.bench.quality import fixed_text
-    from pdserve.engine.model_store import resolve_model
 
-    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(None)))
+    tokenizer = _tokenizer()
     ids = tokenizer(fixed_text()).input_ids
     if len(ids) < (count + 1) * length:
         raise ValueError(f"{count} prompts of {length} tokens are more than the fixed text's {len(ids)} tokens")
@@ -124,9 +137,17 @@ def prompts(count: int, length: int) -> list[str]:
 
 
 async def _one(
-    client, model: str, prompt: str, output_len: int, extra: dict, temperature: float = 0.0, top_p: float = 1.0
+    client,
+    model: str,
+    prompt: str,
+    output_len: int,
+    extra: dict,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    tokens_of: Callable[[str], int] | None = None,
 ) -> Timeline:
-    """One streamed request; an error, or an answer not exactly ``output_len`` tokens long, marks it failed."""
+    """One streamed request; an error, or an answer not exactly ``output_len`` tokens long, marks it failed.
+    Its length is the server's usage count, else ``tokens_of`` its text, else its chunks with text."""
     timeline = Timeline(prompt_len=0, max_tokens=output_len, send_time=time.perf_counter())
     try:
         stream = await client.completions.create(
@@ -139,19 +160,22 @@ async def _one(
             stream_options={"include_usage": True},
             extra_body=extra,
         )
-        reported = None
+        reported, texts = None, []
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].text:  # a server streams one token per chunk
                 timeline.chunk_times.append(time.perf_counter())
                 timeline.chunk_tokens.append(1)
+                texts.append(chunk.choices[0].text)
             if getattr(chunk, "usage", None) is not None:
                 reported = chunk.usage.completion_tokens
     except Exception as e:  # noqa: BLE001 - recorded as a failed request, never dropped
         timeline.error = f"{type(e).__name__}: {e}"
         return timeline
+    if reported is None and tokens_of is not None:  # llama-cpp-python's server ignores include_usage
+        reported = tokens_of("".join(texts))
     if reported is not None and timeline.chunk_tokens and reported > timeline.output_tokens:
-        # A sampled token with no text of its own (half of a multi-byte character) streams no chunk;
-        # the server's count is the truth. Its text came in a later chunk: count it with the last.
+        # A token with no text of its own (half of a multi-byte character) streams no chunk, or
+        # shares one; the count is the truth. Its text came in a later chunk: count it with the last.
         timeline.chunk_tokens[-1] += reported - timeline.output_tokens
     if timeline.chunk_times:
         timeline.end_time = timeline.chunk_times[-1]  # TPOT runs from the first token to the last
@@ -169,6 +193,7 @@ async def run_load(
     extra: dict,
     temperature: float = 0.0,
     top_p: float = 1.0,
+    tokens_of: Callable[[str], int] | None = None,
 ) -> dict:
     import openai
 
@@ -177,7 +202,7 @@ async def run_load(
 
     async def limited(text: str) -> Timeline:
         async with gate:
-            return await _one(client, model, text, output_len, extra, temperature, top_p)
+            return await _one(client, model, text, output_len, extra, temperature, top_p, tokens_of)
 
     try:
         started = time.perf_counter()
@@ -210,7 +235,7 @@ def measure(server: Server, args, texts: list[str], warm: str) -> list[dict]:
     base = f"http://127.0.0.1:{port}"
     try:
         model = _wait_up(process, base)
-        extra, sampling = server.extra_body(sampled=args.temperature > 0), (args.temperature, args.top_p)
+        extra, sampling = server.extra_body(sampled=args.temperature > 0), (args.temperature, args.top_p, count_tokens)
         warmed = asyncio.run(run_load(base, model, [warm], 1, args.output_len, extra, *sampling))
         if warmed["failed"]:
             raise RuntimeError(f"the warm-up request failed: {warmed['failed'][0]}")

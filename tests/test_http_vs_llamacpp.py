@@ -75,6 +75,23 @@ def test_tokens_that_streamed_no_text_are_counted_from_the_servers_usage():
     short = asyncio.run(bench._one(_fake_client(["a", "b"], usage=3), "m", "p", 4, {}))
     assert short.error == "asked for 4 tokens, 3 streamed"
 
+
+def test_a_server_without_usage_has_its_text_counted_by_the_tokenizer():
+    """llama-cpp-python's server ignores include_usage and streams a multi-byte character's
+    tokens as one chunk: the answer's text, tokenized, gives its length."""
+    emoji = "\N{GRINNING FACE}"
+    assert bench.count_tokens(emoji) > 1  # one chunk, several byte tokens
+    chunks = [" Faces", ":", " " + emoji]
+    timeline = asyncio.run(
+        bench._one(
+            _fake_client(chunks), "m", "p", bench.count_tokens("".join(chunks)), {}, tokens_of=bench.count_tokens
+        )
+    )
+    assert timeline.success and timeline.chunk_tokens[:2] == [1, 1] and timeline.chunk_tokens[2] > 1
+    # The usage a server does report wins over the count.
+    reported = asyncio.run(bench._one(_fake_client(["a", "b"], usage=5), "m", "p", 5, {}, tokens_of=lambda _: 99))
+    assert reported.success and reported.output_tokens == 5
+
     async def refused(**request):
         raise ConnectionError("server went away")
 

@@ -5,7 +5,7 @@ and batch-1 speed against llama.cpp on the same GGUF.
     python bench/engine_bench.py overhead --dtype bfloat16       # decode step vs bare forward
     python bench/engine_bench.py sampling --dtype bfloat16       # decode step by sampling setting, and the sampler alone
     python bench/engine_bench.py roofline --quantization int4    # batch-1 decode and prefill vs machine limits
-    python bench/engine_bench.py quality                         # perplexity and agreement: bf16, int8, int4, 8-bit KV
+    python bench/engine_bench.py quality                         # perplexity and agreement: unquantized, int8, int4, 8-bit KV
     python bench/engine_bench.py llamacpp                        # batch-1 decode and prefill vs llama.cpp, with quality
 
 Every figure of one invocation is measured in the same process, side by side.

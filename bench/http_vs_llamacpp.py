@@ -235,13 +235,13 @@ def measure(server: Server, args, texts: list[str], warm: str) -> list[dict]:
     base = f"http://127.0.0.1:{port}"
     try:
         model = _wait_up(process, base)
-        extra, sampling = server.extra_body(sampled=args.temperature > 0), (args.temperature, args.top_p, count_tokens)
-        warmed = asyncio.run(run_load(base, model, [warm], 1, args.output_len, extra, *sampling))
+        extra = server.extra_body(sampled=args.temperature > 0)
+        request = (args.output_len, extra, args.temperature, args.top_p, count_tokens)
+        warmed = asyncio.run(run_load(base, model, [warm], 1, *request))
         if warmed["failed"]:
             raise RuntimeError(f"the warm-up request failed: {warmed['failed'][0]}")
         return [
-            {"server": server.label, **asyncio.run(run_load(base, model, texts, c, args.output_len, extra, *sampling))}
-            for c in args.concurrency
+            {"server": server.label, **asyncio.run(run_load(base, model, texts, c, *request))} for c in args.concurrency
         ]
     finally:
         _stop(process)

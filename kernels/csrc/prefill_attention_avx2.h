@@ -13,6 +13,22 @@
 #include <limits>
 #include <vector>
 
+namespace {
+
+// A work item's end, in both paths: its rows (row r: query q0 + r / group of head h * group +
+// r % group) divided by their softmax sums, into the [T, H, D] output.
+template <typename T>
+void store_rows(const std::vector<float>& of, const std::vector<float>& row_sum, T* out, int64_t out_stride,
+                int64_t group, int64_t h, int64_t q0, int64_t rows, int64_t d_size) {
+  for (int64_t r = 0; r < rows; ++r) {
+    T* o = out + (q0 + r / group) * out_stride + (h * group + r % group) * d_size;
+    const float inv = row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f;
+    for (int64_t d = 0; d < d_size; ++d) o[d] = static_cast<T>(of[r * d_size + d] * inv);
+  }
+}
+
+}  // namespace
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
@@ -107,11 +123,7 @@ void attend_block_avx2(const T* q, int64_t q_stride, const float* kt, const floa
       }
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    T* o = out + (q0 + r / group) * out_stride + (h * group + r % group) * D;
-    const float inv = row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f;
-    for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(of[r * D + d] * inv);
-  }
+  store_rows(of, row_sum, out, out_stride, group, h, q0, rows, D);
 }
 
 }  // namespace

@@ -217,11 +217,7 @@ void attend_block(const T* q, int64_t q_stride, const void* kt, const void* vt, 
       }
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    T* o = out + (q0 + r / group) * out_stride + (h * group + r % group) * D;
-    const float inv = row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f;
-    for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(of[r * D + d] * inv);
-  }
+  store_rows(of, row_sum, out, out_stride, group, h, q0, rows, D);
 }
 #endif
 

@@ -14,6 +14,7 @@ import argparse
 import itertools
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -81,19 +82,29 @@ def prefill_s(engine: LLMEngine, repeats: int, tokens: int = PROMPT_TOKENS) -> f
 RESIDENT_BLOCKS = 64  # the cache-resident variant's distinct blocks (~0.8 MB of bf16 K/V)
 
 
-def decode_attention_s(
+@dataclass(frozen=True)
+class AttentionInputs:
+    """One decode step's attention inputs: a cache per layer, the queries, block tables and
+    context lengths, and the K/V bytes the step reads."""
+
+    caches: list[torch.Tensor]
+    q: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    kv_bytes: int
+
+
+def attention_inputs(
     engine: LLMEngine,
-    repeats: int,
     batch: int = ATTENTION_BATCH,
     context: int = ATTENTION_CONTEXT,
     resident: bool = False,
     lens: list[int] | None = None,
-) -> tuple[float, int]:
-    """Median time of one decode step's attention over every layer (``batch`` sequences of
-    ``context`` tokens in shuffled blocks, as a long-running cache holds them), and the K/V bytes it reads.
-    ``resident``: every table points into the same few blocks of one layer's cache, which stay in
-    the CPU's caches: the kernel's compute alone, without the memory traffic. ``lens``: these
-    context lengths instead (a mixed batch)."""
+) -> AttentionInputs:
+    """``batch`` sequences of ``context`` tokens in shuffled blocks, as a long-running cache holds
+    them. ``resident``: every table points into the same few blocks of one layer's cache, which
+    stay in the CPU's caches: the kernel's compute alone, without the memory traffic. ``lens``:
+    these context lengths instead (a mixed batch)."""
     layout, cfg = engine.kv_layout, engine.model_config
     lens = lens or [context] * batch
     batch = len(lens)
@@ -122,16 +133,23 @@ def decode_attention_s(
     caches = [random_layer() for _ in range(distinct)]
     caches = caches * (cfg.num_layers // distinct)
     q = torch.randn(batch, cfg.num_heads, cfg.head_dim, generator=generator).to(engine.dtype)
-    backend, scale = engine.model.backend, cfg.head_dim**-0.5
+    kv_bytes = sum(kv[0].numel() * kv.element_size() for kv in caches) * sum(lens) // layout.block_size
+    return AttentionInputs(caches, q, block_tables, context_lens, kv_bytes)
+
+
+def decode_attention_s(engine: LLMEngine, repeats: int, **shape) -> tuple[float, int]:
+    """Median time of one decode step's attention over every layer (inputs as
+    ``attention_inputs(engine, **shape)`` makes them), and the K/V bytes it reads."""
+    inputs = attention_inputs(engine, **shape)
+    backend, scale = engine.model.backend, engine.model_config.head_dim**-0.5
 
     def step():
-        for kv in caches:
-            backend.decode_attention(q, kv, block_tables, context_lens, scale)
+        for kv in inputs.caches:
+            backend.decode_attention(inputs.q, kv, inputs.block_tables, inputs.context_lens, scale)
 
     step()
     seconds = statistics.median(timed(step) for _ in range(repeats))
-    kv_bytes = sum(kv[0].numel() * kv.element_size() for kv in caches) * sum(lens) // layout.block_size
-    return seconds, kv_bytes
+    return seconds, inputs.kv_bytes
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 import xxhash
 
 MAGIC = b"PDKV"
-# 6: DONE's checksum covers its tokens; 5: HELD; 4: units of several layers; 3: chunked XXH64
-# checksums; 2: HMAC challenge-response, token_bytes in the layout check, RENEW
-VERSION = 6
+# 7: RENEW names where the writer will write (placement_digest); 6: DONE's checksum covers its
+# tokens; 5: HELD; 4: units of several layers; 3: chunked XXH64 checksums; 2: HMAC
+# challenge-response, token_bytes in the layout check, RENEW
+VERSION = 7
 HEADER = struct.Struct("<4sBBHQIIIqQQ")
 HEADER_SIZE = HEADER.size
 # Handshake and control payloads are small; K/V payloads are bounded by the grant they target.
@@ -45,10 +46,19 @@ class FrameKind(enum.IntEnum):
     UCX_DATA = 8  # prefill -> decode: a unit's bytes follow over UCX; aux = the message's tag
     CHALLENGE = 9  # decode -> prefill: payload = a nonce to authenticate with
     AUTH = 10  # prefill -> decode: payload = HMAC of the nonces under the cluster credential
-    RENEW = 11  # prefill -> decode: the transfer is still wanted (queued or computing): extend its lease
-    # decode -> prefill, answering RENEW on one-sided transports (shm, CUDA IPC): aux = 1 its grant
-    # is live and its blocks are held, 0 it is gone (the lease ended): write nothing into them
+    # prefill -> decode: the transfer is still wanted (queued or computing): extend its lease;
+    # checksum = placement_digest of the blocks the writer was told to fill
+    RENEW = 11
+    # decode -> prefill, answering RENEW on one-sided transports (shm, CUDA IPC): aux = a Holding
     HELD = 12
+
+
+class Holding(enum.IntEnum):
+    """HELD's answer: may a one-sided writer write into the transfer's blocks?"""
+
+    GONE = 0  # the grant ended (its lease, or a cancel): write nothing
+    HELD = 1  # the grant is live and its blocks are held
+    MISPLACED = 2  # the writer names other blocks than the grant's (placement_digest): write nothing
 
 
 class AckStatus(enum.IntEnum):
@@ -134,3 +144,11 @@ def done_tokens(header: FrameHeader, payload: bytes) -> tuple[int, tuple[int, ..
 
 def _tokens_checksum(first_token_id: int, payload: bytes) -> int:
     return xxhash.xxh3_64_intdigest(struct.pack("<q", first_token_id) + payload)
+
+
+def placement_digest(block_ids: list[int], block_size: int, num_tokens: int) -> int:
+    """Where a transfer's tokens go: a one-sided writer names it in RENEW and the decode side
+    answers HELD 1 only if it is its grant's, so blocks handed to the wrong transfer (a stale or
+    mangled target) are never written."""
+    where = struct.pack(f"<qq{len(block_ids)}q", block_size, num_tokens, *block_ids)
+    return xxhash.xxh64_intdigest(where)

@@ -19,7 +19,16 @@ from pdserve.kvtransfer import registry
 from pdserve.kvtransfer.grants import GrantLedger
 from pdserve.kvtransfer.handshake import HandshakeError, PeerInfo, reject, server_handshake
 from pdserve.kvtransfer.layout import KVCacheView
-from pdserve.kvtransfer.protocol import HEADER_SIZE, AckStatus, FrameHeader, FrameKind, ProtocolError, done_tokens
+from pdserve.kvtransfer.protocol import (
+    HEADER_SIZE,
+    AckStatus,
+    FrameHeader,
+    FrameKind,
+    Holding,
+    ProtocolError,
+    done_tokens,
+    placement_digest,
+)
 from pdserve.kvtransfer.sockets import IdleTimeout, configure, recv_header, recv_payload, send_frame, shutdown
 from pdserve.kvtransfer.transport_api import IO_TIMEOUT_S, ReceiveContext
 
@@ -211,10 +220,16 @@ class _Connection:
             self.ledger.renew(grant)
         if registry.get(self.transport).one_sided:  # its writer waits for HELD 1 before writing into our memory
             tid = h.transfer_id
+            if grant is not None and h.checksum != placement_digest(
+                grant.block_ids, self.server.cache.block_size, grant.num_tokens
+            ):
+                log.warning("transfer %016x: the writer's blocks are not its grant's: it may not write", tid)
+                self._reply(FrameKind.HELD, tid, Holding.MISPLACED)
+                return
             held = grant is not None and self.ledger.tell_writer_at_end(
-                grant, lambda: self._reply(FrameKind.HELD, tid, 0)
+                grant, lambda: self._reply(FrameKind.HELD, tid, Holding.GONE)
             )
-            self._reply(FrameKind.HELD, tid, int(held))
+            self._reply(FrameKind.HELD, tid, Holding.HELD if held else Holding.GONE)
 
     def _done(self, h: FrameHeader) -> None:
         first, more, intact = done_tokens(h, recv_payload(self.sock, h.payload_len))  # more: n > 1's other choices

@@ -32,8 +32,10 @@ from pdserve.kvtransfer.protocol import (
     AckStatus,
     FrameHeader,
     FrameKind,
+    Holding,
     ProtocolError,
     done_frame,
+    placement_digest,
 )
 from pdserve.kvtransfer.resharding import ReshardedView
 from pdserve.kvtransfer.sockets import IdleTimeout, configure, recv_header, recv_payload, shutdown
@@ -122,9 +124,14 @@ class OutgoingTransfer:
     close = cancel  # the request is over whatever happened: stop renewing and sending
 
     # -- connection threads ---------------------------------------------------------------------
-    def set_held(self, held: bool) -> None:
+    def set_held(self, answer: Holding) -> None:
+        held = answer is Holding.HELD
         if not held and self.failed is None:
-            self.failed = "the decode worker no longer holds its blocks (the lease ended): nothing more written"
+            self.failed = (
+                "the decode worker holds other blocks for this transfer than its target names: nothing written"
+                if answer is Holding.MISPLACED
+                else "the decode worker no longer holds its blocks (the lease ended): nothing more written"
+            )
         self.held = held
         self._held.set()
 
@@ -309,7 +316,8 @@ class KVConnection:
             self.ctx.send_frame(*done_frame(transfer.transfer_id, what.first_token_id, what.more_token_ids))
 
     def _renew(self, transfer: OutgoingTransfer) -> None:
-        self.ctx.send_frame(FrameHeader(FrameKind.RENEW, transfer.transfer_id))
+        where = placement_digest(transfer.dst_block_ids, transfer.dst_block_size, transfer.num_tokens)
+        self.ctx.send_frame(FrameHeader(FrameKind.RENEW, transfer.transfer_id, checksum=where))
 
     def _renew_all(self) -> None:
         with self._lock:
@@ -335,7 +343,7 @@ class KVConnection:
                     with self._lock:
                         transfer = self._transfers.get(header.transfer_id)
                     if transfer is not None:
-                        transfer.set_held(bool(header.aux))
+                        transfer.set_held(_holding(header.aux))
                     continue
                 if header.kind is not FrameKind.ACK:
                     raise ProtocolError(f"unexpected {header.kind.name} from the decode worker")
@@ -361,6 +369,14 @@ class KVConnection:
         # The send thread ends and closes its transport half now, not at a next send that may never
         # come: a shm sender maps the whole of the dead peer's KV cache until then.
         self._queue.put(None)
+
+
+def _holding(aux: int) -> Holding:
+    """HELD's answer; a value this version does not know writes nothing."""
+    try:
+        return Holding(aux)
+    except ValueError:
+        return Holding.GONE
 
 
 def _outcome(status: AckStatus, transport: str, nbytes: int) -> TransferOutcome:

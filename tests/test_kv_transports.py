@@ -646,6 +646,31 @@ def test_a_one_sided_transfer_that_opens_after_its_lease_ended_writes_nothing():
         decode.close()
 
 
+@pytest.mark.parametrize("dst_blocks, dst_block_size", [([0, 1], 8), ([10, 11, 12, 13], 4), ([10], 16)])
+def test_a_one_sided_writer_whose_target_names_other_blocks_writes_nothing(dst_blocks, dst_block_size):
+    """A prefill told to write a grant's tokens into other blocks than the grant's (a stale or
+    mangled target: here another request's blocks, or the grant's own ids read with another block
+    size) is refused before any write (HELD names the mismatch), and the blocks it named keep
+    their bytes."""
+    decode, prefill = Decode("shm", block_size=8, num_blocks=32), Prefill("shm", block_size=8)
+    try:
+        for layer in decode.layers:
+            layer.fill_(7.0)
+        before = [layer.clone() for layer in decode.layers]
+        tid = decode.grant([10, 11], 16)
+        conn = prefill.connect(decode.address)
+        outcome = prefill.ship(conn, tid, [0, 1], dst_blocks, dst_block_size, 16)
+        assert not outcome.ok and "other blocks" in outcome.reason
+        assert all(torch.equal(b, layer) for b, layer in zip(before, decode.layers)), "a misplaced write landed"
+        retry = decode.grant([12, 13], 16)
+        assert (
+            prefill.ship(conn, retry, [0, 1], [12, 13], 8, 16).ok and decode.outcome(retry).ok
+        )  # the link still works
+    finally:
+        prefill.close()
+        decode.close()
+
+
 @pytest.mark.parametrize("when", ["queued", "mid-transfer"])
 def test_a_one_sided_writer_writes_nothing_once_the_decode_side_ends_its_grant(when):
     """The decode side ends a grant (a decode-side cancel) while its prefill waits in a queue or
@@ -827,3 +852,38 @@ def test_a_shm_cache_takes_its_room_when_made_not_when_written():
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     assert "refused: the KV cache needs 5 MiB of /dev/shm" in done.stdout and "MiB are free" in done.stdout
     assert "written True" in done.stdout
+
+
+def test_a_peer_that_trickles_a_frame_times_out_within_the_io_timeout():
+    """Each receive waits at most the socket's timeout, so a peer sending a byte now and then
+    would never time out: the whole frame must arrive within it, or the blocks it fills stay
+    pinned for as long as the peer likes."""
+    from pdserve.kvtransfer.sockets import configure, recv_exact
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        theirs = socket.create_connection(server.getsockname())
+        ours, _ = server.accept()
+    configure(ours, 0.5)
+    stop = threading.Event()
+
+    def trickle():
+        for _ in range(40):  # at most 4 s, a byte every 0.1 s
+            if stop.wait(0.1):
+                return
+            try:
+                theirs.send(b"x")
+            except OSError:
+                return
+
+    sender = threading.Thread(target=trickle)
+    sender.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError, match="too slowly"):
+            recv_exact(ours, bytearray(100))
+        assert time.monotonic() - started < 2.5  # the timeout, give or take one more receive
+    finally:
+        stop.set()
+        sender.join(5)
+        ours.close()
+        theirs.close()

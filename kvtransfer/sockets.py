@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 
 from pdserve.kvtransfer.protocol import HEADER_SIZE, FrameHeader, ProtocolError
 
@@ -47,9 +48,20 @@ def send_buffers(sock: socket.socket, buffers: list) -> None:
                 sent = 0
 
 
+def receive_timeout_s(sock: socket.socket) -> float:
+    """The socket's kernel receive timeout (``configure``'s ``io_timeout_s``); 0 for none."""
+    seconds, micros = struct.unpack("ll", sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.calcsize("ll")))
+    return seconds + micros / 1e6
+
+
 def recv_exact(sock: socket.socket, buffer) -> None:
-    """Fills ``buffer`` completely; ConnectionError on EOF, TimeoutError if the peer stalls."""
+    """Fills ``buffer`` completely; ConnectionError on EOF, TimeoutError if the peer stalls.
+
+    The whole buffer must arrive within the socket's receive timeout (give or take one more
+    receive): the kernel's timeout bounds each receive, so a peer trickling a byte now and then
+    would otherwise hold the buffer, and the blocks behind it, for as long as it likes."""
     view = memoryview(buffer).cast("B")
+    started, budget = time.monotonic(), None
     while view:
         try:
             n = sock.recv_into(view, len(view), socket.MSG_WAITALL)
@@ -58,6 +70,10 @@ def recv_exact(sock: socket.socket, buffer) -> None:
         if n == 0:
             raise ConnectionError("peer closed the connection")
         view = view[n:]
+        if view:  # a partial receive (rare: MSG_WAITALL waits for the whole buffer)
+            budget = receive_timeout_s(sock) if budget is None else budget
+            if budget > 0 and time.monotonic() - started >= budget:
+                raise TimeoutError("KV peer sends too slowly: a frame did not arrive within the I/O timeout")
 
 
 def discard(sock: socket.socket, nbytes: int, scratch: bytearray) -> None:

@@ -46,11 +46,15 @@ class Slots:
 
 def slots_of(block_ids: list[int], block_size: int, start: int, end: int, device: torch.device | None = None) -> Slots:
     """Where tokens [start, end) of a request live, given its block table (``ValueError`` if
-    they do not fit it); ``device``: also as a tensor there."""
+    they do not fit it, or it names a negative block: numpy would wrap it around to the cache's
+    end); ``device``: also as a tensor there."""
     if not 0 <= start <= end <= len(block_ids) * block_size:
         raise ValueError(f"tokens [{start}, {end}) do not fit {len(block_ids)} blocks of {block_size}")
     positions = np.arange(start, end, dtype=np.int64)
-    array = np.asarray(block_ids, dtype=np.int64)[positions // block_size] * block_size + positions % block_size
+    blocks = np.asarray(block_ids, dtype=np.int64)[positions // block_size]
+    if len(blocks) and blocks.min() < 0:
+        raise ValueError(f"negative block id {blocks.min()} in a block table")
+    array = blocks * block_size + positions % block_size
     contiguous = bool(len(array)) and bool((np.diff(array) == 1).all())
     g = math.gcd(block_size, start)  # rows of g tokens never cross a block (g divides the block size)
     body = len(array) - len(array) % g

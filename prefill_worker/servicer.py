@@ -88,6 +88,8 @@ class PrefillService(pdserve_pb2_grpc.PrefillWorkerServicer):
                     f"target.block_ids: {len(target.block_ids)} blocks of {block_size} tokens cannot hold "
                     f"{target.num_tokens} tokens"
                 )
+            if any(block < 0 for block in target.block_ids):
+                raise ValueError("target.block_ids: block ids cannot be negative")
             await asyncio.to_thread(
                 self.engine.compile_constraint, sampling
             )  # off the event loop and the engine thread

@@ -20,6 +20,8 @@ def test_slots_follow_the_block_table_and_know_when_they_are_contiguous():
     assert slots_of([3], 16, 0, 16).contiguous
     with pytest.raises(ValueError, match="do not fit"):
         slots_of([1, 2], 8, 0, 17)
+    with pytest.raises(ValueError, match="negative block id"):  # numpy would wrap it to the cache's end
+        slots_of([3, -1], 8, 4, 12)
 
 
 def test_a_view_reads_and_writes_whole_units_by_bytes_per_token():

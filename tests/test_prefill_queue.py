@@ -77,6 +77,21 @@ async def test_a_full_queue_is_refused_with_a_retry_hint():
     assert refused.value.args[0] is grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+@pytest.mark.parametrize(
+    "block_ids, block_size, field",
+    [([-1], 16, "target.block_ids"), ([0], 2, "target.block_ids"), ([0], 2048, "target.block_ids")],
+)
+async def test_a_target_whose_blocks_cannot_be_written_is_refused_naming_the_field(block_ids, block_size, field):
+    bad = request("d")
+    del bad.target.block_ids[:]
+    bad.target.block_ids.extend(block_ids)
+    bad.target.block_size = block_size
+    service = PrefillService(Loop(), SimpleNamespace(), max_queued_requests=1)
+    with pytest.raises(Aborted) as refused:
+        await service.Prefill(bad, Context())
+    assert refused.value.args[0] is grpc.StatusCode.INVALID_ARGUMENT and refused.value.args[1].startswith(field)
+
+
 @pytest.mark.parametrize("corrupted", [False, True])
 async def test_a_handoff_that_breaks_after_the_kv_left_charges_neither_side(corrupted):
     """A decode worker killed mid-transfer: this prefill worker says the handoff broke (the

@@ -148,7 +148,7 @@ def _tokens_checksum(first_token_id: int, payload: bytes) -> int:
 
 def placement_digest(block_ids: list[int], block_size: int, num_tokens: int) -> int:
     """Where a transfer's tokens go: a one-sided writer names it in RENEW and the decode side
-    answers HELD 1 only if it is its grant's, so blocks handed to the wrong transfer (a stale or
-    mangled target) are never written."""
+    answers ``Holding.HELD`` only if it is its grant's, so blocks named by a stale or mangled
+    target (another request's) are never written."""
     where = struct.pack(f"<qq{len(block_ids)}q", block_size, num_tokens, *block_ids)
     return xxhash.xxh64_intdigest(where)

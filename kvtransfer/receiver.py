@@ -216,16 +216,19 @@ class _Connection:
     def _renew(self, h: FrameHeader) -> None:
         recv_payload(self.sock, h.payload_len)
         grant = self.ledger.lookup(h.transfer_id)
+        one_sided = registry.get(self.transport).one_sided  # its writer waits for HELD before writing into our memory
+        if (
+            one_sided
+            and grant is not None
+            and h.checksum != placement_digest(grant.block_ids, self.server.cache.block_size, grant.num_tokens)
+        ):
+            log.warning("transfer %016x: the writer's blocks are not its grant's: it may not write", h.transfer_id)
+            self._reply(FrameKind.HELD, h.transfer_id, Holding.MISPLACED)
+            return
         if grant is not None:
             self.ledger.renew(grant)
-        if registry.get(self.transport).one_sided:  # its writer waits for HELD 1 before writing into our memory
+        if one_sided:
             tid = h.transfer_id
-            if grant is not None and h.checksum != placement_digest(
-                grant.block_ids, self.server.cache.block_size, grant.num_tokens
-            ):
-                log.warning("transfer %016x: the writer's blocks are not its grant's: it may not write", tid)
-                self._reply(FrameKind.HELD, tid, Holding.MISPLACED)
-                return
             held = grant is not None and self.ledger.tell_writer_at_end(
                 grant, lambda: self._reply(FrameKind.HELD, tid, Holding.GONE)
             )

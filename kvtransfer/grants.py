@@ -50,6 +50,7 @@ class Grant:
     report: Report
     lease_s: float
     deadline: float
+    skip_tokens: int = 0  # leading tokens already there (shared prefix blocks): never written
     lock: threading.Lock = field(default_factory=threading.Lock)
     state: GrantState = GrantState.ACTIVE
     corrupted: bool = False
@@ -104,7 +105,14 @@ class GrantLedger:
         ``skip_tokens`` are already there: shared prefix blocks). Returns the transfer id."""
         lease = lease_s or self.lease_s
         grant = Grant(
-            secrets.randbits(63), list(block_ids), num_tokens, self.num_layers, report, lease, time.monotonic() + lease
+            secrets.randbits(63),
+            list(block_ids),
+            num_tokens,
+            self.num_layers,
+            report,
+            lease,
+            time.monotonic() + lease,
+            skip_tokens=skip_tokens,
         )
         grant.landed[:, :skip_tokens] = True
         with self._lock:

@@ -146,9 +146,10 @@ def _tokens_checksum(first_token_id: int, payload: bytes) -> int:
     return xxhash.xxh3_64_intdigest(struct.pack("<q", first_token_id) + payload)
 
 
-def placement_digest(block_ids: list[int], block_size: int, num_tokens: int) -> int:
-    """Where a transfer's tokens go: a one-sided writer names it in RENEW and the decode side
-    answers ``Holding.HELD`` only if it is its grant's, so blocks named by a stale or mangled
+def placement_digest(block_ids: list[int], block_size: int, num_tokens: int, skip_tokens: int) -> int:
+    """Where a transfer's tokens go (its blocks, and the leading tokens it leaves alone: shared
+    prefix blocks that other requests read): a one-sided writer names it in RENEW and the decode
+    side answers ``Holding.HELD`` only if it is its grant's, so blocks named by a stale or mangled
     target (another request's) are never written."""
-    where = struct.pack(f"<qq{len(block_ids)}q", block_size, num_tokens, *block_ids)
+    where = struct.pack(f"<qqq{len(block_ids)}q", block_size, num_tokens, skip_tokens, *block_ids)
     return xxhash.xxh64_intdigest(where)

@@ -220,7 +220,8 @@ class _Connection:
         if (
             one_sided
             and grant is not None
-            and h.checksum != placement_digest(grant.block_ids, self.server.cache.block_size, grant.num_tokens)
+            and h.checksum
+            != placement_digest(grant.block_ids, self.server.cache.block_size, grant.num_tokens, grant.skip_tokens)
         ):
             log.warning("transfer %016x: the writer's blocks are not its grant's: it may not write", h.transfer_id)
             self._reply(FrameKind.HELD, h.transfer_id, Holding.MISPLACED)

@@ -316,7 +316,9 @@ class KVConnection:
             self.ctx.send_frame(*done_frame(transfer.transfer_id, what.first_token_id, what.more_token_ids))
 
     def _renew(self, transfer: OutgoingTransfer) -> None:
-        where = placement_digest(transfer.dst_block_ids, transfer.dst_block_size, transfer.num_tokens)
+        where = placement_digest(
+            transfer.dst_block_ids, transfer.dst_block_size, transfer.num_tokens, transfer.skip_tokens
+        )
         self.ctx.send_frame(FrameHeader(FrameKind.RENEW, transfer.transfer_id, checksum=where))
 
     def _renew_all(self) -> None:

@@ -646,20 +646,23 @@ def test_a_one_sided_transfer_that_opens_after_its_lease_ended_writes_nothing():
         decode.close()
 
 
-@pytest.mark.parametrize("dst_blocks, dst_block_size", [([0, 1], 8), ([10, 11, 12, 13], 4), ([10], 16)])
-def test_a_one_sided_writer_whose_target_names_other_blocks_writes_nothing(dst_blocks, dst_block_size):
+@pytest.mark.parametrize(
+    "dst_blocks, dst_block_size, skip_tokens",
+    [([0, 1], 8, 8), ([10, 11, 12, 13], 4, 8), ([10], 16, 8), ([10, 11], 8, 0)],
+)
+def test_a_one_sided_writer_whose_target_names_other_blocks_writes_nothing(dst_blocks, dst_block_size, skip_tokens):
     """A prefill told to write a grant's tokens into other blocks than the grant's (a stale or
-    mangled target: here another request's blocks, or the grant's own ids read with another block
-    size) is refused before any write (HELD names the mismatch), and the blocks it named keep
-    their bytes."""
+    mangled target: here another request's blocks, the grant's own ids read with another block
+    size, or its shared prefix block, which the grant leaves alone) is refused before any write
+    (HELD names the mismatch), and the blocks it named keep their bytes."""
     decode, prefill = Decode("shm", block_size=8, num_blocks=32), Prefill("shm", block_size=8)
     try:
         for layer in decode.layers:
             layer.fill_(7.0)
         before = [layer.clone() for layer in decode.layers]
-        tid = decode.grant([10, 11], 16)
+        tid = decode.grant([10, 11], 16, skip_tokens=8)  # block 10: a prefix the decode side caches
         conn = prefill.connect(decode.address)
-        outcome = prefill.ship(conn, tid, [0, 1], dst_blocks, dst_block_size, 16)
+        outcome = prefill.ship(conn, tid, [0, 1], dst_blocks, dst_block_size, 16, skip_tokens=skip_tokens)
         assert not outcome.ok and "other blocks" in outcome.reason
         assert all(torch.equal(b, layer) for b, layer in zip(before, decode.layers)), "a misplaced write landed"
         retry = decode.grant([12, 13], 16)

@@ -16,48 +16,58 @@ from pdserve.addresses import join_host_port
 from pdserve.security import SecuritySettings
 
 REQUEST_HEAD_TIMEOUT_S = 10.0  # from connecting (or the last response) to a whole request head
+REQUEST_BODY_TIMEOUT_S = 60.0  # from the head to the whole body (16 MiB at most: ~2 Mbit/s)
 
 
-class _HeadTimedH11(H11Protocol):
+class _TimedH11(H11Protocol):
     """uvicorn times out an idle connection only after a response: one that never sends (or
-    dribbles) its request head held a descriptor and its state forever, and a few hundred of
-    them starved the router (slowloris). Such a connection is closed after
-    ``REQUEST_HEAD_TIMEOUT_S``, like nginx's client_header_timeout."""
+    dribbles) its request head, or its body, held a descriptor, a handler and its state
+    forever, and a few hundred of them starved the router (slowloris). Such a connection is
+    closed after ``REQUEST_HEAD_TIMEOUT_S`` for the head and ``REQUEST_BODY_TIMEOUT_S`` more for
+    the body, like nginx's client_header_timeout and client_body_timeout."""
 
-    _head_timer: asyncio.TimerHandle | None = None
+    _timer: asyncio.TimerHandle | None = None
+    _awaiting: object = None  # what the timer waits to see end: h11.IDLE (a head) or h11.SEND_BODY (a body)
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._await_head()
+        self._time(h11.IDLE)
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
-        if self.conn.their_state is not h11.IDLE:  # the head is in: the request's own timeouts rule
-            self._stop_head_timer()
-        elif self._head_timer is None and not self.transport.is_closing():
-            self._await_head()  # a body that came after its response (a 404 before it was read) began a new cycle
+        state = self.conn.their_state
+        if state is h11.IDLE or state is h11.SEND_BODY:
+            if self._awaiting is not state and not self.transport.is_closing():
+                # The head is in and its body is coming; or a body that came after its response
+                # (a 404 before it was read) ended and a new cycle began.
+                self._time(state)
+        else:  # the whole request is in: the request's own timeouts rule
+            self._stop_timer()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
         if self.conn.their_state is h11.IDLE:  # kept alive: the next request's head is awaited
-            self._await_head()
+            self._time(h11.IDLE)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._stop_head_timer()
+        self._stop_timer()
         super().connection_lost(exc)
 
-    def _await_head(self) -> None:
-        self._stop_head_timer()
-        self._head_timer = self.loop.call_later(REQUEST_HEAD_TIMEOUT_S, self._head_timed_out)
+    def _time(self, state) -> None:
+        self._stop_timer()
+        timeout = REQUEST_HEAD_TIMEOUT_S if state is h11.IDLE else REQUEST_BODY_TIMEOUT_S
+        self._awaiting = state
+        self._timer = self.loop.call_later(timeout, self._timed_out)
 
-    def _stop_head_timer(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._awaiting = None
 
-    def _head_timed_out(self) -> None:
-        self._head_timer = None
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+    def _timed_out(self) -> None:
+        still = self.conn.their_state is self._awaiting
+        self._timer = self._awaiting = None
+        if still and not self.transport.is_closing():
             self.transport.close()
 
 
@@ -97,7 +107,7 @@ async def serve_http(
         raise OSError(f"--http-port: could not bind {join_host_port(host, port)}: {e.strerror or e}") from None
     config = uvicorn.Config(
         app,
-        http=_HeadTimedH11,
+        http=_TimedH11,
         log_level="warning",
         log_config=None,
         access_log=False,

@@ -1,5 +1,5 @@
-"""The router's HTTP server on loopback: connections that never send a whole request head are
-closed (slowloris), requests that take longer than that are not cut."""
+"""The router's HTTP server on loopback: connections that never send a whole request head, or
+its whole body, are closed (slowloris); requests that take longer than that are not cut."""
 
 from __future__ import annotations
 
@@ -7,18 +7,24 @@ import asyncio
 import time
 
 import pytest
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 
 from pdserve.router import http_server
 from pdserve.router.http_server import http_port, serve_http
 
 HEAD_TIMEOUT_S = 0.5
+BODY_TIMEOUT_S = 1.0
 
 
 @pytest.fixture
 async def server(monkeypatch):
     monkeypatch.setattr(http_server, "REQUEST_HEAD_TIMEOUT_S", HEAD_TIMEOUT_S)
+    monkeypatch.setattr(http_server, "REQUEST_BODY_TIMEOUT_S", BODY_TIMEOUT_S)
     app = FastAPI()
+
+    @app.post("/size")
+    async def size(request: Request):
+        return {"bytes": len(await request.body())}
 
     @app.get("/slow")
     async def slow():
@@ -84,5 +90,42 @@ async def test_a_body_sent_after_its_response_leaves_the_connection_timed(server
     assert head.startswith(b"HTTP/1.1 404")
     await asyncio.sleep(0.1)
     writer.write(b"hello")
+    assert await closed_after(reader) < HEAD_TIMEOUT_S + 2
+    writer.close()
+
+
+@pytest.mark.parametrize("dribble", [False, True])
+async def test_a_request_body_that_stalls_or_dribbles_is_closed(server, dribble):
+    """The head is whole, the body never is: the connection is closed once the body is overdue,
+    whether the client goes silent or keeps sending a byte now and then."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", server)
+    writer.write(b"POST /size HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+    start, closed = time.monotonic(), False
+    for _ in range(40):  # 8 s at most, a byte every 0.2 s when dribbling
+        try:
+            if dribble:
+                writer.write(b"x")
+                await writer.drain()
+            closed = not await asyncio.wait_for(reader.read(65536), 0.2)
+        except asyncio.TimeoutError:
+            continue
+        except ConnectionError:
+            closed = True
+        if closed:
+            break
+    assert closed and time.monotonic() - start < BODY_TIMEOUT_S + 2
+    writer.close()
+
+
+async def test_a_body_that_comes_in_time_is_answered_and_the_next_head_is_timed(server):
+    reader, writer = await asyncio.open_connection("127.0.0.1", server)
+    writer.write(b"POST /size HTTP/1.1\r\nHost: x\r\nContent-Length: 6\r\n\r\nab")
+    await asyncio.sleep(HEAD_TIMEOUT_S + 0.2)  # slower than a head may take, well within the body's time
+    writer.write(b"cdef")
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    assert head.startswith(b"HTTP/1.1 200")
+    body = b'{"bytes":6}'
+    assert f"content-length: {len(body)}".encode() in head.lower()
+    assert await asyncio.wait_for(reader.readexactly(len(body)), 10) == body
     assert await closed_after(reader) < HEAD_TIMEOUT_S + 2
     writer.close()

@@ -141,6 +141,18 @@ def check_prompt_length(count: int, *, max_model_len: int, field: str = "prompt_
         raise InvalidRequest(field, f"{count} tokens leave no room in the model's context of {max_model_len}")
 
 
+def check_stop_count(count: int, *, field: str = "sampling.stop") -> None:
+    """Checked before the strings are walked (as ``check_prompt_length`` is)."""
+    if count > MAX_STOP_STRINGS:
+        raise InvalidRequest(field, f"{count} stop strings exceed the limit of {MAX_STOP_STRINGS}")
+
+
+def check_stop_token_id_count(count: int, *, field: str = "sampling.stop_token_ids") -> None:
+    """Checked before the ids are walked (as ``check_prompt_length`` is)."""
+    if count > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(field, f"{count} ids exceed the limit of {MAX_STOP_TOKEN_IDS}")
+
+
 def check_message_count(count: int) -> None:
     if count > MAX_MESSAGES:
         raise InvalidRequest("messages", f"{count} messages exceed the limit of {MAX_MESSAGES}")
@@ -168,15 +180,11 @@ def check_sampling(
         raise InvalidRequest("sampling.top_k", f"must be an integer {bound} (0 = off), got {s.top_k!r}")
     if s.seed is not None and not (_is_int(s.seed) and 0 <= s.seed <= MAX_SEED):
         raise InvalidRequest("sampling.seed", f"must be an integer in [0, 2**63), got {s.seed!r}")
-    if len(s.stop) > MAX_STOP_STRINGS:
-        raise InvalidRequest("sampling.stop", f"{len(s.stop)} stop strings exceed the limit of {MAX_STOP_STRINGS}")
+    check_stop_count(len(s.stop))
     for i, stop in enumerate(s.stop):
         if not isinstance(stop, str) or not 0 < len(stop) <= MAX_STOP_STRING_CHARS:
             raise InvalidRequest(f"sampling.stop[{i}]", f"must be 1 to {MAX_STOP_STRING_CHARS} characters")
-    if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise InvalidRequest(
-            "sampling.stop_token_ids", f"{len(s.stop_token_ids)} ids exceed the limit of {MAX_STOP_TOKEN_IDS}"
-        )
+    check_stop_token_id_count(len(s.stop_token_ids))
     bad = next(
         (t for t in s.stop_token_ids if not (_is_int(t) and 0 <= t and (vocab_size is None or t < vocab_size))), None
     )

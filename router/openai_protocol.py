@@ -13,7 +13,13 @@ from fastapi import Request
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse
 
-from pdserve.request_rules import InvalidRequest, check_message_count, check_prompt_length
+from pdserve.request_rules import (
+    InvalidRequest,
+    check_message_count,
+    check_prompt_length,
+    check_stop_count,
+    check_stop_token_id_count,
+)
 from pdserve.router.completions import Usage
 from pdserve.router.json_text import has_lone_surrogate_escape, lone_surrogate_path
 from pdserve.router.request import ChatMessage, SamplingRequest
@@ -195,6 +201,8 @@ class Params:
             return None, False
         if isinstance(value, str):
             return [value], True
+        if isinstance(value, list):
+            _by_rule(check_stop_count, len(value), field="stop")  # before walking a list of millions
         if isinstance(value, list) and all(isinstance(s, str) for s in value):
             return value, False
         raise invalid("stop", "must be a string or a list of strings")
@@ -371,6 +379,8 @@ def sampling_fields(p: Params, max_tokens_param: str) -> tuple[SamplingRequest, 
         top_k = 0
     stop, single_stop = p.stop()
     stop_token_ids = p.raw("stop_token_ids")
+    if isinstance(stop_token_ids, list):
+        _by_rule(check_stop_token_id_count, len(stop_token_ids), field="stop_token_ids")  # before walking them
     sampling = SamplingRequest(
         max_tokens=p.get_int(max_tokens_param),
         temperature=p.get_number("temperature"),

@@ -131,6 +131,7 @@ BAD = [  # (body changes, the OpenAI parameter named)
     ({"stop": ["a", ""]}, "stop[1]"),
     ({"stop": ["x"] * 17}, "stop"),
     ({"stop_token_ids": [10**7]}, "stop_token_ids"),
+    ({"stop_token_ids": [1] * 65}, "stop_token_ids"),
     ({"priority": 1000}, "priority"),
     ({"priority": 2**40}, "priority"),
     ({"prompt": [1, 10**8]}, "prompt"),
@@ -177,6 +178,28 @@ async def test_http_and_grpc_refuse_the_same_input_naming_the_field(tokenizer, c
         }
         assert error["message"] == f"{param}: {err.value.problem}"
         assert not dispatcher.seen  # refused before any worker was asked
+    finally:
+        await _stop(server, task)
+        completions.close()
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"stop_token_ids": [1] * 65 + ["x"]}, "stop_token_ids: 66 ids exceed the limit of 64"),
+        ({"stop": ["a"] * 17 + [5]}, "stop: 18 stop strings exceed the limit of 16"),
+    ],
+)
+async def test_a_list_past_its_limit_is_refused_before_its_items_are_read(tokenizer, change, message):
+    """A body of millions of stop ids would hold the event loop for seconds while each is
+    checked: the count is checked first (the bad last item would be named otherwise)."""
+    completions = Completions(tokenizer, EchoDispatcher(), 600, max_inflight=MAX_INFLIGHT)
+    server, task, base = await _http(create_app(completions, "m"))
+    try:
+        body = {"model": "m", "prompt": "Hello", "max_tokens": 2, **change}
+        async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+            error = assert_openai_error(await http.post("/v1/completions", json=body), 400, message.split(":")[0])
+        assert error["message"] == message
     finally:
         await _stop(server, task)
         completions.close()

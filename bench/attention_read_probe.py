@@ -22,7 +22,7 @@ import torch
 from torch.utils.cpp_extension import load_inline
 
 from pdserve.bench.engine_bench import dtype_name, make_engine
-from pdserve.bench.roofline import attention_inputs, memory_bandwidth, timed
+from pdserve.bench.roofline import attention_inputs, attention_step, memory_bandwidth, timed
 from pdserve.engine.engine_config import EngineConfig
 
 READ_SOURCE = r"""
@@ -80,16 +80,11 @@ def run(args: argparse.Namespace) -> dict:
     engine = make_engine(args.dtype, args.threads, **({"block_size": args.block_size} if args.block_size else {}))
     inputs = attention_inputs(engine)
     block_size = engine.kv_layout.block_size
-    backend, scale = engine.model.backend, engine.model_config.head_dim**-0.5
-
-    def attention():
-        for kv in inputs.caches:
-            backend.decode_attention(inputs.q, kv, inputs.block_tables, inputs.context_lens, scale)
 
     def read(ahead: int):
         return lambda: [reader.read_blocks(kv, inputs.block_tables, inputs.context_lens, ahead) for kv in inputs.caches]
 
-    methods = {"attention": attention, "read": read(0), "read_prefetched": read(block_size)}
+    methods = {"attention": attention_step(engine, inputs), "read": read(0), "read_prefetched": read(block_size)}
     for fn in methods.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in methods}

@@ -14,6 +14,7 @@ import argparse
 import itertools
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -137,16 +138,22 @@ def attention_inputs(
     return AttentionInputs(caches, q, block_tables, context_lens, kv_bytes)
 
 
+def attention_step(engine: LLMEngine, inputs: AttentionInputs) -> Callable[[], None]:
+    """One decode step's attention over every layer, by the engine's kernel."""
+    backend, scale = engine.model.backend, engine.model_config.head_dim**-0.5
+
+    def step() -> None:
+        for kv in inputs.caches:
+            backend.decode_attention(inputs.q, kv, inputs.block_tables, inputs.context_lens, scale)
+
+    return step
+
+
 def decode_attention_s(engine: LLMEngine, repeats: int, **shape) -> tuple[float, int]:
     """Median time of one decode step's attention over every layer (inputs as
     ``attention_inputs(engine, **shape)`` makes them), and the K/V bytes it reads."""
     inputs = attention_inputs(engine, **shape)
-    backend, scale = engine.model.backend, engine.model_config.head_dim**-0.5
-
-    def step():
-        for kv in inputs.caches:
-            backend.decode_attention(inputs.q, kv, inputs.block_tables, inputs.context_lens, scale)
-
+    step = attention_step(engine, inputs)
     step()
     seconds = statistics.median(timed(step) for _ in range(repeats))
     return seconds, inputs.kv_bytes

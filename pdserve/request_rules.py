@@ -214,6 +214,12 @@ def check_best_of(best_of: int, n: int) -> None:
         )
 
 
+def check_choice_count(count: int, *, field: str = "sampling.structured_output.choice") -> None:
+    """Checked before the strings are walked (as ``check_prompt_length`` is)."""
+    if not 0 < count <= MAX_CHOICES:
+        raise InvalidRequest(field, f"must list 1 to {MAX_CHOICES} strings, got {count}")
+
+
 def check_constraint(c: Constraint) -> None:
     """The shape of a structured-output constraint. Whether a schema, regex or grammar
     compiles is the grammar engine's to say (``engine.structured_output``); a JSON schema must
@@ -224,8 +230,7 @@ def check_constraint(c: Constraint) -> None:
             "sampling.structured_output", f"unknown kind {c.kind!r}; expected one of {', '.join(CONSTRAINT_KINDS)}"
         )
     if c.kind == "choice":
-        if not 0 < len(c.choices) <= MAX_CHOICES:
-            raise InvalidRequest(field, f"must list 1 to {MAX_CHOICES} strings, got {len(c.choices)}")
+        check_choice_count(len(c.choices), field=field)
         if any(not isinstance(x, str) or not x for x in c.choices):
             raise InvalidRequest(field, "every choice must be a non-empty string")
         if sum(map(len, c.choices)) > MAX_CONSTRAINT_CHARS:

@@ -20,8 +20,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.request_rules import Constraint
-from pdserve.router.openai_protocol import Params, invalid
+from pdserve.request_rules import Constraint, check_choice_count
+from pdserve.router.openai_protocol import Params, by_rule, invalid
 
 GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
@@ -107,6 +107,8 @@ def _constraint(p: Params) -> tuple[Constraint | None, str]:
     else:
         kind = GUIDED[name]
     if kind == "choice":
+        if isinstance(value, list):
+            by_rule(check_choice_count, len(value), field=name)  # before walking a list of millions
         if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
             raise invalid(name, "must be a list of strings")
         return Constraint("choice", choices=tuple(value)), name

@@ -202,7 +202,7 @@ class Params:
         if isinstance(value, str):
             return [value], True
         if isinstance(value, list):
-            _by_rule(check_stop_count, len(value), field="stop")  # before walking a list of millions
+            by_rule(check_stop_count, len(value), field="stop")  # before walking a list of millions
         if isinstance(value, list) and all(isinstance(s, str) for s in value):
             return value, False
         raise invalid("stop", "must be a string or a list of strings")
@@ -230,7 +230,7 @@ def prompt_input(p: Params, max_model_len: int) -> dict[str, Any]:
         raise invalid("prompt", f"a batch of {len(value)} prompts is not supported; send one request per prompt")
     ids = value[0] if isinstance(value, list) and len(value) == 1 and isinstance(value[0], list) else value
     if isinstance(ids, list) and ids and isinstance(ids[0], int):  # a list of ids: its length first
-        _by_rule(check_prompt_length, len(ids), max_model_len=max_model_len, field="prompt")
+        by_rule(check_prompt_length, len(ids), max_model_len=max_model_len, field="prompt")
     if isinstance(value, list) and len(value) == 1 and (isinstance(value[0], str) or _token_list(value[0])):
         value = value[0]  # a batch of one prompt
     if isinstance(value, str):
@@ -251,7 +251,7 @@ def chat_messages(p: Params) -> tuple[ChatMessage, ...]:
         raise invalid("messages", "is required")
     if not isinstance(value, list) or not value:
         raise invalid("messages", "must be a non-empty list of messages")
-    _by_rule(check_message_count, len(value))
+    by_rule(check_message_count, len(value))
     out = []
     for i, message in enumerate(value):
         where = f"messages[{i}]"
@@ -269,7 +269,7 @@ def chat_messages(p: Params) -> tuple[ChatMessage, ...]:
     return tuple(out)
 
 
-def _by_rule(check, *args, **kwargs) -> None:
+def by_rule(check, *args, **kwargs) -> None:
     """A shared request rule, its refusal as a 400."""
     try:
         check(*args, **kwargs)
@@ -380,7 +380,7 @@ def sampling_fields(p: Params, max_tokens_param: str) -> tuple[SamplingRequest, 
     stop, single_stop = p.stop()
     stop_token_ids = p.raw("stop_token_ids")
     if isinstance(stop_token_ids, list):
-        _by_rule(check_stop_token_id_count, len(stop_token_ids), field="stop_token_ids")  # before walking them
+        by_rule(check_stop_token_id_count, len(stop_token_ids), field="stop_token_ids")  # before walking them
     sampling = SamplingRequest(
         max_tokens=p.get_int(max_tokens_param),
         temperature=p.get_number("temperature"),

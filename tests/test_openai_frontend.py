@@ -188,11 +188,12 @@ async def test_http_and_grpc_refuse_the_same_input_naming_the_field(tokenizer, c
     [
         ({"stop_token_ids": [1] * 65 + ["x"]}, "stop_token_ids: 66 ids exceed the limit of 64"),
         ({"stop": ["a"] * 17 + [5]}, "stop: 18 stop strings exceed the limit of 16"),
+        ({"guided_choice": ["a"] * 256 + [5]}, "guided_choice: must list 1 to 256 strings, got 257"),
     ],
 )
 async def test_a_list_past_its_limit_is_refused_before_its_items_are_read(tokenizer, change, message):
-    """A body of millions of stop ids would hold the event loop for seconds while each is
-    checked: the count is checked first (the bad last item would be named otherwise)."""
+    """A body of millions of stop ids (or choices) would hold the event loop for seconds while
+    each is checked: the count is checked first (the bad last item would be named otherwise)."""
     completions = Completions(tokenizer, EchoDispatcher(), 600, max_inflight=MAX_INFLIGHT)
     server, task, base = await _http(create_app(completions, "m"))
     try:

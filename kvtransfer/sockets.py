@@ -14,6 +14,7 @@ import time
 from pdserve.kvtransfer.protocol import HEADER_SIZE, FrameHeader, ProtocolError
 
 _IOV_MAX = 512  # stay under the kernel's 1024 iovecs per sendmsg
+MIN_FRAME_RATE_BYTES_S = 1 << 20  # a frame that started arrives at least this fast (8 Mbit/s), after the I/O timeout
 
 
 class IdleTimeout(Exception):
@@ -57,11 +58,12 @@ def receive_timeout_s(sock: socket.socket) -> float:
 def recv_exact(sock: socket.socket, buffer) -> None:
     """Fills ``buffer`` completely; ConnectionError on EOF, TimeoutError if the peer stalls.
 
-    The whole buffer must arrive within the socket's receive timeout (give or take one more
-    receive): the kernel's timeout bounds each receive, so a peer trickling a byte now and then
-    would otherwise hold the buffer, and the blocks behind it, for as long as it likes."""
+    The kernel's timeout bounds each receive, so a peer trickling a byte now and then would
+    hold the buffer, and the blocks behind it, for as long as it likes: the whole buffer must
+    arrive within the socket's receive timeout plus its size at ``MIN_FRAME_RATE_BYTES_S``
+    (give or take one more receive), so a slow but steady link still carries a large unit."""
     view = memoryview(buffer).cast("B")
-    started, budget = time.monotonic(), None
+    size, started, budget = view.nbytes, time.monotonic(), None
     while view:
         try:
             n = sock.recv_into(view, len(view), socket.MSG_WAITALL)
@@ -71,9 +73,11 @@ def recv_exact(sock: socket.socket, buffer) -> None:
             raise ConnectionError("peer closed the connection")
         view = view[n:]
         if view:  # a partial receive (rare: MSG_WAITALL waits for the whole buffer)
-            budget = receive_timeout_s(sock) if budget is None else budget
-            if budget > 0 and time.monotonic() - started >= budget:
-                raise TimeoutError("KV peer sends too slowly: a frame did not arrive within the I/O timeout")
+            if budget is None:
+                timeout = receive_timeout_s(sock)
+                budget = timeout + size / MIN_FRAME_RATE_BYTES_S if timeout > 0 else float("inf")
+            if time.monotonic() - started >= budget:
+                raise TimeoutError("KV peer sends too slowly: a frame did not arrive in the time its size allows")
 
 
 def discard(sock: socket.socket, nbytes: int, scratch: bytearray) -> None:

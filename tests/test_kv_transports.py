@@ -890,3 +890,33 @@ def test_a_peer_that_trickles_a_frame_times_out_within_the_io_timeout():
         sender.join(5)
         ours.close()
         theirs.close()
+
+
+def test_a_large_frame_on_a_slow_but_steady_link_arrives(monkeypatch):
+    """The time a frame may take grows with its size: a unit of many MB over a slow link that
+    keeps sending is carried, however much longer than the I/O timeout it takes."""
+    from pdserve.kvtransfer import sockets
+
+    monkeypatch.setattr(sockets, "MIN_FRAME_RATE_BYTES_S", 256 << 10)
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        theirs = socket.create_connection(server.getsockname())
+        ours, _ = server.accept()
+    sockets.configure(ours, 0.5)
+    payload = bytes(range(256)) * 2048  # 512 KiB, sent at ~512 KiB/s: twice the I/O timeout
+
+    def steady():
+        for i in range(0, len(payload), 32 << 10):
+            theirs.sendall(payload[i : i + (32 << 10)])
+            time.sleep(0.0625)
+
+    sender = threading.Thread(target=steady)
+    sender.start()
+    try:
+        received = bytearray(len(payload))
+        started = time.monotonic()
+        sockets.recv_exact(ours, received)
+        assert received == payload and time.monotonic() - started > 0.5
+    finally:
+        sender.join(10)
+        ours.close()
+        theirs.close()

@@ -46,8 +46,11 @@ class _TimedH11(H11Protocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if self.conn.their_state is h11.IDLE:  # kept alive: the next request's head is awaited
-            self._time(h11.IDLE)
+        # Kept alive: the next head is awaited, or a pipelined request's body (uvicorn has read its
+        # head from the buffer). A body still coming for this response keeps its running timer.
+        state = self.conn.their_state
+        if (state is h11.IDLE or state is h11.SEND_BODY) and self._awaiting is not state:
+            self._time(state)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_timer()

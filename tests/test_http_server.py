@@ -94,12 +94,14 @@ async def test_a_body_sent_after_its_response_leaves_the_connection_timed(server
     writer.close()
 
 
-@pytest.mark.parametrize("dribble", [False, True])
-async def test_a_request_body_that_stalls_or_dribbles_is_closed(server, dribble):
+@pytest.mark.parametrize("dribble, pipelined", [(False, False), (True, False), (False, True)])
+async def test_a_request_body_that_stalls_or_dribbles_is_closed(server, dribble, pipelined):
     """The head is whole, the body never is: the connection is closed once the body is overdue,
-    whether the client goes silent or keeps sending a byte now and then."""
+    whether the client goes silent or keeps sending a byte now and then, and whether the request
+    came alone or pipelined behind another."""
     reader, writer = await asyncio.open_connection("127.0.0.1", server)
-    writer.write(b"POST /size HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+    first = b"POST /size HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}" if pipelined else b""
+    writer.write(first + b"POST /size HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
     start, closed = time.monotonic(), False
     for _ in range(40):  # 8 s at most, a byte every 0.2 s when dribbling
         try:

@@ -45,6 +45,26 @@ async def closed_after(reader: asyncio.StreamReader, limit_s: float = 10.0) -> f
     return time.monotonic() - start
 
 
+async def closed_while_sending(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, byte: bytes, rounds: int
+) -> float | None:
+    """Sends ``byte`` (if any) every 0.2 s, ``rounds`` times at most, reading whatever the
+    server answers; the seconds until it closed the connection, or None if it never did."""
+    start = time.monotonic()
+    for _ in range(rounds):
+        try:
+            if byte:
+                writer.write(byte)
+                await writer.drain()
+            if not await asyncio.wait_for(reader.read(65536), 0.2):
+                return time.monotonic() - start
+        except asyncio.TimeoutError:
+            continue
+        except ConnectionError:
+            return time.monotonic() - start
+    return None
+
+
 async def test_a_connection_that_sends_nothing_is_closed(server):
     reader, writer = await asyncio.open_connection("127.0.0.1", server)
     assert await closed_after(reader) < HEAD_TIMEOUT_S + 2
@@ -54,19 +74,8 @@ async def test_a_connection_that_sends_nothing_is_closed(server):
 async def test_a_request_head_dribbled_byte_by_byte_is_closed(server):
     reader, writer = await asyncio.open_connection("127.0.0.1", server)
     writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n")
-    start, closed = time.monotonic(), False
-    for _ in range(50):  # 10 s of a header trickling in, a byte every 0.2 s
-        try:
-            writer.write(b"X")
-            await writer.drain()
-            closed = not await asyncio.wait_for(reader.read(65536), 0.2)
-        except asyncio.TimeoutError:
-            continue
-        except ConnectionError:
-            closed = True
-        if closed:
-            break
-    assert closed and time.monotonic() - start < HEAD_TIMEOUT_S + 2  # closed while it still trickled
+    closed = await closed_while_sending(reader, writer, b"X", rounds=50)  # 10 s of a header trickling in
+    assert closed is not None and closed < HEAD_TIMEOUT_S + 2  # closed while it still trickled
     writer.close()
 
 
@@ -102,20 +111,8 @@ async def test_a_request_body_that_stalls_or_dribbles_is_closed(server, dribble,
     reader, writer = await asyncio.open_connection("127.0.0.1", server)
     first = b"POST /size HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}" if pipelined else b""
     writer.write(first + b"POST /size HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
-    start, closed = time.monotonic(), False
-    for _ in range(40):  # 8 s at most, a byte every 0.2 s when dribbling
-        try:
-            if dribble:
-                writer.write(b"x")
-                await writer.drain()
-            closed = not await asyncio.wait_for(reader.read(65536), 0.2)
-        except asyncio.TimeoutError:
-            continue
-        except ConnectionError:
-            closed = True
-        if closed:
-            break
-    assert closed and time.monotonic() - start < BODY_TIMEOUT_S + 2
+    closed = await closed_while_sending(reader, writer, b"x" if dribble else b"", rounds=40)  # 8 s at most
+    assert closed is not None and closed < BODY_TIMEOUT_S + 2
     writer.close()
 
 

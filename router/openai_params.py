@@ -109,9 +109,9 @@ def _constraint(p: Params) -> tuple[Constraint | None, str]:
     if kind == "choice":
         if isinstance(value, list):
             by_rule(check_choice_count, len(value), field=name)  # before walking a list of millions
-        if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
-            raise invalid(name, "must be a list of strings")
-        return Constraint("choice", choices=tuple(value)), name
+            if all(isinstance(c, str) for c in value):
+                return Constraint("choice", choices=tuple(value)), name
+        raise invalid(name, "must be a list of strings")
     if kind == "json_schema":
         return Constraint(kind, _schema_text(value, name)), name
     if not isinstance(value, str):

@@ -203,8 +203,8 @@ class Params:
             return [value], True
         if isinstance(value, list):
             by_rule(check_stop_count, len(value), field="stop")  # before walking a list of millions
-        if isinstance(value, list) and all(isinstance(s, str) for s in value):
-            return value, False
+            if all(isinstance(s, str) for s in value):
+                return value, False
         raise invalid("stop", "must be a string or a list of strings")
 
     def token_ids(self, name: str, value: Any) -> list[int]:

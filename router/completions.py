@@ -169,6 +169,8 @@ class Completions:
                         and event.token_ids[-1] in req.sampling.stop_token_ids
                     )
                     delta = text.push(event.token_ids[: len(event.token_ids) - stop_token])
+                    if text.stopped or event.finish_reason is not None:
+                        delta += text.flush()  # may find a stop string in what the decoder held
                     # None past the token that completes a stop string.
                     kept = text.consumed if text.stopped else len(event.token_ids)
                     token_ids, logprobs = event.token_ids[:kept], event.logprobs[:kept]
@@ -198,7 +200,7 @@ class Completions:
                         log.debug("request %s finished (%s): %s", req.request_id, finish, usage)
                     yield Chunk(
                         token_ids,
-                        delta + text.flush(),
+                        delta,
                         finish,
                         usage,
                         index=i,

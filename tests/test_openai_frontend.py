@@ -568,15 +568,15 @@ async def test_a_request_the_client_leaves_is_counted_as_cancelled_and_one_it_re
 
 
 class StopTokenDispatcher:
-    """Streams ``script`` (lists of ids); the last message finishes with ``stop``, as a worker
-    does when it samples one of the request's stop_token_ids."""
+    """Streams ``script`` (lists of ids); the last message finishes with ``finish``: ``stop`` as a
+    worker does when it samples one of the request's stop_token_ids."""
 
-    def __init__(self, script: list[list[int]]) -> None:
-        self.script, self.counters = script, Counter()
+    def __init__(self, script: list[list[int]], finish: str = "stop") -> None:
+        self.script, self.finish, self.counters = script, finish, Counter()
 
     async def generate(self, req, timeout_s):
         for k, ids in enumerate(self.script):
-            yield TokenEvent(ids, "stop" if k == len(self.script) - 1 else None)
+            yield TokenEvent(ids, self.finish if k == len(self.script) - 1 else None)
 
 
 async def test_a_stop_token_ends_the_text_without_its_own_text_and_stays_in_the_token_ids(tokenizer):
@@ -590,6 +590,22 @@ async def test_a_stop_token_ends_the_text_without_its_own_text_and_stays_in_the_
         assert "".join(c.text for c in chunks) == " with a brown bear"  # vLLM drops the stop token's text
         assert [t for c in chunks for t in c.token_ids] == [*words, *period]  # and keeps its id
         assert chunks[-1].finish_reason == "stop" and chunks[-1].usage.completion_tokens == len(words) + 1
+    finally:
+        completions.close()
+
+
+@pytest.mark.parametrize("stop", [(), ("\ufffd",)], ids=["no-stop", "stop"])
+async def test_an_output_ending_in_a_real_replacement_character_shows_it_or_stops_at_it(tokenizer, stop):
+    """The incremental decoder holds back a trailing U+FFFD; the last message releases it, or
+    ends the text at it when it is a stop string."""
+    words, replacement = tokenizer.encode(" odd"), 24211  # SmolLM2's token for U+FFFD itself
+    completions = Completions(tokenizer, StopTokenDispatcher([words, [replacement]], "length"), 600, MAX_INFLIGHT)
+    try:
+        sampling = SamplingRequest(max_tokens=len(words) + 1, stop=stop)
+        req = await completions.validate(CompletionRequest(prompt="An", sampling=sampling))
+        chunks = [chunk async for chunk in completions.stream(req, 60)]
+        text, finish = "".join(c.text for c in chunks), chunks[-1].finish_reason
+        assert (text, finish) == ((" odd", "stop") if stop else (" odd\ufffd", "length"))
     finally:
         completions.close()
 

@@ -23,6 +23,45 @@ def test_multibyte_characters_split_across_tokens(tokenizer, text):
     assert any(p == "" for p in pieces[:-1]) or text == "plain ascii text"
 
 
+REPLACEMENT_TOKEN = 24211  # a whole token of SmolLM2's vocabulary that is U+FFFD itself
+O_THEN_LEAD_BYTE = 10003  # Cyrillic "о" and the first byte of a character still to come
+
+
+def streamed(stream, ids) -> str:
+    return "".join(stream.push([t]) for t in ids) + stream.flush()
+
+
+@pytest.mark.parametrize("tail", [[], [2]], ids=["end", "eos"])
+def test_a_real_replacement_character_at_the_end_is_not_lost(tokenizer, tail):
+    """The decoder holds back text ending in U+FFFD; the end of the stream releases it."""
+    assert tokenizer.decode([REPLACEMENT_TOKEN]) == "\ufffd"
+    ids = tokenizer.encode("Repeat exactly: ") + [REPLACEMENT_TOKEN] * 3 + tail
+    assert streamed(tokenizer.text_stream(), ids) == tokenizer.decode(ids) == "Repeat exactly: \ufffd\ufffd\ufffd"
+
+
+def test_a_character_cut_off_by_the_end_of_the_output_reads_as_a_full_decode_does(tokenizer):
+    ids = tokenizer.encode("flowers 🌸")
+    cut = ids[:-1]  # the emoji's last byte never comes
+    assert tokenizer.decode(cut).endswith("\ufffd")
+    assert streamed(tokenizer.text_stream(), cut) == tokenizer.decode(cut)
+
+
+def test_a_stop_string_inside_a_held_back_token_stops_at_that_token(tokenizer):
+    stream = tokenizer.text_stream(stop=("о",))
+    text = stream.push(tokenizer.encode("Hi ") + [O_THEN_LEAD_BYTE] + tokenizer.encode(" more"))
+    assert stream.stopped and stream.consumed == len(tokenizer.encode("Hi ")) + 1
+    assert text + stream.flush() == "Hi "
+
+
+def test_a_stop_string_of_a_real_replacement_character_is_caught_by_the_next_text(tokenizer):
+    ids = tokenizer.encode("a") + [REPLACEMENT_TOKEN] + tokenizer.encode(" b c")
+    stream = tokenizer.text_stream(stop=("\ufffd",))
+    assert streamed(stream, ids[:2]) == "a" and stream.stopped  # at the end of the output
+    stream = tokenizer.text_stream(stop=("\ufffd",))
+    text = "".join(stream.push([t]) for t in ids[:3])
+    assert stream.stopped and stream.consumed == 1 and text == "a"  # the token after it shows it real
+
+
 def test_stop_string_spanning_messages_never_leaks(tokenizer):
     ids = tokenizer.encode("The weather today is sunny and warm.")
     stream = tokenizer.text_stream(stop=(" sunny and",))

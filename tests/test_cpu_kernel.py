@@ -117,6 +117,38 @@ def test_decode_attention_refuses_bad_tables(kernel):
         kernel.paged_decode_attention(q, kv, torch.tensor([[0]]), torch.tensor([9]), 0.1, 0, 2)
 
 
+def test_ops_refuse_arguments_no_cache_or_weight_format_has(kernel):
+    """Called directly, the ops refuse what the engine never passes, rather than crash or read
+    past a buffer: unknown formats, no KV heads, RoPE tables of two shapes, a strided scale."""
+    fmt = KVFormat("auto", 2, 64, torch.float32)
+    kv, q = _filled_cache(fmt, 4, 8, seed=0), torch.randn(1, 2, 64)
+    for kind in (3, -1):
+        with pytest.raises(RuntimeError, match="kv_format must be"):
+            kernel.paged_decode_attention(q, kv, torch.tensor([[0]]), torch.tensor([5]), 0.1, kind, 2)
+    qkv, cache = torch.randn(1, 4 * 64), torch.zeros(4, 8, 2, 2, 64)
+    cos = sin = torch.ones(16, 64)
+
+    def rope(num_kv_heads=1, sin=sin, kv_format=0, positions=(0,)):
+        heads = 4 - 2 * num_kv_heads
+        kernel.rope_write_kv(qkv, torch.tensor(positions), cos, sin, heads, num_kv_heads, 64, cache, torch.tensor([0]), kv_format)
+
+    rope()  # the arguments below change one thing each
+    with pytest.raises(RuntimeError, match="kv heads and a head dim"):
+        rope(num_kv_heads=0)
+    with pytest.raises(RuntimeError, match="of one shape"):
+        rope(sin=torch.ones(15, 64), positions=(15,))
+    with pytest.raises(RuntimeError, match="kv_format must be"):
+        rope(kv_format=3)
+    codes, scales = torch.randint(0, 256, (16, 32), dtype=torch.uint8), torch.ones(16, 1)
+    with pytest.raises(RuntimeError, match="format must be"):
+        kernel.pack_weights(codes, scales, scales, 3)
+    packed = kernel.pack_weights(codes, scales, scales, 0)
+    with pytest.raises(RuntimeError, match="format must be"):
+        kernel.quant_linear(torch.randn(1, 32), packed, torch.ones(16), torch.zeros(0), 16, 32, 3, -1, False)
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        kernel.quant_linear(torch.randn(1, 32), packed, torch.ones(32)[::2], torch.zeros(0), 16, 32, 0, -1, False)
+
+
 @pytest.mark.parametrize("heads", range(1, 9))
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
 def test_8bit_cache_slots_are_16_byte_aligned(heads, head_dim):

@@ -203,13 +203,14 @@ void rope_write_kv(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos
   TORCH_CHECK(qkv.is_contiguous() && qkv.dim() == 2, "rope_write_kv: qkv must be a contiguous [T, width]");
   TORCH_CHECK(qkv.size(1) == (num_q_heads + 2 * num_kv_heads) * head_dim, "rope_write_kv: qkv width mismatch");
   TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 && cos.is_contiguous() &&
-              sin.is_contiguous() && cos.size(1) == head_dim, "rope_write_kv: cos/sin must be contiguous fp32 [P, D]");
+              sin.is_contiguous() && cos.dim() == 2 && cos.size(1) == head_dim && sin.sizes() == cos.sizes(),
+              "rope_write_kv: cos and sin must be contiguous fp32 [P, D] of one shape");
+  TORCH_CHECK(num_q_heads > 0 && head_dim % 2 == 0, "rope_write_kv: query heads > 0 and an even head dim");
   TORCH_CHECK(kv_layer.is_contiguous(), "rope_write_kv: the cache layer must be contiguous");
   auto pos = positions.to(torch::kInt64).contiguous();
   auto slots = slot_mapping.to(torch::kInt64).contiguous();
   TORCH_CHECK(pos.numel() == qkv.size(0) && slots.numel() == qkv.size(0), "rope_write_kv: one position and slot per token");
-  const int64_t token_bytes = pdserve::KVFormat(static_cast<pdserve::KVFormat::Kind>(kv_format), num_kv_heads,
-                                                head_dim, qkv.element_size()).token_bytes;
+  const int64_t token_bytes = pdserve::KVFormat::checked(kv_format, num_kv_heads, head_dim, qkv.element_size()).token_bytes;
   const int64_t slots_in_cache = kv_layer.numel() * kv_layer.element_size() / token_bytes;
   for (int64_t t = 0; t < pos.numel(); ++t) {
     const int64_t p = pos.data_ptr<int64_t>()[t], s = slots.data_ptr<int64_t>()[t];

@@ -27,6 +27,13 @@ struct KVFormat {
       : kind(kind), heads(heads), dim(dim), elem_bytes(elem_bytes),
         token_bytes(kind == kPlain ? 2 * heads * dim * elem_bytes : (2 * heads * dim + 2 * heads * 4 + 15) / 16 * 16) {}
 
+  // From an op's arguments, refusing what no cache has (a kind past fp8, no heads, no dims).
+  static KVFormat checked(int64_t kind, int64_t heads, int64_t dim, int64_t elem_bytes) {
+    TORCH_CHECK(kind >= kPlain && kind <= kFp8, "kv_format must be 0 (plain), 1 (int8) or 2 (fp8), not ", kind);
+    TORCH_CHECK(heads > 0 && dim > 0, "a KV cache needs kv heads and a head dim > 0, not ", heads, " and ", dim);
+    return KVFormat(static_cast<Kind>(kind), heads, dim, elem_bytes);
+  }
+
   bool quantized() const { return kind != kPlain; }
   float max_code() const { return kind == kInt8 ? 127.f : 448.f; }
 

@@ -141,7 +141,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv, torch::T
   auto lens = context_lens.to(torch::kInt64).contiguous();
   const int64_t batch = qc.size(0), num_q_heads = qc.size(1), head_dim = qc.size(2);
   TORCH_CHECK(num_kv_heads > 0 && num_q_heads % num_kv_heads == 0, "query heads must be a multiple of kv heads");
-  const KVFormat fmt(static_cast<KVFormat::Kind>(kv_format), num_kv_heads, head_dim, qc.element_size());
+  const KVFormat fmt = KVFormat::checked(kv_format, num_kv_heads, head_dim, qc.element_size());
   if (kv_format == KVFormat::kPlain) {
     TORCH_CHECK(kv.scalar_type() == qc.scalar_type(), "q and a plain kv cache must share a dtype");
   }

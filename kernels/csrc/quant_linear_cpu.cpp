@@ -48,6 +48,10 @@ constexpr int kCols = 16;    // columns per block (one 512-bit register of int32
 enum Format : int64_t { kInt8PerChannel = 0, kInt8Group = 1, kInt4Group = 2 };
 enum Path : int64_t { kBest = -1, kPortable = 0, kAvx2 = 1, kVnni = 2 };
 
+inline void check_format(int64_t format) {
+  TORCH_CHECK(format >= kInt8PerChannel && format <= kInt4Group,
+              "format must be 0 (int8 per channel), 1 (int8 group-wise) or 2 (int4 group-wise), not ", format);
+}
 inline int64_t weight_bytes(int64_t format) { return format == kInt4Group ? 256 : 512; }
 inline int64_t cell_bytes(int64_t format) { return weight_bytes(format) + (format == kInt8PerChannel ? 0 : 64); }
 
@@ -443,6 +447,7 @@ void gemm_vnni(const uint8_t* w, const float* cs, int64_t groups, int64_t nblock
 //   q:       [N, K] uint8 codes (int8 formats: q + 128; int4: 0..15), N % 16 == 0, K % 32 == 0
 //   d, m:    [N, K/32] float scales and offsets (group-wise formats; ignored per-channel)
 torch::Tensor pack_weights(torch::Tensor q, torch::Tensor d, torch::Tensor m, int64_t format) {
+  check_format(format);
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kUInt8, "q must be a 2-D uint8 tensor");
   const int64_t n = q.size(0), k = q.size(1);
   TORCH_CHECK(n % kCols == 0 && k % kGroup == 0, "pack_weights needs N % 16 == 0 and K % 32 == 0");
@@ -496,13 +501,15 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor 
   if (path == kBest) path = paths.back();
   TORCH_CHECK(std::find(paths.begin(), paths.end(), path) != paths.end(), "quant_linear path ", path,
               " is not compiled in here");
+  check_format(format);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be [M, K]");
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "packed weights must be contiguous uint8");
   TORCH_CHECK(n % kCols == 0 && k % kGroup == 0, "N % 16 and K % 32 must be 0");
   const int64_t rows = x.size(0), groups = k / kGroup, nblocks = n / kCols;
   TORCH_CHECK(packed.numel() == nblocks * groups * cell_bytes(format), "packed weights do not match N, K and format");
   if (format == kInt8PerChannel) {
-    TORCH_CHECK(col_scale.scalar_type() == torch::kFloat32 && col_scale.numel() == n, "col_scale must be float32 [N]");
+    TORCH_CHECK(col_scale.scalar_type() == torch::kFloat32 && col_scale.numel() == n && col_scale.is_contiguous(),
+                "col_scale must be a contiguous float32 [N]");
   }
   TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == torch::kFloat32 && bias.numel() == n && bias.is_contiguous()),
               "bias must be empty or a contiguous float32 [N]");

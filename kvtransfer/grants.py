@@ -6,7 +6,7 @@ Every transition happens under the grant's lock, so completion and expiry cannot
 and the engine hears the outcome exactly once, through the grant's ``report``: at once for
 a completion, and for a failure only when nothing can land in its blocks any more (no write
 in progress, UCX receives finished or cancelled, and, when peers write into our memory
-directly, a short quarantine against a late one-sided write).
+directly and one was told it may, a short quarantine against its late write).
 
 The lease starts with the grant and is renewed by every sign of life from the prefill side
 (a unit, or a RENEW while the request waits in the prefill worker's queue); the owner calls
@@ -327,14 +327,16 @@ class GrantLedger:
         return True
 
     def _release(self, grant: Grant) -> None:
-        """Reports a failed grant once its blocks are safe (after the quarantine, if any)."""
+        """Reports a failed grant once its blocks are safe: after the quarantine if a one-sided
+        writer was told it may write (it writes only after HELD), else at once. ``writer_told``
+        no longer changes once the grant has failed."""
 
         def report() -> None:
             with self._lock:
                 self.releasing -= 1
             grant.report(grant.failure)
 
-        if self.quarantine_s > 0:
+        if self.quarantine_s > 0 and grant.writer_told:
             timer = threading.Timer(self.quarantine_s, report)
             timer.daemon = True
             timer.start()

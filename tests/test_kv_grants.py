@@ -68,11 +68,23 @@ def test_a_failure_during_a_write_is_reported_when_the_write_ends():
 
 def test_one_sided_failures_are_quarantined():
     ledger, outcomes, tid = ledger_with_grant(quarantine_s=0.2)
+    told = []
+    assert ledger.tell_writer_at_end(ledger.lookup(tid), lambda: told.append(True))  # the writer got HELD
     started = time.monotonic()
     ledger.cancel(tid, "request gone")
-    assert "g" not in outcomes.got and ledger.num_active == 1
+    assert told == [True] and "g" not in outcomes.got and ledger.num_active == 1
     outcomes.wait("g")
     assert time.monotonic() - started >= 0.2 and ledger.num_active == 0
+
+
+def test_a_grant_no_one_sided_writer_was_told_of_is_released_at_once():
+    """Only a writer that heard HELD writes into our memory: with none, nothing can land late."""
+    ledger, outcomes, tid = ledger_with_grant(quarantine_s=30.0)
+    grant = ledger.admit(tid, 0, 0, 8, 8 * TOKEN_BYTES, "DATA")  # a two-sided write, over
+    ledger.end_write(grant, 0, 0, 8, True)
+    ledger.cancel(tid, "request gone")
+    assert [o.ok for o in outcomes.got["g"]] == [False] and ledger.num_active == 0
+    assert not ledger.tell_writer_at_end(grant, lambda: None)  # and no writer can be told any more
 
 
 def test_a_done_that_arrives_before_the_last_write_waits_for_it():

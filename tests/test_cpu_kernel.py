@@ -130,7 +130,9 @@ def test_ops_refuse_arguments_no_cache_or_weight_format_has(kernel):
 
     def rope(num_kv_heads=1, sin=sin, kv_format=0, positions=(0,)):
         heads = 4 - 2 * num_kv_heads
-        kernel.rope_write_kv(qkv, torch.tensor(positions), cos, sin, heads, num_kv_heads, 64, cache, torch.tensor([0]), kv_format)
+        kernel.rope_write_kv(
+            qkv, torch.tensor(positions), cos, sin, heads, num_kv_heads, 64, cache, torch.tensor([0]), kv_format
+        )
 
     rope()  # the arguments below change one thing each
     with pytest.raises(RuntimeError, match="kv heads and a head dim"):

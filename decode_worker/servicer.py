@@ -140,6 +140,9 @@ class DecodeService(pdserve_pb2_grpc.DecodeWorkerServicer):
         finally:
             self.queued -= waiting
 
+    async def EndChoices(self, request: pb.EndChoicesRequest, context: grpc.aio.ServicerContext) -> pb.EndChoicesReply:
+        return pb.EndChoicesReply(ended=await self.loop.end_choices(request.request_id, list(request.indices)))
+
     async def GetStats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.WorkerStats:
         return worker_stats(
             self.loop.stats(),

@@ -102,6 +102,18 @@ class EngineLoop:
         self._commands.put((lambda e: e.abort(request_id), None))
         self._wakeup.set()
 
+    def end_choices(self, request_id: str, indices: list[int]) -> asyncio.Future:
+        """n > 1: ends some of a request's choices (``LLMEngine.end_choices``), their last
+        outputs delivered in order with the engine's; resolves to how many still generated."""
+
+        def end(engine: LLMEngine) -> int:
+            outputs = engine.end_choices(request_id, indices)
+            if outputs:
+                self._loop.call_soon_threadsafe(self._deliver, outputs)
+            return len(outputs)
+
+        return self.call(end)
+
     # -- streams ------------------------------------------------------------------------------
     async def generate(self, request_id: str, start: Callable[[LLMEngine], object]) -> AsyncIterator[RequestOutput]:
         """Runs ``start(engine)`` (which adds the request) and yields its outputs until the last.

@@ -31,6 +31,7 @@ class EngineStats:
     rejected: int = 0
     waiting_for_kv: int = 0  # reservations whose K/V a prefill worker is sending
     forks: int = 0  # choices (n > 1) forked from another choice's prompt
+    ended_choices: int = 0  # choices the router ended while others went on (stop strings)
     spec: SpecStats | None = None  # speculative decoding's counters, when it is on
 
 
@@ -41,6 +42,7 @@ def collect_stats(
     cached_block_hashes: tuple[int, ...] = (),
     prefill_tokens_per_s: float = 0.0,
     forks: int = 0,
+    ended_choices: int = 0,
     spec: SpecStats | None = None,
 ) -> EngineStats:
     """The queues' and the block pool's counters now; the rest is what only the caller knows."""
@@ -64,5 +66,6 @@ def collect_stats(
         rejected=scheduler.num_rejected,
         waiting_for_kv=len(scheduler.waiting_for_kv),
         forks=forks,
+        ended_choices=ended_choices,
         spec=spec,
     )

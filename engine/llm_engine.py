@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -111,6 +111,7 @@ class LLMEngine:
             self.model_dir, self.model_config.vocab_size, sorted(self.model_config.eos_token_ids)
         )
         self.forker = Forker(self.blocks, self.scheduler, self.kv_shards, self._grammar_state)
+        self.num_ended_choices = 0  # by ``end_choices``
         self.connector.start_choices = lambda seq, token_ids: (
             self._start_choices(seq, [(t, None) for t in token_ids], emit=False) or [None]
         )[-1]
@@ -259,6 +260,26 @@ class LLMEngine:
             choice.status, choice.finish_reason = SequenceStatus.FINISHED, FinishReason.ABORT
         return True
 
+    def end_choices(self, request_id: str, indices: Iterable[int]) -> list[RequestOutput]:
+        """n > 1: ends choices ``indices`` of a request whose other choices go on (the router
+        found a stop string in them); returns an output for each that was still generating.
+        Choices not forked yet end as they fork."""
+        seq, ending = self.requests.get(request_id), frozenset(indices)
+        if seq is None:
+            return []
+        if seq.group is None:
+            seq.ended_choices |= ending
+            return []
+        outputs = []
+        for choice in seq.group.seqs:
+            if choice.choice in ending and not choice.is_finished:
+                self.scheduler.finish(choice, FinishReason.STOP)
+                outputs.append(self._output(choice, [], FinishReason.STOP, None))
+        self.num_ended_choices += len(outputs)
+        if outputs and seq.group.finished:
+            self.requests.pop(request_id, None)
+        return outputs
+
     def has_unfinished(self) -> bool:
         return bool(self.requests) or self.connector.num_releasing > 0
 
@@ -368,7 +389,13 @@ class LLMEngine:
             out.finished = ended  # otherwise the request ends with the decode side's acknowledgement
             return [out]
         choices = self.forker.fork(seq, [t for t, _ in first])
-        reasons = [self._finish_reason(choice, choice.last_token_id) for choice in choices]
+        reasons = [
+            FinishReason.STOP
+            if choice.choice in seq.ended_choices
+            else self._finish_reason(choice, choice.last_token_id)
+            for choice in choices
+        ]
+        self.num_ended_choices += len(seq.ended_choices & {c.choice for c in choices})
         for choice, reason in zip(choices[1:], reasons[1:]):
             if reason is None:
                 self.forker.admit(seq, choice)  # before the parent may free its blocks
@@ -396,6 +423,7 @@ class LLMEngine:
             cached_block_hashes=self._cached_hashes() if with_digest else (),
             prefill_tokens_per_s=self.prefill_rate.tokens_per_s,
             forks=self.forker.num_forks,
+            ended_choices=self.num_ended_choices,
             spec=self.speculator.stats if self.speculator is not None else None,
         )
 

@@ -64,6 +64,7 @@ class Sequence:
     grammar: GrammarState | None = None
     choice: int = 0
     group: ChoiceGroup | None = None
+    ended_choices: frozenset[int] = frozenset()  # ended by the router before they forked
 
     @property
     def num_tokens(self) -> int:

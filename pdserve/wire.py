@@ -113,6 +113,7 @@ def worker_stats(
         "prefilled_held": stats.prefilled_held,
         "rejected_ttft": stats.rejected,
         "forks": stats.forks,
+        "ended_choices": stats.ended_choices,
     }
     if stats.spec is not None:  # speculative decoding
         counters.update(

@@ -17,6 +17,7 @@ from pdserve.request_rules import choice_seed
 from pdserve.router.validation import ValidatedRequest
 
 if TYPE_CHECKING:
+    from pdserve.router.choice_ends import ChoiceEnds
     from pdserve.router.dispatch import Dispatcher, TokenEvent
 
 
@@ -28,8 +29,14 @@ def one_choice(req: ValidatedRequest, index: int) -> ValidatedRequest:
 
 
 async def continue_choices(
-    dispatcher: Dispatcher, req: ValidatedRequest, priors: dict[int, list[int]], ended: set[int], deadline: float
+    dispatcher: Dispatcher,
+    req: ValidatedRequest,
+    priors: dict[int, list[int]],
+    ended: set[int],
+    deadline: float,
+    ends: ChoiceEnds | None = None,
 ) -> AsyncIterator[TokenEvent]:
+    """``ended``: choices that finished; ``ends``: those the caller ends (a stop string), now or later."""
     queue: asyncio.Queue = asyncio.Queue()
     timeout_s = max(0.001, deadline - time.monotonic())
 
@@ -43,14 +50,23 @@ async def continue_choices(
         except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
             await queue.put(e)
 
-    tasks = [asyncio.create_task(run(i)) for i in range(req.engine_sampling.n) if i not in ended]
+    skip = ended | (ends.ended if ends is not None else set())
+    tasks = {i: asyncio.create_task(run(i)) for i in range(req.engine_sampling.n) if i not in skip}
+
+    def end(indices: set[int]) -> None:  # closing a one-choice call aborts it on its worker
+        for i in indices & tasks.keys():
+            if not tasks[i].done():  # else it has said its last (its None, or its error)
+                tasks[i].cancel()
+                queue.put_nowait(None)  # it says nothing more
+
     try:
-        for _ in range(len(tasks)):
-            while (item := await queue.get()) is not None:
-                if isinstance(item, Exception):
-                    raise item
-                yield item
+        with ends.listening(end) if ends is not None else contextlib.nullcontext():
+            for _ in range(len(tasks)):
+                while (item := await queue.get()) is not None:
+                    if isinstance(item, Exception):
+                        raise item
+                    yield item
     finally:
-        for task in tasks:
+        for task in tasks.values():
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*tasks.values(), return_exceptions=True)

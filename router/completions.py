@@ -16,6 +16,7 @@ import grpc
 
 from pdserve import metrics
 from pdserve.request_rules import check_message_count, check_prompt_length
+from pdserve.router.choice_ends import ChoiceEnds
 from pdserve.router.dispatch import Dispatcher
 from pdserve.router.request import CompletionRequest
 from pdserve.router.tokenizer import RouterTokenizer
@@ -142,7 +143,8 @@ class Completions:
         done = [False] * n
         prompt_logprobs = req.sampling.prompt_logprobs is not None  # due with choice 0's first chunk
         completion_tokens, cached, ttft_ms = 0, 0, None
-        events = self.dispatcher.generate(req, timeout_s)
+        ends = ChoiceEnds() if n > 1 else None  # n = 1: a stop string closes the call, which aborts it
+        events = self.dispatcher.generate(req, timeout_s, ends=ends)
         metrics.INFLIGHT.inc()
         self.inflight += 1
         ended = False  # finished or failed: anything else that stops it is the client leaving
@@ -183,6 +185,8 @@ class Completions:
                         yield Chunk(token_ids, delta, index=i, logprobs=logprobs, prompt_logprobs=first_logprobs)
                         continue
                     done[i] = True
+                    if event.finish_reason is None and ends is not None and not all(done):
+                        ends.end(i)  # a stop string: the worker goes on with it unless told
                     usage = None
                     if all(done):
                         ended = True

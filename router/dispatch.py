@@ -27,6 +27,7 @@ from typing import AsyncIterator, Iterator
 import grpc
 
 from pdserve import metrics
+from pdserve.router.choice_ends import ChoiceEnds
 from pdserve.router.choice_migration import continue_choices
 from pdserve.router.conditional import ConditionalRouter
 from pdserve.router.policy import NoWorkerAvailable, RoutingPolicy
@@ -38,6 +39,7 @@ from pdserve.wire import sampling_to_proto
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_ATTEMPTS = 4
+END_CHOICES_TIMEOUT_S = 5.0  # a decode worker's EndChoices answer (the request's end frees them anyway)
 MISMATCH_MEMORY_S = 30.0  # how long a pair that refused each other's KV handshake is kept apart
 
 
@@ -71,6 +73,7 @@ class Attempt:
 
     request: ValidatedRequest
     prior: list[int]
+    ends: ChoiceEnds | None = None  # n > 1: the choices the router ends (stop strings), told where they run
     key: str = field(default_factory=lambda: uuid.uuid4().hex)
     blocks: PromptBlocks = field(init=False)  # its tokens' block hashes, computed once however often weighed
 
@@ -102,11 +105,13 @@ class Dispatcher:
         # (prefill, decode) addresses that refused each other's KV handshake -> until when they are
         # not paired again (a restarted worker may match by then).
         self.mismatched: dict[tuple[str, str], float] = {}
+        self._telling: set[asyncio.Future] = set()  # EndChoices calls under way
 
     async def generate(
-        self, req: ValidatedRequest, timeout_s: float, prior: list[int] | None = None
+        self, req: ValidatedRequest, timeout_s: float, prior: list[int] | None = None, ends: ChoiceEnds | None = None
     ) -> AsyncIterator[TokenEvent]:
-        """``prior``: tokens the client already has (a choice continuing on its own)."""
+        """``prior``: tokens the client already has (a choice continuing on its own). ``ends``:
+        n > 1, the choices the caller ends before the others (a stop string)."""
         deadline = time.monotonic() + timeout_s
         prior = list(prior or [])
         failed: set[str] = set()
@@ -121,7 +126,9 @@ class Dispatcher:
             try:
                 # Closed as soon as the request ends, not whenever the generator is collected:
                 # that cancels the worker call and releases its in-flight count at once.
-                async with contextlib.aclosing(self._attempt(Attempt(req, list(prior)), deadline, failed)) as events:
+                async with contextlib.aclosing(
+                    self._attempt(Attempt(req, list(prior), ends), deadline, failed)
+                ) as events:
                     async for event in events:
                         if resuming:
                             moved += self._count_resumed(resuming)
@@ -157,7 +164,7 @@ class Dispatcher:
                 how = "continues" if kind == "migrations" else "is retried"
                 log.info("request %s: %s; it %s (attempt %d)", req.request_id, e.message, how, attempt + 1)
                 if n > 1 and prior:  # several choices under way: each continues on its own
-                    async with contextlib.aclosing(continue_choices(self, req, priors, ended, deadline)) as rest:
+                    async with contextlib.aclosing(continue_choices(self, req, priors, ended, deadline, ends)) as rest:
                         async for event in rest:
                             if resuming:
                                 moved += self._count_resumed(resuming)
@@ -283,7 +290,7 @@ class Dispatcher:
         open_call = OpenCall(call)
         decode.inflight += 1
         try:
-            with _waiting_on(open_call, decode):
+            with _waiting_on(open_call, decode), self._ending_choices(attempt, decode):
                 while (event := await call.read()) is not grpc.aio.EOF:
                     open_call.heard()
                     yield TokenEvent.from_batch(event.tokens)
@@ -305,7 +312,7 @@ class Dispatcher:
         # burst of requests sees each other's work.
         work = prefill.begin_prefill(attempt.blocks)
         try:
-            with _waiting_on(open_call, decode):
+            with _waiting_on(open_call, decode), self._ending_choices(attempt, decode):
                 try:
                     with _waiting_on(open_call, prefill):
                         target = await _reservation(call, decode)
@@ -343,6 +350,27 @@ class Dispatcher:
         finally:
             call.cancel()
             decode.inflight -= 1
+
+    def _ending_choices(self, attempt: Attempt, decode: Worker) -> contextlib.AbstractContextManager:
+        """While the try runs on ``decode``, the choices the router ends are ended there too."""
+        if attempt.ends is None:
+            return contextlib.nullcontext()
+
+        def end(indices: set[int]) -> None:
+            request = pb.EndChoicesRequest(request_id=attempt.key, indices=sorted(indices))
+            call = decode.decode_stub.EndChoices(
+                request, timeout=END_CHOICES_TIMEOUT_S, metadata=self.registry.metadata
+            )
+            task = asyncio.ensure_future(call)
+            self._telling.add(task)  # held until done: the event loop keeps only weak references
+            task.add_done_callback(self._told)
+
+        return attempt.ends.listening(end)
+
+    def _told(self, task: asyncio.Future) -> None:
+        self._telling.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # the request's end frees them anyway
+            log.debug("ending choices failed: %s", task.exception())
 
 
 def _tell_planner(watch, event: TokenEvent):

@@ -6,8 +6,10 @@ APIs; ``stream_options.include_usage``; bad input gets INVALID_ARGUMENT / 400 na
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import time
 
 import grpc
 import jsonschema
@@ -196,6 +198,29 @@ async def test_n4_with_a_seed_is_distinct_reproducible_and_prefilled_once(disagg
     assert by_choice(await generate(colocated, req)) == choices, "the same choices colocated"
     await assert_blocks_all_free(disaggregated.address)
     await assert_blocks_all_free(colocated.address)
+
+
+async def test_a_choice_that_meets_a_stop_string_ends_on_its_worker_while_the_other_runs_on(stack):
+    """Stop strings are matched by the router: it ends the choice on the worker that runs it
+    (before, it kept decoding, its batch slot and blocks taken, until the last choice ended)."""
+    sampling = dict(max_tokens=24, temperature=1.0, seed=5, n=2, ignore_eos=True)
+    free = await generate(stack, request("Once upon a time", **sampling))
+    text = {i: "".join(m.text for m in free if m.index == i) for i in (0, 1)}
+    stop = next(w for w in text[0].split()[1:6] if w not in text[1])  # early in choice 0, never in choice 1
+
+    def ended(stats) -> float:
+        return sum(w.counters["ended_choices"] for w in stats.workers if w.role in ("decode", "colocated"))
+
+    before = ended(await cluster_stats(stack.address))
+    stopped = await generate(stack, request("Once upon a time", stop=[stop], **sampling))
+    got = {i: "".join(m.text for m in stopped if m.index == i) for i in (0, 1)}
+    assert got == {0: text[0][: text[0].index(stop)], 1: text[1]}
+    assert {m.index: m.finish_reason for m in stopped if m.finish_reason} == {0: "stop", 1: "length"}
+    deadline = time.monotonic() + 10  # told while the other choice went on; the count follows its stats
+    while ended(await cluster_stats(stack.address)) - before != 1:
+        assert time.monotonic() < deadline, "the stopped choice was not ended on its worker"
+        await asyncio.sleep(0.2)
+    await assert_blocks_all_free(stack.address)
 
 
 async def test_stream_options_include_usage_with_choices(disaggregated):

@@ -19,6 +19,7 @@ from pdserve.engine.choices import choice_seed
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import FinishReason
 from pdserve.request_rules import Constraint, InvalidRequest
 
 pytestmark = pytest.mark.e2e  # loads the default model
@@ -157,6 +158,47 @@ def test_forks_share_blocks_and_copy_only_the_partial_one(engine):
     assert len({t[2] for t in tables}) == 3, "each choice writes its own copy of the partial block"
     assert free - engine.blocks.num_free <= 3 + 2, "three prompt blocks plus one copy per fork"
     engine.abort("share")
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def steps_until(engine: LLMEngine, done, got: dict[int, list[int]]) -> None:
+    """Steps until ``done()``, collecting each choice's tokens into ``got``."""
+    while not done():
+        for out in engine.step():
+            got.setdefault(out.index, []).extend(out.new_token_ids)
+
+
+def test_a_choice_the_router_ends_stops_at_once_and_the_others_go_on_unchanged(engine):
+    """Stop strings are the router's: it ends a choice that met one (``end_choices``), which then
+    gives back its batch slot and blocks while the others draw the tokens they would have."""
+    ids = list(range(5000, 5037))
+    sp = SamplingParams(max_tokens=10, temperature=1.0, seed=21, n=3, ignore_eos=True)
+    want = run(engine, [("all", ids, sp)])
+    engine.add_request("some", ids, sp)
+    got: dict[int, list[int]] = {}
+    steps_until(engine, lambda: len(got.get(1, [])) >= 3, got)
+    ended_before, free = engine.num_ended_choices, engine.blocks.num_free
+    outs = engine.end_choices("some", [1])
+    assert [(o.index, o.new_token_ids, o.finish_reason, o.finished) for o in outs] == [
+        (1, [], FinishReason.STOP, False)
+    ]
+    assert engine.num_ended_choices == ended_before + 1 and engine.blocks.num_free > free
+    assert sorted(s.choice for s in engine.scheduler.running) == [0, 2]
+    steps_until(engine, lambda: not engine.has_unfinished(), got)
+    assert got[1] == want[("all", 1)]["ids"][: len(got[1])] and len(got[1]) == 3
+    assert got[0] == want[("all", 0)]["ids"] and got[2] == want[("all", 2)]["ids"]
+    assert engine.end_choices("some", [0]) == [] and engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_choices_ended_before_they_fork_end_as_they_fork(engine):
+    ids = list(range(6000, 6021))
+    sp = SamplingParams(max_tokens=6, temperature=1.0, seed=8, n=3, ignore_eos=True)
+    want = run(engine, [("all", ids, sp)])
+    engine.add_request("early", ids, sp)
+    assert engine.end_choices("early", [0, 2]) == []  # not forked yet: remembered
+    got: dict[int, list[int]] = {}
+    steps_until(engine, lambda: not engine.has_unfinished(), got)
+    assert got == {0: want[("all", 0)]["ids"][:1], 1: want[("all", 1)]["ids"], 2: want[("all", 2)]["ids"][:1]}
     assert engine.blocks.num_free == engine.blocks.num_blocks
 
 

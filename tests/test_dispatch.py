@@ -13,7 +13,10 @@ import grpc
 import pytest
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.router.dispatch import Dispatcher
+from pdserve.request_rules import choice_seed
+from pdserve.router.choice_ends import ChoiceEnds
+from pdserve.router.choice_migration import continue_choices
+from pdserve.router.dispatch import Dispatcher, TokenEvent
 from pdserve.router.policy import RoundRobin
 from pdserve.router.validation import ValidatedRequest
 from pdserve.router.worker_errors import DispatchError
@@ -613,3 +616,35 @@ async def test_a_worker_of_the_other_role_is_named_and_the_request_goes_elsewher
     with pytest.raises(DispatchError) as err:
         await collect(disp, request())
     assert err.value.code is grpc.StatusCode.UNAVAILABLE and "a worker of the other role?" in err.value.message
+
+
+class ChoiceByChoiceDispatcher:
+    """Streams each one-choice continuation (told apart by its seed) a token every 10 ms."""
+
+    def __init__(self) -> None:
+        self.closed_after: dict[int, int] = {}  # seed -> tokens sent when its stream closed
+
+    async def generate(self, req, timeout_s, prior=None, ends=None):
+        sent = 0
+        try:
+            for k in range(10):
+                await asyncio.sleep(0.01)
+                sent += 1
+                yield TokenEvent([k], "length" if k == 9 else None)
+        finally:
+            self.closed_after[req.sampling.seed] = sent
+
+
+async def test_a_continued_choice_the_router_ends_is_closed_while_the_others_go_on():
+    req = ValidatedRequest("client-id", list(PROMPT), SamplingParams(max_tokens=10, temperature=1.0, seed=3, n=3))
+    dispatcher, ends = ChoiceByChoiceDispatcher(), ChoiceEnds()
+    got: dict[int, list[int]] = {}
+    stream = continue_choices(dispatcher, req, {}, ended={2}, deadline=time.monotonic() + 30, ends=ends)
+    async for event in stream:
+        got.setdefault(event.index, []).extend(event.token_ids)
+        if event.index == 1 and len(got[1]) == 2:
+            ends.end(1)  # a stop string in choice 1
+    assert got[0] == list(range(10)) and 2 not in got
+    seeds = {choice_seed(3, i): i for i in range(3)}
+    closed = {seeds[seed]: sent for seed, sent in dispatcher.closed_after.items()}
+    assert closed[0] == 10 and closed[1] < 10

@@ -55,7 +55,7 @@ class EchoDispatcher:
         self.counters: Counter[str] = Counter()
         self.seen: list = []
 
-    async def generate(self, req, timeout_s):
+    async def generate(self, req, timeout_s, ends=None):
         self.seen.append(req)
         out = (req.prompt_token_ids * req.sampling.max_tokens)[: req.sampling.max_tokens]
         for i in range(0, len(out), 2):
@@ -212,7 +212,7 @@ class FailingDispatcher:
         self.tokens_before_failing = 0
         self.counters: Counter[str] = Counter()
 
-    async def generate(self, req, timeout_s):
+    async def generate(self, req, timeout_s, ends=None):
         for _ in range(self.tokens_before_failing):
             yield TokenEvent([28])
         retry = 1500 if self.code is grpc.StatusCode.RESOURCE_EXHAUSTED else None
@@ -363,7 +363,7 @@ class EndlessDispatcher:
         self.counters: Counter[str] = Counter()
         self.token_id = token_id
 
-    async def generate(self, req, timeout_s):
+    async def generate(self, req, timeout_s, ends=None):
         for _ in range(100_000):
             yield TokenEvent([self.token_id] * 64)
             await asyncio.sleep(0)
@@ -574,7 +574,7 @@ class StopTokenDispatcher:
     def __init__(self, script: list[list[int]], finish: str = "stop") -> None:
         self.script, self.finish, self.counters = script, finish, Counter()
 
-    async def generate(self, req, timeout_s):
+    async def generate(self, req, timeout_s, ends=None):
         for k, ids in enumerate(self.script):
             yield TokenEvent(ids, self.finish if k == len(self.script) - 1 else None)
 
@@ -610,13 +610,43 @@ async def test_an_output_ending_in_a_real_replacement_character_shows_it_or_stop
         completions.close()
 
 
+class StopInChoiceZeroDispatcher:
+    """n = 2: choice 0 writes a stop string in its second message while choice 1 goes on."""
+
+    def __init__(self, tokenizer) -> None:
+        self.counters, self.ends = Counter(), None
+        self.script = [(0, " one."), (1, " two"), (0, " more"), (1, " three"), (1, " four")]
+        self.ids = [tokenizer.encode(text) for _, text in self.script]
+        self.ended_when: list[set[int]] = []  # the choices ended by the time each message went out
+
+    async def generate(self, req, timeout_s, ends=None):
+        self.ends = ends
+        for (index, _), ids in zip(self.script, self.ids):
+            self.ended_when.append(set(ends.ended))
+            yield TokenEvent(ids, "length" if (index, ids) == (1, self.ids[-1]) else None, index=index)
+
+
+async def test_a_choice_that_meets_a_stop_string_is_ended_where_it_runs_while_the_other_goes_on(tokenizer):
+    dispatcher = StopInChoiceZeroDispatcher(tokenizer)
+    completions = Completions(tokenizer, dispatcher, 600, MAX_INFLIGHT)
+    try:
+        sampling = SamplingRequest(max_tokens=16, n=2, stop=(".",))
+        req = await completions.validate(CompletionRequest(prompt="Count", sampling=sampling))
+        chunks = [chunk async for chunk in completions.stream(req, 60)]
+        text = {i: "".join(c.text for c in chunks if c.index == i) for i in (0, 1)}
+        assert text == {0: " one", 1: " two three four"}
+        assert dispatcher.ended_when == [set(), {0}, {0}, {0}, {0}]  # told once choice 0 stopped
+    finally:
+        completions.close()
+
+
 class TwoChoicesDispatcher:
     """Two choices whose messages arrive together each step, 50 ms apart: as n = 2 streams."""
 
     def __init__(self) -> None:
         self.counters = Counter()
 
-    async def generate(self, req, timeout_s):
+    async def generate(self, req, timeout_s, ends=None):
         for step in range(3):
             if step:
                 await asyncio.sleep(0.05)
@@ -654,7 +684,7 @@ class RankedChoicesDispatcher:
     def __init__(self) -> None:
         self.counters: Counter[str] = Counter()
 
-    async def generate(self, req, timeout_s):
+    async def generate(self, req, timeout_s, ends=None):
         for index, (length, logprob) in enumerate(((2, -1.0), (3, -0.1), (4, -2.0))):
             logprobs = [pb.TokenLogprob(logprob=logprob, rank=1)] * length
             yield TokenEvent([28] * length, "length", index=index, logprobs=logprobs)

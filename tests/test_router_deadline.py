@@ -27,7 +27,7 @@ class DeadlineDispatcher:
         self.timeouts: list[float] = []
         self.closed_before_deadline = 0
 
-    async def generate(self, req, timeout_s: float):
+    async def generate(self, req, timeout_s: float, ends=None):
         self.timeouts.append(timeout_s)
         try:
             await asyncio.sleep(timeout_s - WORKER_EARLY_S)
@@ -81,7 +81,7 @@ async def test_a_client_deadline_counts_as_the_client_leaving_and_logs_no_error(
 
 
 class FailingDispatcher:
-    async def generate(self, req, timeout_s: float):
+    async def generate(self, req, timeout_s: float, ends=None):
         raise DispatchError(grpc.StatusCode.UNAVAILABLE, "decode worker 127.0.0.1:9: gone")
         yield  # an async generator, as the real dispatcher's
 

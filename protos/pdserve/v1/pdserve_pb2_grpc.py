@@ -283,6 +283,11 @@ class DecodeWorkerStub:
                 request_serializer=pdserve_dot_v1_dot_pdserve__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_pdserve__pb2.DecodeEvent.FromString,
                 _registered_method=True)
+        self.EndChoices = channel.unary_unary(
+                '/pdserve.v1.DecodeWorker/EndChoices',
+                request_serializer=pdserve_dot_v1_dot_pdserve__pb2.EndChoicesRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_pdserve__pb2.EndChoicesReply.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/pdserve.v1.DecodeWorker/GetStats',
                 request_serializer=pdserve_dot_v1_dot_pdserve__pb2.StatsRequest.SerializeToString,
@@ -295,6 +300,14 @@ class DecodeWorkerServicer:
 
     def Decode(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EndChoices(self, request, context):
+        """n > 1: ends the choices the router stopped (a stop string: stop strings are the router's)
+        while the request's other choices go on, so they stop taking batch slots and blocks.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -312,6 +325,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=pdserve_dot_v1_dot_pdserve__pb2.DecodeRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_pdserve__pb2.DecodeEvent.SerializeToString,
+            ),
+            'EndChoices': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndChoices,
+                    request_deserializer=pdserve_dot_v1_dot_pdserve__pb2.EndChoicesRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_pdserve__pb2.EndChoicesReply.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -346,6 +364,33 @@ class DecodeWorker:
             '/pdserve.v1.DecodeWorker/Decode',
             pdserve_dot_v1_dot_pdserve__pb2.DecodeRequest.SerializeToString,
             pdserve_dot_v1_dot_pdserve__pb2.DecodeEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndChoices(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeWorker/EndChoices',
+            pdserve_dot_v1_dot_pdserve__pb2.EndChoicesRequest.SerializeToString,
+            pdserve_dot_v1_dot_pdserve__pb2.EndChoicesReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -158,8 +158,10 @@ def parse_memory(value: str | int | float, name: str = "kv_cache_memory") -> tup
             f"{name} must look like '2GiB', '512MiB', a byte count, or a fraction in (0, 1]; got {value!r}"
         )
     number, unit = float(match.group(1)), match.group(2)
-    if not unit and 0 < number <= 1 and "." in match.group(1):
-        return None, number
+    if not unit and "." in match.group(1):
+        if 0 < number <= 1:
+            return None, number
+        raise ValueError(f"{name}: {value!r} is neither a fraction in (0, 1] nor a whole byte count")
     if number * _UNITS[unit] > 2**63:  # also "1e999": infinity
         raise ValueError(f"{name} is too large: {value!r}")
     size = int(number * _UNITS[unit])

@@ -208,18 +208,27 @@ def _run(args: argparse.Namespace, file: dict) -> int:
     return _up(args, file)
 
 
-def _up(args: argparse.Namespace, file: dict) -> int:
+def cluster_of(args: argparse.Namespace, file: dict):
+    """The ``pdserve up`` cluster the settings describe (ValueError for settings that cannot run)."""
     from pdserve.launcher import Cluster
 
-    router = resolve(RouterSettings, args, file=file)
-    cluster = Cluster(
-        resolve(EngineConfig, args, file=file),
+    pools = resolve(ClusterSettings, args, file=file)
+    # Where both pools set their own size, the engine's is nobody's: it is not checked against the
+    # other settings (speculation, swap), which each pool's own size is, as it starts.
+    unused = {"tensor_parallel_size": 1} if pools.prefill_tp and pools.decode_tp else {}
+    unused |= {"pipeline_parallel_size": 1} if pools.prefill_pp and pools.decode_pp else {}
+    return Cluster(
+        resolve(EngineConfig, args, file=file, **unused),
         resolve(WorkerSettings, args, file=file),
-        router,
-        resolve(ClusterSettings, args, file=file),
+        resolve(RouterSettings, args, file=file),
+        pools,
         resolve(SecuritySettings, args, file=file),
         env={"PDSERVE_LOG_LEVEL": args.log_level} if args.log_level else None,
     )
+
+
+def _up(args: argparse.Namespace, file: dict) -> int:
+    cluster = cluster_of(args, file)
     stop = {"signal": None}
 
     def on_signal(signum, frame):  # noqa: ARG001

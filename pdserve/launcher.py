@@ -80,6 +80,8 @@ class Cluster:
             raise ValueError(
                 "tls_cert: pdserve up needs tls_ca too (the router checks its workers' certificates with it)"
             )
+        if security.tls_ca and not security.tls:
+            raise ValueError("tls_ca: pdserve up needs tls_cert and tls_key too (its workers serve TLS with them)")
         self.security = dataclasses.replace(security, cluster_token=security.cluster_token or secrets.token_urlsafe(24))
         self.children: list[Child] = []
         self.router_info: dict = {}

@@ -69,6 +69,7 @@ def test_booleans_optionals_and_bad_values():
         (EngineConfig, {"max_num_seqs": 0}, "max_num_seqs must be an integer >= 1"),
         (EngineConfig, {"max_num_batched_tokens": -3}, "max_num_batched_tokens must be"),
         (EngineConfig, {"kv_cache_memory": "lots"}, "kv_cache_memory must look like"),
+        (EngineConfig, {"kv_cache_memory": "1.5"}, "neither a fraction in .0, 1. nor a whole byte count"),
         (EngineConfig, {"swap_space": "0.5"}, "swap_space must be a size"),
         (EngineConfig, {"kv_cache_memory": "1e999"}, "kv_cache_memory is too large"),
         (EngineConfig, {"swap_space": "1e999GiB"}, "swap_space is too large"),

@@ -277,6 +277,25 @@ def test_parallel_sizes_are_settings_of_the_roles_and_of_up(tmp_path):
     assert flags[1]["--speculative"] == "ngram"
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--tensor-parallel-size", "3", "--prefill-tp", "3", "--decode-tp", "1", "--speculative", "ngram"],
+        ["--tensor-parallel-size", "2", "--prefill-tp", "1", "--decode-tp", "1", "--preemption-mode", "swap"],
+    ],
+)
+def test_up_judges_each_pool_by_its_own_size_when_both_set_one(argv, monkeypatch):
+    """The engine's own size is nobody's when both pools set theirs: it refuses nothing."""
+    from pdserve import cli
+
+    monkeypatch.delenv("PDSERVE_CONFIG", raising=False)
+    cluster = cli.cluster_of(cli._parser().parse_args(["up", *argv]), {})
+    flags = [dict(a.split("=", 1) for a in args if "=" in a) for _, args in cluster.worker_commands(num_gpus=0)]
+    assert flags[1].get("--tensor-parallel-size", "1") == "1"  # the decode pool, where these settings go
+    with pytest.raises(ValueError):  # a pool whose own size cannot take them still refuses
+        cli.cluster_of(cli._parser().parse_args(["up", *argv[2:4], "--decode-tp", "2", *argv[6:]]), {}).worker_commands(0)
+
+
 def test_the_paper_projection_counts_bytes_from_the_shapes():
     from pdserve.bench.parallel_bench import SHAPES, parse_layouts
 

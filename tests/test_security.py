@@ -248,6 +248,10 @@ def test_up_refuses_a_certificate_without_a_ca(certs):
     security = SecuritySettings(tls_cert=str(certs / "node.crt"), tls_key=str(certs / "node.key"))
     with pytest.raises(ValueError, match="tls_cert: pdserve up needs tls_ca too"):
         Cluster(EngineConfig(), WorkerSettings(), RouterSettings(), ClusterSettings(), security)
+    # A CA alone would have the router speak TLS to workers that serve plaintext: nothing works.
+    security = SecuritySettings(tls_ca=str(certs / "ca.crt"))
+    with pytest.raises(ValueError, match="tls_ca: pdserve up needs tls_cert and tls_key too"):
+        Cluster(EngineConfig(), WorkerSettings(), RouterSettings(), ClusterSettings(), security)
 
 
 def test_a_key_or_certificate_that_cannot_serve_is_refused_by_its_name(certs, tmp_path):

@@ -293,7 +293,9 @@ def test_up_judges_each_pool_by_its_own_size_when_both_set_one(argv, monkeypatch
     flags = [dict(a.split("=", 1) for a in args if "=" in a) for _, args in cluster.worker_commands(num_gpus=0)]
     assert flags[1].get("--tensor-parallel-size", "1") == "1"  # the decode pool, where these settings go
     with pytest.raises(ValueError):  # a pool whose own size cannot take them still refuses
-        cli.cluster_of(cli._parser().parse_args(["up", *argv[2:4], "--decode-tp", "2", *argv[6:]]), {}).worker_commands(0)
+        cli.cluster_of(cli._parser().parse_args(["up", *argv[2:4], "--decode-tp", "2", *argv[6:]]), {}).worker_commands(
+            0
+        )
 
 
 def test_the_paper_projection_counts_bytes_from_the_shapes():

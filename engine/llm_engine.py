@@ -337,6 +337,9 @@ class LLMEngine:
                 reason = self._finish_reason(seq, token_id)
                 if reason is not None:
                     break
+            if len(new_ids) < len(s.token_ids):  # what follows a finish never happened (counted so)
+                del s.token_ids[len(new_ids) :]
+                s.cut_at_finish = True
             seq.num_computed_tokens = seq.num_tokens - 1  # every token but the newest is in the cache
             self.blocks.commit_full_blocks(seq)
             if reason is not None:

@@ -32,6 +32,9 @@ class SampledToken:
     logprob: TokenLogprob | None = None  # when the request asked for logprobs
     # n > 1, first token: every choice's (token, logprob), choice 0's first (it repeats the above)
     choices: list[tuple[int, TokenLogprob | None]] = field(default_factory=list)
+    # A stop token or the length limit among the kept proposals: the tokens after it were cut
+    # off, so every token left is a kept proposal (none is the model's own next token).
+    cut_at_finish: bool = False
 
 
 # (chunk, tokens sampled at its 1 + len(draft) positions, their logits) -> the tokens it emits

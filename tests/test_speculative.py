@@ -158,6 +158,24 @@ def test_the_choices_of_a_request_with_n_above_1_carry_no_proposals(engines, few
     assert_all_free(engine)
 
 
+def test_proposals_cut_off_by_a_stop_token_are_not_counted_as_kept(engines, hf_reference):
+    """A stop token inside the kept proposals ends the output there: what the draft proposed after
+    it never reaches the client, and the counters say what was emitted."""
+    engine = engines("self-draft")  # its own draft: every greedy proposal is kept
+    comma = hf_reference.tokenizer(",").input_ids[0]
+    ids = hf_reference.tokenizer("1, 2, 3, 4, 5,").input_ids
+    before = engine.speculator.stats
+    sp = SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=(comma,))
+    out = run(engine, [(0, "count", ids, sp)])["count"]
+    assert out[-1] == comma and comma not in out[:-1]
+    s = engine.speculator.stats
+    drafts, kept = s.drafts - before.drafts, s.accepted_tokens - before.accepted_tokens
+    # Every proposal is kept: each verification emits them and its own token, but the last, cut
+    # at the stop token among its proposals, emits proposals only.
+    assert drafts >= 1 and kept == len(out) - drafts
+    assert_all_free(engine)
+
+
 def test_unseeded_sampling_with_a_draft_runs_rejection_sampling(model_dir, truncated_draft, prompt_ids):
     engine = make_engine(model_dir, speculative="draft", draft_model=str(truncated_draft))
     sp = SamplingParams(max_tokens=20, temperature=0.7, ignore_eos=True)

@@ -125,7 +125,7 @@ class Speculator:
             chunk = result.chunk
             if not chunk.draft:
                 continue
-            kept = len(result.token_ids) - 1
+            kept = len(result.token_ids) - (0 if result.cut_at_finish else 1)  # emitted proposals
             drafts, draft_tokens, accepted_tokens = drafts + 1, draft_tokens + len(chunk.draft), accepted_tokens + kept
             self.backoff.update(self.records[chunk.seq], kept)
             if isinstance(self.proposer, DraftProposer):

@@ -6,7 +6,10 @@ verified chunk is sampled exactly as plain decoding would sample it (the same lo
 per-(seed, token index) noise); proposals are kept while they equal those samples, and the
 first sample that differs is the next token. The output is the model's own samples, so it is
 token-identical to decoding without speculation: greedy and seeded output do not depend on
-how tokens were proposed, batched or split across workers. A draft model that draws its
+how tokens were proposed, batched or split across workers, up to floating point: a verified
+chunk's logits differ from one-token steps' in their last bits, which an fp8 KV cache's
+rounding can turn into another token where two are nearly tied (as batching and chunked
+prefill already can with fp8; unquantized and int8 caches held in tests). A draft model that draws its
 proposals with the same noise (argmax(q / E) where the target draws argmax(p / E)) predicts
 those samples; its hit rate is a coupling's, a little below rejection sampling's
 sum(min(p, q)). For a proposal without a distribution (n-gram lookup: a point mass on d) the

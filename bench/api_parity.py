@@ -67,7 +67,7 @@ def choices(args) -> dict:
         "n4_s": [round(x, 3) for x in rows[4]],
         "n4_vs_n1": round(statistics.median(ratios), 3),
         "target": "<= 1.6",
-        "forks": engine.forker.num_forks,
+        "forks": engine.choices.num_forks,
     }
 
 

@@ -14,6 +14,10 @@ On a prefill worker nothing forks: the first tokens travel with the K/V (choice 
 transfer's first token, the others with it) and the decode worker forks when they land.
 A choice that ends at once (EOS as its first token) is finished where it was sampled.
 
+Stop strings are matched by the router, on text; when a choice meets one while others go on,
+the router asks the worker to end it (``Choices.end``), so it stops holding a batch slot and
+blocks. A choice ended before its request forked (its K/V still arriving) ends as it forks.
+
 Seeds: choice 0 keeps the request's seed, so its tokens equal those of the same request with
 n = 1; choice ``i`` > 0 uses a seed derived from (seed, i): distinct and reproducible, on any
 worker, after preemption or migration.
@@ -22,16 +26,21 @@ worker, after preemption or migration.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.logprobs import TokenLogprob, take_prompt_logprobs
+from pdserve.engine.request_output import FirstToken, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.sequence import FinishReason, Sequence, SequenceStatus
 from pdserve.request_rules import choice_seed
 
 if TYPE_CHECKING:
+    from pdserve.engine.kv_connector import KVConnector
     from pdserve.engine.parallel.rank_caches import KVShards
+
+FinishCheck = Callable[[Sequence, int], "FinishReason | None"]
 
 
 def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
@@ -58,22 +67,104 @@ def request_finished(seq: Sequence) -> bool:
     return seq.group is None or seq.group.finished
 
 
-class Forker:
-    """Creates a request's choices once their first tokens are known (engine thread)."""
+def sequence_output(
+    seq: Sequence, token_ids: list[int], reason: FinishReason | None, logprob: TokenLogprob | None, **extra
+) -> RequestOutput:
+    """One choice's new tokens; ``finished`` only once its request's last choice has finished."""
+    return RequestOutput(
+        seq.request_id,
+        token_ids,
+        reason,
+        seq.num_prompt_tokens,
+        seq.num_cached_tokens,
+        finished=reason is not None and request_finished(seq),
+        index=seq.choice,
+        logprobs=[logprob] if logprob is not None else None,
+        prompt_logprobs=take_prompt_logprobs(seq),
+        **extra,
+    )
+
+
+class Choices:
+    """Starts a request's choices once their first tokens are known, and ends some of them
+    early when the router asks (engine thread)."""
 
     def __init__(
         self,
         blocks: BlockManager,
         scheduler: Scheduler,
+        connector: KVConnector,
         kv_shards: KVShards | None,
         grammar_state: Callable[[Sequence], object],
+        finish_reason: FinishCheck,
     ) -> None:
         self.blocks = blocks
         self.scheduler = scheduler
+        self.connector = connector
         self.kv_shards = kv_shards  # every rank's cache (None: a multi-GPU worker's, out of reach)
         self.grammar_state = grammar_state
+        self.finish_reason = finish_reason
         self.num_forks = 0
         self.num_recomputed = 0  # forks that found no free block and re-prefill instead
+        self.num_ended = 0  # ended by the router (``end``) while others went on
+
+    def start(self, seq: Sequence, first: list[tuple[int, TokenLogprob | None]], emit: bool) -> list[RequestOutput]:
+        """``seq`` holds its prompt and choice 0's first token; ``first`` has every choice's.
+        A prefill worker sends them all with the K/V; elsewhere the choices fork here. ``emit``:
+        return each choice's first token (False where the router already has them)."""
+        if seq.kv_send is not None:
+            reasons = [self.finish_reason(seq, token_id) for token_id, _ in first]
+            firsts = [FirstToken(t, r, lp) for (t, lp), r in zip(first, reasons)]
+            ended = all(r is not None for r in reasons)
+            if ended:
+                self.scheduler.finish(seq, reasons[0])
+            else:
+                self.connector.prompt_done(seq, tuple(t for t, _ in first[1:]))
+            out = sequence_output(seq, [first[0][0]], reasons[0], first[0][1], first_tokens=firsts)
+            out.finished = ended  # otherwise the request ends with the decode side's acknowledgement
+            return [out]
+        choices = self.fork(seq, [t for t, _ in first])
+        reasons = [
+            FinishReason.STOP
+            if choice.choice in seq.ended_choices
+            else self.finish_reason(choice, choice.last_token_id)
+            for choice in choices
+        ]
+        self.num_ended += len(seq.ended_choices & {c.choice for c in choices})
+        for choice, reason in zip(choices[1:], reasons[1:]):
+            if reason is None:
+                self.admit(seq, choice)  # before the parent may free its blocks
+            else:
+                choice.status, choice.finish_reason = SequenceStatus.FINISHED, reason
+        if reasons[0] is not None:
+            self.scheduler.finish(seq, reasons[0])
+        outputs = [sequence_output(c, [t], r, lp) for c, (t, lp), r in zip(choices, first, reasons) if emit]
+        if not emit and seq.group.finished:  # nothing goes on: the request ends here
+            outputs.append(
+                RequestOutput(
+                    seq.request_id, [], reasons[0], seq.num_prompt_tokens, seq.num_cached_tokens, finished=True
+                )
+            )
+        if outputs and seq.group.finished:  # the request ends with the last output, however they were ordered
+            for out in outputs:
+                out.finished = out is outputs[-1]
+        return outputs
+
+    def end(self, seq: Sequence, indices: Iterable[int]) -> list[RequestOutput]:
+        """Ends choices ``indices`` of ``seq``'s request while its other choices go on (the
+        router found a stop string in them); returns an output for each that was still
+        generating. Choices not forked yet end as they fork (``start``)."""
+        ending = frozenset(indices)
+        if seq.group is None:
+            seq.ended_choices |= ending
+            return []
+        outputs = []
+        for choice in seq.group.seqs:
+            if choice.choice in ending and not choice.is_finished:
+                self.scheduler.finish(choice, FinishReason.STOP)
+                outputs.append(sequence_output(choice, [], FinishReason.STOP, None))
+        self.num_ended += len(outputs)
+        return outputs
 
     def fork(self, parent: Sequence, first_token_ids: list[int]) -> list[Sequence]:
         """``parent`` holds the prompt and choice 0's first token (K/V computed up to it);

@@ -17,19 +17,19 @@ import torch
 
 from pdserve.engine import speculative
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.choices import Forker, request_finished
+from pdserve.engine.choices import Choices, sequence_output
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.engine_stats import EngineStats, collect_stats
 from pdserve.engine.kv_cache import KVCache, KVLayout, num_blocks_for_budget, parse_memory
 from pdserve.engine.kv_connector import KVConnector, KVReceive, KVSend
 from pdserve.engine.loader import load_model, parse_dtype, pick_device
-from pdserve.engine.logprobs import TokenLogprob, start_prompt_logprobs, take_prompt_logprobs
+from pdserve.engine.logprobs import start_prompt_logprobs
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.model_store import resolve_model
 from pdserve.engine.parallel.rank_caches import KVShards
 from pdserve.engine.prefill_rate import PrefillRate
-from pdserve.engine.request_output import FirstToken, RequestOutput, RequestRejected
+from pdserve.engine.request_output import RequestOutput, RequestRejected
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -110,10 +110,11 @@ class LLMEngine:
         self.grammars = GrammarCompiler(
             self.model_dir, self.model_config.vocab_size, sorted(self.model_config.eos_token_ids)
         )
-        self.forker = Forker(self.blocks, self.scheduler, self.kv_shards, self._grammar_state)
-        self.num_ended_choices = 0  # by ``end_choices``
+        self.choices = Choices(
+            self.blocks, self.scheduler, self.connector, self.kv_shards, self._grammar_state, self._finish_reason
+        )
         self.connector.start_choices = lambda seq, token_ids: (
-            self._start_choices(seq, [(t, None) for t in token_ids], emit=False) or [None]
+            self.choices.start(seq, [(t, None) for t in token_ids], emit=False) or [None]
         )[-1]
         self.requests: dict[str, Sequence] = {}
         self.prefill_rate = PrefillRate()  # for TTFT estimates
@@ -261,21 +262,11 @@ class LLMEngine:
         return True
 
     def end_choices(self, request_id: str, indices: Iterable[int]) -> list[RequestOutput]:
-        """n > 1: ends choices ``indices`` of a request whose other choices go on (the router
-        found a stop string in them); returns an output for each that was still generating.
-        Choices not forked yet end as they fork."""
-        seq, ending = self.requests.get(request_id), frozenset(indices)
+        """n > 1: ends choices ``indices`` of a request whose other choices go on (``Choices.end``)."""
+        seq = self.requests.get(request_id)
         if seq is None:
             return []
-        if seq.group is None:
-            seq.ended_choices |= ending
-            return []
-        outputs = []
-        for choice in seq.group.seqs:
-            if choice.choice in ending and not choice.is_finished:
-                self.scheduler.finish(choice, FinishReason.STOP)
-                outputs.append(self._output(choice, [], FinishReason.STOP, None))
-        self.num_ended_choices += len(outputs)
+        outputs = self.choices.end(seq, indices)
         if outputs and seq.group.finished:
             self.requests.pop(request_id, None)
         return outputs
@@ -327,7 +318,7 @@ class LLMEngine:
             if s.choices:  # n > 1: every choice's first token was drawn from this prompt
                 seq.token_ids.append(s.token_ids[0])
                 self.blocks.commit_full_blocks(seq)
-                outputs += self._start_choices(seq, s.choices, emit=True)
+                outputs += self.choices.start(seq, s.choices, emit=True)
                 continue
             new_ids: list[int] = []
             reason = None
@@ -346,7 +337,7 @@ class LLMEngine:
                 self.scheduler.finish(seq, reason)
             elif seq.kv_send is not None:
                 self.connector.prompt_done(seq)  # keeps its blocks until the decode side has the K/V
-            outputs.append(self._output(seq, new_ids, reason, s.logprob))
+            outputs.append(sequence_output(seq, new_ids, reason, s.logprob))
         for chunk in schedule.prefills:
             if not chunk.completes:
                 self.blocks.commit_full_blocks(chunk.seq)
@@ -354,69 +345,8 @@ class LLMEngine:
             self.speculator.step_done(schedule, sampled)
         return outputs
 
-    # -- API parity: choices, logprobs, grammars ---------------------------------------------------
-    def _output(
-        self, seq: Sequence, token_ids: list[int], reason: FinishReason | None, logprob: TokenLogprob | None, **extra
-    ) -> RequestOutput:
-        return RequestOutput(
-            seq.request_id,
-            token_ids,
-            reason,
-            seq.num_prompt_tokens,
-            seq.num_cached_tokens,
-            finished=reason is not None and request_finished(seq),
-            index=seq.choice,
-            logprobs=[logprob] if logprob is not None else None,
-            prompt_logprobs=take_prompt_logprobs(seq),
-            **extra,
-        )
-
     def _grammar_state(self, seq: Sequence):
         return self.grammars.state(seq.sampling.constraint) if seq.sampling.constraint is not None else None
-
-    def _start_choices(
-        self, seq: Sequence, first: list[tuple[int, TokenLogprob | None]], emit: bool
-    ) -> list[RequestOutput]:
-        """n > 1: ``seq`` holds its prompt and choice 0's first token; ``first`` has every choice's.
-        A prefill worker sends them all with the K/V; elsewhere the choices fork here. ``emit``:
-        return each choice's first token (False where the router already has them)."""
-        if seq.kv_send is not None:
-            reasons = [self._finish_reason(seq, token_id) for token_id, _ in first]
-            firsts = [FirstToken(t, r, lp) for (t, lp), r in zip(first, reasons)]
-            ended = all(r is not None for r in reasons)
-            if ended:
-                self.scheduler.finish(seq, reasons[0])
-            else:
-                self.connector.prompt_done(seq, tuple(t for t, _ in first[1:]))
-            out = self._output(seq, [first[0][0]], reasons[0], first[0][1], first_tokens=firsts)
-            out.finished = ended  # otherwise the request ends with the decode side's acknowledgement
-            return [out]
-        choices = self.forker.fork(seq, [t for t, _ in first])
-        reasons = [
-            FinishReason.STOP
-            if choice.choice in seq.ended_choices
-            else self._finish_reason(choice, choice.last_token_id)
-            for choice in choices
-        ]
-        self.num_ended_choices += len(seq.ended_choices & {c.choice for c in choices})
-        for choice, reason in zip(choices[1:], reasons[1:]):
-            if reason is None:
-                self.forker.admit(seq, choice)  # before the parent may free its blocks
-            else:
-                choice.status, choice.finish_reason = SequenceStatus.FINISHED, reason
-        if reasons[0] is not None:
-            self.scheduler.finish(seq, reasons[0])
-        outputs = [self._output(c, [t], r, lp) for c, (t, lp), r in zip(choices, first, reasons) if emit]
-        if not emit and seq.group.finished:  # nothing goes on: the request ends here
-            outputs.append(
-                RequestOutput(
-                    seq.request_id, [], reasons[0], seq.num_prompt_tokens, seq.num_cached_tokens, finished=True
-                )
-            )
-        if outputs and seq.group.finished:  # the request ends with the last output, however they were ordered
-            for out in outputs:
-                out.finished = out is outputs[-1]
-        return outputs
 
     def stats(self, with_digest: bool = False) -> EngineStats:
         """``with_digest``: include the hashes of every cached block (for KV-aware routing)."""
@@ -425,8 +355,8 @@ class LLMEngine:
             self.connector,
             cached_block_hashes=self._cached_hashes() if with_digest else (),
             prefill_tokens_per_s=self.prefill_rate.tokens_per_s,
-            forks=self.forker.num_forks,
-            ended_choices=self.num_ended_choices,
+            forks=self.choices.num_forks,
+            ended_choices=self.choices.num_ended,
             spec=self.speculator.stats if self.speculator is not None else None,
         )
 

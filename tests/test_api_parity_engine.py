@@ -130,9 +130,9 @@ def test_n_choices_are_distinct_reproducible_and_share_the_prompt(engine, prompt
     ids = list(range(1000, 1000 + prompt_tokens))
     sp = SamplingParams(max_tokens=12, temperature=1.0, seed=1234, n=4, ignore_eos=True)
     first = run(engine, [("n4", ids, sp)])
-    forks = engine.forker.num_forks
+    forks = engine.choices.num_forks
     again = run(engine, [("n4", ids, sp)])
-    assert engine.forker.num_forks - forks == 3 and engine.forker.num_recomputed == 0
+    assert engine.choices.num_forks - forks == 3 and engine.choices.num_recomputed == 0
     texts = [tuple(first[("n4", i)]["ids"]) for i in range(4)]
     assert len(set(texts)) == 4, "four distinct completions"
     assert texts == [tuple(again[("n4", i)]["ids"]) for i in range(4)], "reproducible with the seed"
@@ -177,12 +177,12 @@ def test_a_choice_the_router_ends_stops_at_once_and_the_others_go_on_unchanged(e
     engine.add_request("some", ids, sp)
     got: dict[int, list[int]] = {}
     steps_until(engine, lambda: len(got.get(1, [])) >= 3, got)
-    ended_before, free = engine.num_ended_choices, engine.blocks.num_free
+    ended_before, free = engine.choices.num_ended, engine.blocks.num_free
     outs = engine.end_choices("some", [1])
     assert [(o.index, o.new_token_ids, o.finish_reason, o.finished) for o in outs] == [
         (1, [], FinishReason.STOP, False)
     ]
-    assert engine.num_ended_choices == ended_before + 1 and engine.blocks.num_free > free
+    assert engine.choices.num_ended == ended_before + 1 and engine.blocks.num_free > free
     assert sorted(s.choice for s in engine.scheduler.running) == [0, 2]
     steps_until(engine, lambda: not engine.has_unfinished(), got)
     assert got[1] == want[("all", 1)]["ids"][: len(got[1])] and len(got[1]) == 3
@@ -215,7 +215,7 @@ def test_forks_keep_to_max_num_seqs_and_give_the_same_tokens(model_dir):
         for out in narrow.step():
             got.setdefault(out.index, []).extend(out.new_token_ids)
         most = max(most, len(narrow.scheduler.running))
-    assert most == 1 and narrow.forker.num_recomputed == 3
+    assert most == 1 and narrow.choices.num_recomputed == 3
     assert got == {i: want[("r", i)]["ids"] for i in range(4)}
     assert narrow.blocks.num_free == narrow.blocks.num_blocks
 
@@ -231,7 +231,7 @@ def test_a_fork_without_free_blocks_recomputes_and_gives_the_same_tokens(model_d
     while not tight.requests["r"].group:
         tight.step()
     tight.blocks.free_blocks(hog)
-    assert tight.forker.num_recomputed == 2
+    assert tight.choices.num_recomputed == 2
     got = {}
     while tight.has_unfinished():
         for out in tight.step():

@@ -211,7 +211,7 @@ def _run_hf(plan: Plan, specs: list[workloads.RequestSpec]) -> dict:
 
     cfg = HFConfig(
         model=plan.engine.model,
-        dtype=plan.engine.dtype,
+        dtype=plan.hf_dtype or plan.engine.dtype,
         batch_size=plan.hf_batch_size,
         time_limit_s=plan.time_limit_s,
         cache_dir=plan.engine.cache_dir,

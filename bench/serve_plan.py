@@ -14,6 +14,7 @@ from pathlib import Path
 from pdserve.bench import results, workloads
 from pdserve.bench.arrivals import parse_rates
 from pdserve.bench.arrivals import validate as validate_arrivals
+from pdserve.bench.hf_baseline import DTYPES as HF_DTYPES
 from pdserve.bench.metrics import DEFAULT_SHORT_THRESHOLD, Goodput
 from pdserve.client import DEFAULT_ADDRESS
 from pdserve.config import add_arguments, resolve
@@ -103,6 +104,7 @@ class Plan:
     request_timeout_s: float
     connect_timeout_s: float
     hf_batch_size: int
+    hf_dtype: str | None  # None: the stacks' --dtype
     temperature: float
     top_p: float
     progress: bool
@@ -201,6 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--connect-timeout-s", type=float, default=10.0, help="wait for the router to accept (default: 10)"
     )
     load.add_argument("--hf-batch-size", type=int, default=8, help="static batch of the hf baseline (default: 8)")
+    load.add_argument(
+        "--hf-dtype",
+        default=None,
+        choices=("auto", *HF_DTYPES),
+        help="the hf baseline's dtype, to run it at its own best (default: the stacks' --dtype)",
+    )
     load.add_argument(
         "--temperature", type=float, default=0.0, help="every request's temperature, hf included (default: 0, greedy)"
     )
@@ -319,6 +327,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         request_timeout_s=args.request_timeout_s,
         connect_timeout_s=args.connect_timeout_s,
         hf_batch_size=args.hf_batch_size,
+        hf_dtype=args.hf_dtype,
         temperature=args.temperature,
         top_p=args.top_p,
         progress=not args.disable_tqdm,

@@ -27,6 +27,7 @@ from pdserve.engine.logprobs import start_prompt_logprobs
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.model_store import resolve_model
+from pdserve.engine.packed_linear import packable
 from pdserve.engine.parallel.rank_caches import KVShards
 from pdserve.engine.prefill_rate import PrefillRate
 from pdserve.engine.request_output import RequestOutput, RequestRejected
@@ -90,6 +91,8 @@ class LLMEngine:
                 ) from None
             self.kv_shards = KVShards(self.kv_cache.layers, self.kv_layout)  # the cache as the KV handoff sees it
             backend_name = backend.name
+            if config.dtype == "auto" and self.dtype == torch.float32 and packable(backend.cpu_kernels, torch.bfloat16):
+                log.info("--dtype bfloat16 streams half the weight bytes of auto's float32 on this CPU (faster decode)")
         num_blocks = self.kv_cache.num_blocks
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.swap = self._swap_space(num_blocks)

@@ -3,9 +3,10 @@
 oneDNN's and MKL's GEMMs are the right tool for prefill (hundreds of rows) but stream a weight
 at a fraction of the memory bandwidth for the one to a few dozen rows of a decode step, which is
 memory-bound. The layer keeps a column-interleaved copy for ``kernels/csrc/dense_linear_cpu.cpp``
-(bf16 on AVX512-BF16, fp32 on AVX2); each call picks by row count: the packed kernel up to
-``MAX_KERNEL_ROWS[dtype]`` rows, the library above, which needs the weight as loaded too. fp32's
-kernel serves every row count, so there the layer holds the packed copy only (its
+(bf16 on AVX512-BF16 or, widened to fp32, on AVX2; fp32 on AVX2); each call picks by row
+count: the packed kernel up to ``max_kernel_rows`` rows, the library above, which needs the
+weight as loaded too. Where the kernel serves every row count (fp32, and bf16 on a CPU without
+bf16 products, whose library GEMM is far slower), the layer holds the packed copy only (its
 ``state_dict`` still gives the weight as loaded).
 """
 
@@ -19,9 +20,17 @@ from torch import nn
 
 from pdserve.engine.quantization import COLUMN_BLOCK
 
-# Rows up to which the packed kernel beats the library GEMM (measured: bench/RESULTS.md). fp32:
-# every row count measured (1-512 rows; prefill too).
-MAX_KERNEL_ROWS = {torch.bfloat16: 32, torch.float32: sys.maxsize}
+# Rows up to which the AVX512-BF16 kernel beats oneDNN's bf16 GEMM (measured: bench/RESULTS.md).
+BF16_PRODUCTS_MAX_ROWS = 32
+
+
+def max_kernel_rows(kernels, dtype: torch.dtype) -> int:
+    """Rows up to which the packed kernel beats the library GEMM: every row count measured
+    (1-512) for fp32, and for bf16 widened to fp32 (torch's bf16 GEMM runs below 1 GFLOP/s
+    on a CPU without bf16 products)."""
+    if dtype == torch.bfloat16 and not kernels.dense_bf16_widened():
+        return BF16_PRODUCTS_MAX_ROWS
+    return sys.maxsize
 
 
 def packable(kernels, dtype: torch.dtype) -> bool:
@@ -32,7 +41,7 @@ def packable(kernels, dtype: torch.dtype) -> bool:
 def packed_only(kernels, dtype: torch.dtype) -> bool:
     """Whether a packed layer of ``dtype`` holds its packed copy only: its kernel serves every row
     count, so no library GEMM needs the weight as loaded."""
-    return packable(kernels, dtype) and MAX_KERNEL_ROWS[dtype] == sys.maxsize
+    return packable(kernels, dtype) and max_kernel_rows(kernels, dtype) == sys.maxsize
 
 
 class PackedLinear(nn.Module):
@@ -46,7 +55,7 @@ class PackedLinear(nn.Module):
             raise ValueError(f"no packed kernel for {weight.dtype} weights on {weight.device} here")
         self.out_features, self.in_features = weight.shape
         self.kernels, self.float_out = kernels, float_out
-        self.max_kernel_rows = MAX_KERNEL_ROWS[weight.dtype]
+        self.max_kernel_rows = max_kernel_rows(kernels, weight.dtype)
         self.padded_out = -(-self.out_features // COLUMN_BLOCK) * COLUMN_BLOCK
         self.register_buffer("weight", weight if keep_weight or not packed_only(kernels, weight.dtype) else None)
         self.register_buffer("bias", linear.bias.detach() if linear.bias is not None else None)

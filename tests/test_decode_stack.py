@@ -10,7 +10,7 @@ import torch
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.loader import load_state_dict
-from pdserve.engine.packed_linear import MAX_KERNEL_ROWS, PackedLinear, packable
+from pdserve.engine.packed_linear import BF16_PRODUCTS_MAX_ROWS, PackedLinear, max_kernel_rows, packable
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kernels.cpu_extension import cpu_flags, load
 
@@ -65,21 +65,26 @@ def test_decode_stack_is_bitwise_the_python_model(model_dir, dtype, quantization
     assert torch.equal(written_by_stack, engine.kv_cache.tensor)  # the same K/V landed in the cache
 
 
-# The CPU flags each packed kernel needs (it is compiled in wherever they are).
-_PACKED_NEEDS = {torch.bfloat16: {"avx512_bf16", "avx512bw"}, torch.float32: {"avx2", "fma"}}
-# Decode-sized row counts (tile tails included), a prefill-sized one, and bf16's limit.
+# The CPU flags each packed kernel needs (it is compiled in wherever they are): fp32 needs AVX2 and
+# FMA; bf16 has products in hardware with AVX512-BF16 and is widened to fp32 with AVX2 and FMA.
+_PACKED_NEEDS = {torch.bfloat16: {"avx2", "fma"}, torch.float32: {"avx2", "fma"}}
+_BF16_PRODUCTS = {"avx512_bf16", "avx512bw"}
+# Decode-sized row counts (tile tails included), a prefill-sized one, and the bf16 products' limit.
 _PACKED_CASES = [(dtype, rows) for dtype in _PACKED_NEEDS for rows in (1, 2, 3, 5, 6, 7, 13, 300)] + [
-    (torch.bfloat16, MAX_KERNEL_ROWS[torch.bfloat16] + extra) for extra in (0, 1)
+    (torch.bfloat16, BF16_PRODUCTS_MAX_ROWS + extra) for extra in (0, 1)
 ]
 
 
 @pytest.mark.parametrize("dtype, rows", _PACKED_CASES)
 def test_packed_linear_matches_the_library_gemm(dtype, rows):
-    kernels = load()
-    if not _PACKED_NEEDS[dtype] <= set(cpu_flags().split()):
+    kernels, flags = load(), set(cpu_flags().split())
+    if not _PACKED_NEEDS[dtype] <= flags:
         assert not packable(kernels, dtype), "a packed kernel compiled in where the CPU lacks its instructions"
         pytest.skip(reason=f"this CPU lacks {sorted(_PACKED_NEEDS[dtype])}: no packed {dtype} kernel")
     assert packable(kernels, dtype), f"the CPU has {sorted(_PACKED_NEEDS[dtype])}: the kernel must be compiled in"
+    if dtype == torch.bfloat16:
+        assert kernels.dense_bf16_widened() == (not _BF16_PRODUCTS <= flags)
+    limit = max_kernel_rows(kernels, dtype)
     torch.manual_seed(rows)
     dense = torch.nn.Linear(96, 72, bias=True).to(dtype)  # 72 columns: padded to 80 inside
     packed = PackedLinear(dense, kernels)
@@ -91,11 +96,13 @@ def test_packed_linear_matches_the_library_gemm(dtype, rows):
     atol, rtol = (2e-2, 1e-2) if dtype == torch.bfloat16 else (1e-5, 1e-5)
     torch.testing.assert_close(got.double(), expected, atol=atol, rtol=rtol)
     assert logits(x).dtype == torch.float32
-    exact = rows <= MAX_KERNEL_ROWS[dtype] or dtype == torch.float32  # the kernel sums bf16 products in fp32
+    exact = rows <= limit  # the kernel sums exact products in fp32; the library's bf16 GEMM rounds
     torch.testing.assert_close(logits(x).double(), expected, atol=1e-4 if exact else 2e-2, rtol=1e-5 if exact else 1e-2)
-    # Where the kernel takes every row count (fp32), the layer holds only its packed copy; its
-    # state_dict still gives the weight as loaded, bit for bit. A kept weight is the loaded one.
-    assert (packed.weight is None) == (MAX_KERNEL_ROWS[dtype] == sys.maxsize)
+    if exact and dtype == torch.bfloat16:  # bf16 out: the fp32 sums rounded to nearest even, as torch rounds
+        assert torch.equal(got, logits(x).to(dtype))
+    # Where the kernel takes every row count (fp32; bf16 widened), the layer holds only its packed
+    # copy; its state_dict still gives the weight as loaded, bit for bit. A kept weight is the loaded one.
+    assert (packed.weight is None) == (limit == sys.maxsize)
     assert torch.equal(packed.state_dict()["weight"], dense.weight.detach())
     kept = PackedLinear(dense, kernels, keep_weight=True)
     assert kept.weight.data_ptr() == dense.weight.data_ptr() and torch.equal(kept(x), got)

@@ -14,6 +14,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention", &prefill_attention, py::call_guard<py::gil_scoped_release>(), "causal prefill attention");
   m.def("quant_paths", &quant_paths, "quant_linear's paths compiled in: 0 portable, 1 AVX2, 2 AVX512-VNNI");
   m.def("dense_dtypes", &dense_dtypes, "dense_linear's weight dtypes compiled in here");
+  m.def("dense_bf16_widened", &dense_bf16_widened, "whether bf16 weights are widened to fp32 (no bf16 products here)");
   m.def("pack_dense", &pack_dense, py::call_guard<py::gil_scoped_release>(), "pack a bf16 or fp32 weight for dense_linear");
   m.def("unpack_dense", &unpack_dense, py::call_guard<py::gil_scoped_release>(), "the weight pack_dense packed");
   m.def("dense_linear", &dense_linear, py::call_guard<py::gil_scoped_release>(), "x @ W^T + bias, bf16 or fp32, few rows");

@@ -8,16 +8,20 @@
 // fp32. A tile of several rows x 2 (or 1-2 rows x 4) column blocks reuses every weight register
 // for all its rows, its accumulators filling the registers (every loop over them unrolled, so
 // that GCC keeps them there: otherwise it stores them at every step, and halves the speed).
-// Two element types:
+// Three kernels:
 //   bf16 (AVX512-BF16): blocks of 16 columns, K in steps of 2; `vdpbf16ps` takes a pair of k.
 //   fp32 (AVX2 + FMA):  blocks of 8 columns, K in steps of 1. On an AMD EPYC it beats MKL's
 //                       GEMM at every row count measured (1-512), by 1.1-5x.
+//   bf16 on AVX2 + FMA (no bf16 instructions): the fp32 kernel's tiles over bf16 weights, each
+//                       widened to fp32 as it is loaded (exact), x widened once per call. Half
+//                       the bytes of fp32 weights; torch's own bf16 GEMM runs below 1 GFLOP/s here.
 #include "linear_output.h"
 #include "ops.h"
 
 #include <ATen/Parallel.h>
 
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define PDSERVE_DENSE_BF16 1
@@ -29,12 +33,15 @@
 #else
 #define PDSERVE_DENSE_F32 0
 #endif
+// bf16 weights widened to fp32 where the CPU has no bf16 products.
+#define PDSERVE_DENSE_BF16_WIDENED (PDSERVE_DENSE_F32 && !PDSERVE_DENSE_BF16)
 
 namespace {
 
 #if PDSERVE_DENSE_BF16
 struct Bf16Tiles {
   using Elem = uint16_t;
+  using XElem = uint16_t;
   static constexpr int64_t kCols = 16;
   static constexpr int64_t kStep = 2;  // k values per 32-bit lane (one bf16 pair)
   template <int NB>
@@ -68,16 +75,24 @@ struct Bf16Tiles {
 #endif
 
 #if PDSERVE_DENSE_F32
-struct F32Tiles {
-  using Elem = float;
+// W fp32 (float) or bf16 bits (uint16_t, widened as loaded); x and the accumulators fp32.
+template <typename W>
+struct AvxTiles {
+  using Elem = W;
+  using XElem = float;
   static constexpr int64_t kCols = 8;
   static constexpr int64_t kStep = 1;
   template <int NB>
   static constexpr int rows_per_tile() { return NB >= 4 ? 2 : 6; }  // 6 x 2 accumulators of 16 ymm registers
 
+  static inline __m256 load(const W* p) {
+    if constexpr (std::is_same_v<W, float>) return _mm256_loadu_ps(p);
+    else return widen_bf16x8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+
   template <int MR, int NB>
-  static void tile(const float* w, int64_t block_stride, int64_t k, const float* x, const Output& y,
-                   int64_t first_row, int64_t first_col) {
+  static void tile(const W* w, int64_t block_stride, int64_t k, const float* x, const Output& y, int64_t first_row,
+                   int64_t first_col) {
     __m256 acc[MR][NB];
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r)
@@ -87,9 +102,9 @@ struct F32Tiles {
       __m256 wv[NB];
 #pragma GCC unroll 4
       for (int j = 0; j < NB; ++j) {
-        const float* p = w + j * block_stride + s * kCols;
-        _mm_prefetch(reinterpret_cast<const char*>(p + 32 * kCols), _MM_HINT_T1);
-        wv[j] = _mm256_loadu_ps(p);
+        const W* p = w + j * block_stride + s * kCols;
+        _mm_prefetch(reinterpret_cast<const char*>(p) + 1024, _MM_HINT_T1);  // 1 KB (32 fp32 k steps) ahead
+        wv[j] = load(p);
       }
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
@@ -99,23 +114,19 @@ struct F32Tiles {
       }
     }
 #pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) {
-      float* out = static_cast<float*>(y.data) + (first_row + r) * y.ld;
+    for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
-      for (int j = 0; j < NB; ++j) {
-        const int64_t col = first_col + j * kCols;
-        const __m256 v = y.bias ? _mm256_add_ps(acc[r][j], _mm256_loadu_ps(y.bias + col)) : acc[r][j];
-        _mm256_storeu_ps(out + col, v);
-      }
-    }
+      for (int j = 0; j < NB; ++j) store8(y, first_row + r, first_col + j * kCols, acc[r][j]);
   }
 };
+using F32Tiles = AvxTiles<float>;
+using Bf16WidenedTiles = AvxTiles<uint16_t>;
 #endif
 
 #if PDSERVE_DENSE_BF16 || PDSERVE_DENSE_F32
 // The rows left after the full tiles (fewer than M), as one tile of their count.
 template <typename Tiles, int NB, int M>
-inline void last_rows(const typename Tiles::Elem* w, int64_t stride, int64_t k, const typename Tiles::Elem* x,
+inline void last_rows(const typename Tiles::Elem* w, int64_t stride, int64_t k, const typename Tiles::XElem* x,
                       int64_t left, const Output& y, int64_t row, int64_t col) {
   if constexpr (M > 0) {
     if (left == M) return Tiles::template tile<M, NB>(w, stride, k, x, y, row, col);
@@ -124,7 +135,7 @@ inline void last_rows(const typename Tiles::Elem* w, int64_t stride, int64_t k, 
 }
 
 template <typename Tiles, int NB>
-void rows_of(const typename Tiles::Elem* w, int64_t stride, int64_t k, const typename Tiles::Elem* x, int64_t rows,
+void rows_of(const typename Tiles::Elem* w, int64_t stride, int64_t k, const typename Tiles::XElem* x, int64_t rows,
              const Output& y, int64_t col) {
   constexpr int MR = Tiles::template rows_per_tile<NB>();
   int64_t r = 0;
@@ -133,7 +144,7 @@ void rows_of(const typename Tiles::Elem* w, int64_t stride, int64_t k, const typ
 }
 
 template <typename Tiles>
-void gemm(const typename Tiles::Elem* w, int64_t nblocks, int64_t k, const typename Tiles::Elem* x, int64_t rows,
+void gemm(const typename Tiles::Elem* w, int64_t nblocks, int64_t k, const typename Tiles::XElem* x, int64_t rows,
           const Output& y) {
   const auto run = [&](auto nb) {
     constexpr int NB = decltype(nb)::value;
@@ -155,17 +166,21 @@ void gemm(const typename Tiles::Elem* w, int64_t nblocks, int64_t k, const typen
 }
 #endif
 
-// The element type's block width and k step (bf16 or fp32), whether or not its kernel is built.
+// The element type's block width and k step (bf16 or fp32) for the kernel built here: bf16
+// packs in pairs of k only for AVX512-BF16 products.
 std::pair<int64_t, int64_t> layout_of(torch::ScalarType dtype) {
   TORCH_CHECK(dtype == torch::kBFloat16 || dtype == torch::kFloat32, "dense_linear: bfloat16 or float32 weights");
-  return dtype == torch::kBFloat16 ? std::pair<int64_t, int64_t>{16, 2} : std::pair<int64_t, int64_t>{8, 1};
+  const bool pairs = dtype == torch::kBFloat16 && !PDSERVE_DENSE_BF16_WIDENED;
+  return pairs ? std::pair<int64_t, int64_t>{16, 2} : std::pair<int64_t, int64_t>{8, 1};
 }
 
 }  // namespace
 
+bool dense_bf16_widened() { return PDSERVE_DENSE_BF16_WIDENED; }
+
 std::vector<std::string> dense_dtypes() {
   std::vector<std::string> dtypes;
-  if (PDSERVE_DENSE_BF16) dtypes.emplace_back("bfloat16");
+  if (PDSERVE_DENSE_BF16 || PDSERVE_DENSE_BF16_WIDENED) dtypes.emplace_back("bfloat16");
   if (PDSERVE_DENSE_F32) dtypes.emplace_back("float32");
   return dtypes;
 }
@@ -193,7 +208,8 @@ torch::Tensor unpack_dense(torch::Tensor packed) {
 torch::Tensor dense_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, int64_t n, bool float_out) {
   const auto dtype = packed.scalar_type();
   const auto [cols, step] = layout_of(dtype);
-  TORCH_CHECK(dtype == torch::kBFloat16 ? PDSERVE_DENSE_BF16 : PDSERVE_DENSE_F32, "dense_linear: no ",
+  TORCH_CHECK(dtype == torch::kBFloat16 ? PDSERVE_DENSE_BF16 || PDSERVE_DENSE_BF16_WIDENED : PDSERVE_DENSE_F32,
+              "dense_linear: no ",
               c10::toString(dtype), " kernel on this CPU");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == dtype, "dense_linear: x must be a 2-D ", c10::toString(dtype));
   const int64_t rows = x.size(0), k = x.size(1);
@@ -213,6 +229,13 @@ torch::Tensor dense_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor 
 #endif
 #if PDSERVE_DENSE_F32
   if (dtype == torch::kFloat32) gemm<F32Tiles>(packed.data_ptr<float>(), n / cols, k, xc.data_ptr<float>(), rows, out);
+#endif
+#if PDSERVE_DENSE_BF16_WIDENED
+  if (dtype == torch::kBFloat16) {
+    const auto xf = xc.to(torch::kFloat32);  // widened once: rows x K, against the N x K weight
+    gemm<Bf16WidenedTiles>(reinterpret_cast<const uint16_t*>(packed.data_ptr()), n / cols, k, xf.data_ptr<float>(),
+                           rows, out);
+  }
 #endif
   (void)out;
   return y;

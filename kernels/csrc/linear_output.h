@@ -1,4 +1,4 @@
-// Where a CPU linear kernel's results go (shared by the quantized and the packed-bf16 kernels).
+// Where a CPU linear kernel's results go (shared by the quantized and the packed dense kernels).
 #pragma once
 #include <c10/util/BFloat16.h>
 
@@ -21,6 +21,18 @@ struct Output {
     else static_cast<float*>(data)[r * ld + col] = v;
   }
 };
+
+#if defined(__AVX2__) && defined(__FMA__)
+// Stores 8 consecutive columns of row r (bias added).
+inline void store8(const Output& y, int64_t r, int64_t col, __m256 v) {
+  if (y.bias != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(y.bias + col));
+  if (y.bf16) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<c10::BFloat16*>(y.data) + r * y.ld + col), to_bf16x8(v));
+  } else {
+    _mm256_storeu_ps(static_cast<float*>(y.data) + r * y.ld + col, v);
+  }
+}
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 // Stores 16 consecutive columns of row r (bias added).

@@ -23,8 +23,10 @@ void rope_write_kv(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos
                    int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, torch::Tensor kv_layer,
                    torch::Tensor slot_mapping, int64_t kv_format);
 
-// dense_linear's element types compiled in here ("bfloat16": AVX512-BF16, "float32": AVX2).
+// dense_linear's element types compiled in here ("bfloat16": AVX512-BF16, or AVX2 widening
+// bf16 weights to fp32; "float32": AVX2).
 std::vector<std::string> dense_dtypes();
+bool dense_bf16_widened();
 torch::Tensor pack_dense(torch::Tensor w);
 torch::Tensor unpack_dense(torch::Tensor packed);
 torch::Tensor dense_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, int64_t n, bool float_out);

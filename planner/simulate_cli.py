@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
         if action.dest == "modes":
             action.default = DEFAULT_MODES
             action.help = f"comma-separated stack modes: colocated, NpMd (e.g. 1p1d, 2p1d) (default: {DEFAULT_MODES})"
-        elif action.dest in ("addr", "connect_timeout_s", "hf_batch_size"):
+        elif action.dest in ("addr", "connect_timeout_s", "hf_batch_size", "hf_dtype"):
             action.help = argparse.SUPPRESS
     return parser
 

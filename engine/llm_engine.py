@@ -91,7 +91,7 @@ class LLMEngine:
                 ) from None
             self.kv_shards = KVShards(self.kv_cache.layers, self.kv_layout)  # the cache as the KV handoff sees it
             backend_name = backend.name
-            if config.dtype == "auto" and self.dtype == torch.float32 and packable(backend.cpu_kernels, torch.bfloat16):
+            if self._bf16_would_halve_weights(backend):
                 log.info("--dtype bfloat16 streams half the weight bytes of auto's float32 on this CPU (faster decode)")
         num_blocks = self.kv_cache.num_blocks
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -139,6 +139,17 @@ class LLMEngine:
                 num_blocks * config.block_size,
                 self.max_model_len,
             )
+
+    def _bf16_would_halve_weights(self, backend) -> bool:
+        """Whether ``auto`` resolved to fp32 weights that the packed bf16 kernel could stream at half
+        the bytes (a quantized model's weights are its codes either way)."""
+        config = self.config
+        return (
+            config.dtype == "auto"
+            and config.quantization == "none"
+            and self.dtype == torch.float32
+            and packable(backend.cpu_kernels, torch.bfloat16)
+        )
 
     def _kv_cache_bytes(self) -> int:
         """The KV cache's size: every rank's where the worker maps them all (CPU tensor or pipeline

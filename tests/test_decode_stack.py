@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -144,3 +145,17 @@ def test_an_fp32_model_holds_each_weight_once_and_none_in_the_files_mapping(mode
     assert len(linears) == 4 * engine.model_config.num_layers + 1
     assert all(m.weight is None for m in linears if m is not engine.model.lm_head)
     assert engine.model.lm_head.weight.data_ptr() == engine.model.model.embed_tokens.weight.data_ptr()
+
+
+def test_the_bf16_hint_is_for_unquantized_fp32_weights_the_bf16_kernel_could_halve():
+    kernels = load()
+    backend = SimpleNamespace(cpu_kernels=kernels)
+
+    def hint(dtype_flag, quantization, resolved):
+        engine = SimpleNamespace(config=SimpleNamespace(dtype=dtype_flag, quantization=quantization), dtype=resolved)
+        return LLMEngine._bf16_would_halve_weights(engine, backend)
+
+    assert hint("auto", "none", torch.float32) == packable(kernels, torch.bfloat16)
+    assert not hint("auto", "int4", torch.float32)  # its weights are 4-bit codes either way
+    assert not hint("float32", "none", torch.float32)  # asked for by name
+    assert not hint("auto", "none", torch.bfloat16)
